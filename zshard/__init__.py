@@ -1,0 +1,24 @@
+"""zshard: ZeRO-3 / FSDP memory sharding for JAX with explicit device meshes.
+
+    mesh  = zshard.make_mesh(replica=2, shard=4)
+    state = zshard.init(model, optax.adamw(3e-4), mesh, strategy="HYBRID_SHARD")
+    step  = zshard.make_train_step(loss_fn)
+    state, metrics = step(state, batch)
+    model = zshard.unshard(state)
+"""
+
+from zshard.mesh import make_mesh
+from zshard.state import Plan, ShardedState, init, unshard
+from zshard.step import TrainStep, make_train_step
+from zshard.strategy import Strategy
+
+__all__ = [
+    "Plan",
+    "ShardedState",
+    "Strategy",
+    "TrainStep",
+    "init",
+    "make_mesh",
+    "make_train_step",
+    "unshard",
+]

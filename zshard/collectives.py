@@ -1,0 +1,165 @@
+"""All-gather and reduce-scatter of one unit inside ``shard_map``, with hand-written VJPs.
+
+Two primitives, both on FlatParameter shards (see ``zshard.flat``):
+
+- :func:`gather` -- forward: all-gather; backward: reduce-scatter over the shard axes, then
+  all-reduce of the *scattered shard* over the replica axes (HYBRID_SHARD). Used for the
+  root unit, whose parameters stay gathered for the whole step.
+- :func:`run_unit` -- one unit call: forward gathers, runs the unit and keeps only the
+  shards and the unit's inputs as residuals; backward gathers again, recomputes the unit,
+  and reduce-scatters the parameter gradient. The gathered weights are never saved for
+  backward (ZeRO-3 / FSDP ``reshard_after_forward=True``).
+
+Why custom VJPs (DESIGN.md section 7): left to autodiff, a parameter gathered over
+``shard`` only but used with batch data that varies over ``replica`` is implicitly
+broadcast, and the transpose of that broadcast is an all-reduce of the *full* gradient over
+``replica``. Here the cross-replica sum happens once, on the shard. And on CPU XLA
+merges a rematerialised re-gather with the forward one unless the backward gather depends
+on the incoming cotangent; the optimization barriers below make the schedule a data
+dependency: the forward gather waits for the unit's input, the backward one for its
+output cotangent.
+
+The gradients that come out are sums over devices; the caller scales the loss by
+``1 / world`` so that the sum is the gradient of the global mean loss.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from zshard.flat import FlatParameter
+
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "gather", "run_unit"]
+
+
+def _vary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """Mark ``x`` as varying over ``axes`` (no data movement) where it is not already."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _after(bufs, tree):
+    """``bufs`` unchanged, but data-dependent on ``tree`` so XLA cannot schedule or merge early.
+
+    Adds ``0 * t`` for one finite scalar ``t`` read from ``tree``: exact (``x + 0 == x``), and
+    no NaN or inf in ``tree`` can leak into ``bufs``. The XLA CPU compiler drops
+    ``optimization_barrier``, so the dependency must be real data flow.
+    """
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+    if not leaves:
+        return bufs
+    t = leaves[0].reshape(-1)[0]
+    t = jnp.where(jnp.isfinite(t), t, 0) * 0
+    return tuple(b + t.astype(b.dtype) for b in bufs)
+
+
+def all_gather_flat(shard: jax.Array, shard_axes: tuple[str, ...]) -> jax.Array:
+    """One device's FlatParameter shard -> the whole FlatParameter on every device of the group."""
+    # [L/N] --all_gather(shard_axes)--> [N, L/N]
+    return jax.lax.all_gather(shard, shard_axes, axis=0, tiled=False)
+
+
+def reduce_scatter_flat(full: jax.Array, shard_axes: tuple[str, ...], replica_axes: tuple[str, ...]) -> jax.Array:
+    """A device's full-size FlatParameter gradient -> the summed gradient of its own shard."""
+    full = _vary(full, shard_axes + replica_axes)
+    # [N, L/N] --reduce_scatter(shard_axes)--> [L/N]
+    shard = jax.lax.psum_scatter(full, shard_axes, scatter_dimension=0, tiled=False)
+    if replica_axes:
+        # [L/N] --all_reduce(replica_axes)--> [L/N]   (only the shard crosses replicas)
+        shard = jax.lax.psum(shard, replica_axes)
+    return shard
+
+
+def _gather_all(flats, bufs, shard_axes, replica_axes):
+    # The gathered parameters meet batch data that varies over every mesh axis. Marking the
+    # shard varying over replica *before* the gather keeps autodiff from inserting a
+    # broadcast whose transpose would all-reduce the full gradient across replicas
+    # (DESIGN.md section 7, "the replica trap"); the backward sums only the shard instead.
+    bufs = [_vary(b, shard_axes + replica_axes) for b in bufs]
+    return [p for f, b in zip(flats, bufs) for p in f.unflatten(all_gather_flat(b, shard_axes))]
+
+
+def _scatter_all(flats, grads, shard_axes, replica_axes):
+    out, i = [], 0
+    for f in flats:
+        n = len(f.slots)
+        out.append(reduce_scatter_flat(f.flatten(grads[i : i + n]), shard_axes, replica_axes))
+        i += n
+    return tuple(out)
+
+
+def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], shard_axes, replica_axes) -> list[jax.Array]:
+    """All-gather a unit's FlatParameter shards; backward reduce-scatters (+ replica all-reduce).
+
+    Args:
+      flats: the unit's layouts, one per dtype.
+      bufs: this device's shards, ``[L_k / N]`` each, ``PartitionSpec(shard_axes)`` outside.
+      shard_axes / replica_axes: mesh axes of the strategy.
+
+    Returns:
+      The unit's parameters in logical shapes, in slot order (all flats concatenated).
+    """
+    flats, shard_axes, replica_axes = tuple(flats), tuple(shard_axes), tuple(replica_axes)
+
+    @jax.custom_vjp
+    def _gather(bufs):
+        return _gather_all(flats, bufs, shard_axes, replica_axes)
+
+    def fwd(bufs):
+        return _gather_all(flats, bufs, shard_axes, replica_axes), None
+
+    def bwd(_, grads):
+        return (_scatter_all(flats, grads, shard_axes, replica_axes),)
+
+    _gather.defvjp(fwd, bwd)
+    return _gather(tuple(bufs))
+
+
+def run_unit(
+    apply: Callable,
+    flats: Sequence[FlatParameter],
+    bufs: Sequence[jax.Array],
+    inputs,
+    shard_axes,
+    replica_axes,
+):
+    """Run ``apply(params, inputs)`` with the unit's parameters gathered just in time.
+
+    Args:
+      apply: ``(list of parameters in logical shapes, inputs) -> outputs``; closes over no
+        tracer (only static structure).
+      flats / bufs: the unit's layouts and this device's FlatParameter shards ``[L_k/N]``.
+      inputs: pytree of arrays, the unit's dynamic inputs.
+      shard_axes / replica_axes: mesh axes of the strategy.
+
+    Returns:
+      ``apply``'s outputs. Residuals for backward are ``bufs`` and ``inputs`` only; backward
+      all-gathers again, recomputes ``apply`` and reduce-scatters the parameter gradient.
+    """
+    flats, shard_axes, replica_axes = tuple(flats), tuple(shard_axes), tuple(replica_axes)
+
+    @jax.custom_vjp
+    def _unit(bufs, inputs):
+        return apply(_gather_all(flats, bufs, shard_axes, replica_axes), inputs)
+
+    def fwd(bufs, inputs):
+        # The gather may not start before the unit's input exists (prefetch is a later,
+        # deliberate choice), so the gathered copy is alive only around this unit.
+        bufs = _after(bufs, inputs)
+        out = apply(_gather_all(flats, bufs, shard_axes, replica_axes), inputs)
+        return out, (bufs, inputs)
+
+    def bwd(res, g):
+        bufs, inputs = res
+        # The re-gather depends on the cotangent: it cannot be merged with the forward one.
+        bufs = _after(bufs, g)
+        params = _gather_all(flats, bufs, shard_axes, replica_axes)
+        _, vjp = jax.vjp(apply, params, inputs)
+        d_params, d_inputs = vjp(g)
+        return _scatter_all(flats, d_params, shard_axes, replica_axes), d_inputs
+
+    _unit.defvjp(fwd, bwd)
+    return _unit(tuple(bufs), inputs)

@@ -1,0 +1,123 @@
+"""The FlatParameter: one unit's parameters of one dtype as one flat, padded, sharded buffer.
+
+Layout (DESIGN.md section 4; the FlatParameter of PyTorch FSDP, arXiv 2304.11277 section 3.2).
+With ``N`` devices in a shard group, every parameter of ``n`` elements is flattened and
+zero-padded to ``n_pad = ceil(n / N) * N`` elements, viewed as ``[N, n_pad / N]``; row ``r``
+goes to device ``r``. Device ``r``'s FlatParameter shard is the concatenation of row ``r``
+of every parameter of the unit::
+
+    param p (shape s, n elements) -> [n] -> pad -> [n_pad] -> [N, n_pad/N]
+    device r's shard:  concat_p( p_rows[r] )            # [L/N],  L = sum_p n_pad
+    all_gather over the shard axes (untiled):            # [N, L/N]
+    param p  = full[:, off_p : off_p + n_pad/N]          # [N, n_pad/N] -> [n_pad] -> [:n] -> s
+
+At rest each parameter's shard is kept as its own array, globally ``[n_pad]`` with
+``PartitionSpec(shard_axes)`` (local ``[n_pad / N]``), so the optimizer sees per-parameter
+shards; the step concatenates them into the FlatParameter just before the collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["FlatParameter", "ParamSlot", "padded_size", "pad_flat"]
+
+
+def padded_size(size: int, num_shards: int) -> int:
+    """``size`` rounded up to a multiple of ``num_shards`` (elements)."""
+    return max(1, math.ceil(size / num_shards)) * num_shards if size else 0
+
+
+def pad_flat(value, num_shards: int):
+    """A parameter of any shape -> its padded 1-D form ``[n_pad]`` (numpy or jax input)."""
+    xp = np if isinstance(value, np.ndarray) else jnp
+    flat = xp.reshape(value, (-1,))
+    pad = padded_size(flat.shape[0], num_shards) - flat.shape[0]
+    return xp.pad(flat, (0, pad)) if pad else flat
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives in its unit's FlatParameter.
+
+    Attributes:
+      path: the parameter's path in the model state, e.g. ``("blocks", 0, "mlp", "kernel")``.
+      shape: logical shape.
+      dtype: dtype (numpy).
+      size: ``prod(shape)`` elements.
+      padded: ``size`` rounded up to a multiple of the shard count (elements).
+      offset: column of this parameter's row inside one device's FlatParameter shard.
+    """
+
+    path: tuple
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    size: int
+    padded: int
+    offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatParameter:
+    """Layout of one unit's parameters of one dtype over ``num_shards`` devices.
+
+    Attributes:
+      unit: name of the unit (``"blocks.0"``, ``"root"``).
+      dtype: the dtype shared by every slot.
+      num_shards: ``N``, devices in one shard group.
+      slots: the parameters, in buffer order.
+    """
+
+    unit: str
+    dtype: np.dtype
+    num_shards: int
+    slots: tuple[ParamSlot, ...]
+
+    @classmethod
+    def build(cls, unit: str, params: Sequence[tuple[tuple, tuple[int, ...], np.dtype]], num_shards: int):
+        """Lay out ``(path, shape, dtype)`` triples (all of one dtype) in the given order."""
+        slots, offset = [], 0
+        for path, shape, dtype in params:
+            size = int(np.prod(shape, dtype=np.int64))
+            padded = padded_size(size, num_shards)
+            slots.append(ParamSlot(path, tuple(shape), np.dtype(dtype), size, padded, offset))
+            offset += padded // num_shards
+        return cls(unit, np.dtype(params[0][2]), num_shards, tuple(slots))
+
+    @property
+    def shard_size(self) -> int:
+        """Elements of one device's shard, ``L / N``."""
+        return sum(s.padded for s in self.slots) // self.num_shards
+
+    @property
+    def size(self) -> int:
+        """Logical elements (no padding)."""
+        return sum(s.size for s in self.slots)
+
+    @property
+    def padded_size(self) -> int:
+        """Elements of the whole padded FlatParameter, ``L``."""
+        return self.shard_size * self.num_shards
+
+    def concat_shards(self, shards: Sequence[jax.Array]) -> jax.Array:
+        """Per-parameter local shards ``[n_pad/N]`` -> this device's FlatParameter shard ``[L/N]``."""
+        return shards[0] if len(shards) == 1 else jnp.concatenate(shards)
+
+    def unflatten(self, full: jax.Array) -> list[jax.Array]:
+        """Gathered FlatParameter ``[N, L/N]`` -> the parameters in their logical shapes."""
+        out = []
+        for s in self.slots:
+            rows = full[:, s.offset : s.offset + s.padded // self.num_shards]  # [N, n_pad/N]
+            out.append(rows.reshape(-1)[: s.size].reshape(s.shape))  # [n_pad] -> [n] -> shape
+        return out
+
+    def flatten(self, values: Sequence[jax.Array]) -> jax.Array:
+        """Full-size values (e.g. gradients) in logical shapes -> ``[N, L/N]`` (zero padding)."""
+        rows = [pad_flat(v.astype(self.dtype), self.num_shards).reshape(self.num_shards, -1) for v in values]
+        return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)  # [N, L/N]

@@ -1,0 +1,272 @@
+"""The sharding plan and the sharded train state: ``init`` and ``unshard``.
+
+``init`` turns an ordinary NNX model and an Optax transformation into a
+:class:`ShardedState`: each parameter padded, flattened and split over the shard axes of
+the strategy, grouped into units (FlatParameters), and the Optax state initialised on the
+local shards with the same PartitionSpecs. ``unshard`` goes back to a plain ``nnx.Module``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, traverse_util
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zshard.flat import FlatParameter, pad_flat, padded_size
+from zshard.mesh import AXES
+from zshard.strategy import Strategy
+from zshard.units import find_units, path_str
+
+__all__ = ["Plan", "Unit", "ShardedState", "init", "unshard"]
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+
+
+def _fill(template: tuple, values: dict) -> nnx.State:
+    """A state from ``template`` (``(path, Variable)`` pairs) with values where ``values`` has them."""
+    return nnx.from_flat_state([(p, v.replace(values[p]) if p in values else v) for p, v in template])
+
+
+@dataclasses.dataclass(eq=False, frozen=True)
+class Unit:
+    """One group of parameters gathered together.
+
+    Attributes:
+      name: dotted module path (``"blocks.3"``), or ``"root"`` for everything outside units.
+      path: module path in the model, ``()`` for the root.
+      flats: one FlatParameter per dtype.
+      graphdef: the unit module's own graph (``None`` for the root).
+      template: ``(relative path, abstract Variable)`` pairs of the unit module's state.
+    """
+
+    name: str
+    path: tuple
+    flats: tuple[FlatParameter, ...]
+    graphdef: Any = None
+    template: tuple = ()
+
+    @property
+    def slots(self):
+        return [s for f in self.flats for s in f.slots]
+
+
+@dataclasses.dataclass(eq=False, frozen=True)
+class Plan:
+    """Everything static about a sharded model: mesh, strategy, units, layouts, optimizer.
+
+    Hashed by identity: it is the static part of :class:`ShardedState`, so one ``jit``
+    cache entry per plan.
+
+    Attributes:
+      mesh: the ``(replica, shard)`` mesh.
+      strategy: the :class:`~zshard.Strategy`.
+      tx: the Optax transformation, applied to local shards.
+      graphdef: the model's graph.
+      template: ``(path, abstract Variable)`` pairs of the whole model state.
+      units: the root unit first, then the block units in call order.
+      param_specs: nested dict like ``params``: ``PartitionSpec(shard_axes)`` per parameter.
+      opt_specs: PartitionSpecs of the Optax state (parameter-like leaves as the parameter,
+        scalars such as step counts ``P()``).
+    """
+
+    mesh: Mesh
+    strategy: Strategy
+    tx: optax.GradientTransformation
+    graphdef: Any
+    template: tuple
+    units: tuple[Unit, ...]
+    param_specs: dict
+    opt_specs: Any = None
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        return self.strategy.shard_axes
+
+    @property
+    def replica_axes(self) -> tuple[str, ...]:
+        return self.strategy.replica_axes
+
+    @property
+    def num_shards(self) -> int:
+        """``N``: devices one parameter is split over."""
+        return int(np.prod([self.mesh.shape[a] for a in self.shard_axes]))
+
+    @property
+    def world(self) -> int:
+        """Devices in the mesh; the global batch is split over all of them."""
+        return int(self.mesh.size)
+
+    def param_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P(self.shard_axes))
+
+    def num_params(self) -> int:
+        """Logical parameter count, no padding."""
+        return sum(f.size for u in self.units for f in u.flats)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ShardedState:
+    """The train state, every array sharded over the mesh.
+
+    Attributes:
+      params: nested dict mirroring the model state (``params["blocks"][0]["attn"]["kernel"]``);
+        each leaf is the padded flat parameter, global shape ``[n_pad]``, dtype of the
+        parameter, sharding ``PartitionSpec(shard_axes)`` (local ``[n_pad / N]``).
+      opt_state: the Optax state of the local shards, partitioned like ``params``;
+        scalar leaves (counts) replicated, ``PartitionSpec()``.
+      step: int32 scalar, optimizer steps taken, replicated.
+      plan: the static :class:`Plan`.
+    """
+
+    params: dict
+    opt_state: Any
+    step: jax.Array
+    plan: Plan = dataclasses.field(metadata=dict(static=True))
+
+    def specs(self) -> "ShardedState":
+        """The PartitionSpec tree of this state (for ``shard_map`` in/out specs)."""
+        return ShardedState(self.plan.param_specs, self.plan.opt_specs, P(), self.plan)
+
+
+def _check_mesh(mesh):
+    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
+        names = getattr(mesh, "axis_names", None)
+        raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {AXES} (use zshard.make_mesh); got axes {names}")
+
+
+def _plan_units(abstract_model, flat_state, strategy, num_shards, unit) -> tuple[Unit, ...]:
+    unit_paths = find_units(abstract_model, unit)
+    members: dict[tuple, list] = defaultdict(list)
+    for path, var in flat_state:
+        owner = max((u for u in unit_paths if path[: len(u)] == u), key=len, default=())
+        members[owner].append((path, var))
+    units = []
+    for upath in [()] + unit_paths:
+        params = members.get(upath, [])
+        if not params:
+            continue
+        by_dtype: dict = defaultdict(list)
+        for path, var in params:
+            by_dtype[np.dtype(var.get_value().dtype)].append((path, var.get_value().shape, var.get_value().dtype))
+        name = path_str(upath)
+        flats = tuple(FlatParameter.build(name, group, num_shards) for group in by_dtype.values())
+        graphdef, template = None, ()
+        if upath:
+            sub = abstract_model
+            for key in upath:
+                sub = sub[key] if isinstance(key, int) else getattr(sub, key)
+            graphdef, sub_state = nnx.split(sub)
+            template = tuple(nnx.to_flat_state(jax.tree.map(_abstract, sub_state)))
+        units.append(Unit(name, upath, flats, graphdef, template))
+    return tuple(units)
+
+
+def init(
+    model: nnx.Module | Callable[[], nnx.Module],
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    strategy: Strategy | str = "FULL_SHARD",
+    unit: Any = None,
+) -> ShardedState:
+    """Shard a model and initialise the optimizer on the shards.
+
+    Args:
+      model: an ``nnx.Module`` (copied to the shards from host memory), or a zero-argument
+        callable that builds one (run under ``jit`` with output shardings: the whole model
+        never exists on one device).
+      tx: an Optax transformation; it runs on the local shards (elementwise transforms).
+      mesh: from :func:`zshard.make_mesh`, axes ``("replica", "shard")``.
+      strategy: ``"FULL_SHARD"`` (shard over all devices) or ``"HYBRID_SHARD"`` (shard
+        over ``shard``, replicate over ``replica``).
+      unit: what is gathered together: ``None`` (each element of an ``nnx.List`` of
+        repeated blocks), or a module class / tuple of classes. Everything outside the
+        units is the root unit.
+
+    Returns:
+      :class:`ShardedState`; every parameter ``[n_pad]`` with ``PartitionSpec(shard_axes)``.
+
+    Raises:
+      ValueError: bad mesh, unknown strategy, a ``unit`` class not in the model, or a
+        model variable that is not an ``nnx.Param`` (named by path).
+      TypeError: ``model`` is neither a module nor a callable.
+    """
+    _check_mesh(mesh)
+    strategy = Strategy.parse(strategy)
+    if isinstance(model, nnx.Module):
+        abstract_model, concrete = model, True
+    elif callable(model):
+        abstract_model, concrete = nnx.eval_shape(model), False
+    else:
+        raise TypeError(f"zshard.init: model must be an nnx.Module or a callable building one, got {type(model).__name__}")
+
+    graphdef, state = nnx.split(abstract_model)
+    flat_state = list(nnx.to_flat_state(state))
+    for path, var in flat_state:
+        if not isinstance(var, nnx.Param):
+            raise ValueError(
+                f"zshard.init: variable {path_str(path)!r} is a {type(var).__name__}, not an nnx.Param; "
+                f"this version shards parameters only. Keep Rngs, batch statistics and other state "
+                f"out of the model (pass rngs to __init__ only)."
+            )
+    template = tuple((p, v.replace(_abstract(v.get_value()))) for p, v in flat_state)
+    num_shards = int(np.prod([mesh.shape[a] for a in strategy.shard_axes]))
+    units = _plan_units(abstract_model, template, strategy, num_shards, unit)
+
+    spec = P(strategy.shard_axes)
+    sharding = NamedSharding(mesh, spec)
+    paths = [p for p, _ in template]
+    param_specs = traverse_util.unflatten_dict({p: spec for p in paths})
+    if concrete:
+        values = [jax.device_put(pad_flat(np.asarray(v.get_value()), num_shards), sharding) for _, v in flat_state]
+    else:
+
+        def build():
+            _, st = nnx.split(model())
+            return [pad_flat(v.get_value(), num_shards) for _, v in nnx.to_flat_state(st)]
+
+        values = jax.jit(build, out_shardings=[sharding] * len(paths))()
+    params = traverse_util.unflatten_dict(dict(zip(paths, values)))
+
+    local = traverse_util.unflatten_dict(
+        {p: jax.ShapeDtypeStruct((padded_size(int(np.prod(v.shape)), num_shards) // num_shards,), v.get_value().dtype) for p, v in template}
+    )
+    opt_specs = optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        jax.eval_shape(tx.init, local),
+        param_specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    plan = Plan(mesh, strategy, tx, graphdef, template, units, param_specs, opt_specs)
+    opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs))(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+    return ShardedState(params, opt_state, step, plan)
+
+
+def unshard(state: ShardedState) -> nnx.Module:
+    """The full model as a plain ``nnx.Module`` (parameters on the default device).
+
+    Every parameter gets back its logical shape and dtype; padding is dropped. Host memory
+    holds one parameter at a time.
+    """
+    plan = state.plan
+    flat = traverse_util.flatten_dict(state.params)
+    values = {}
+    for path, var in plan.template:
+        shape = var.get_value().shape
+        host = np.asarray(jax.device_get(flat[path]))  # [n_pad]
+        values[path] = jnp.asarray(host[: int(np.prod(shape))].reshape(shape))
+    return nnx.merge(plan.graphdef, _fill(plan.template, values))

@@ -1,0 +1,182 @@
+"""The sharded train step: one ``jax.jit(jax.shard_map(...))`` over the whole mesh.
+
+Per device (DESIGN.md section 5):
+
+1. take its slice of the batch (leading dimension split over ``("replica", "shard")``);
+2. all-gather the root unit (embeddings, head, ...), rebuild the model with it; every block
+   unit is intercepted so that its ``__call__`` all-gathers the block's FlatParameter just
+   before it runs and drops it afterwards (:func:`zshard.collectives.run_unit`);
+3. backward: each unit gathers again, recomputes, and reduce-scatters its gradient
+   (+ all-reduce of the shard over ``replica`` for HYBRID_SHARD); the loss is scaled by
+   ``1 / world`` so the summed gradient is that of the global mean loss;
+4. Optax updates the local shards; the loss and the gradient norm are ``psum``-ed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, traverse_util
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zshard.collectives import gather, run_unit
+from zshard.mesh import AXES
+from zshard.state import Plan, ShardedState, Unit, _fill
+
+__all__ = ["TrainStep", "make_train_step"]
+
+_INTERCEPTORS: dict[type, type] = {}
+
+
+def _intercepting_class(cls: type) -> type:
+    """A subclass of ``cls`` whose ``__call__`` runs the zshard unit call stored on the instance."""
+    if cls not in _INTERCEPTORS:
+
+        def __call__(self, *args, **kwargs):
+            return vars(self)["_zshard_unit_call"](*args, **kwargs)
+
+        _INTERCEPTORS[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return _INTERCEPTORS[cls]
+
+
+def _unit_bufs(unit: Unit, shards: dict) -> list[jax.Array]:
+    # per-parameter local shards [n_pad/N] -> this device's FlatParameter shard [L/N], per dtype
+    return [f.concat_shards([shards[s.path] for s in f.slots]) for f in unit.flats]
+
+
+def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable) -> Callable:
+    """``module(*args, **kwargs)`` for a block unit, with its parameters gathered just in time."""
+    rel = [s.path[len(unit.path) :] for s in unit.slots]
+
+    def unit_call(*args, **kwargs):
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+        static = [None if i in dynamic else x for i, x in enumerate(leaves)]
+
+        def apply(params, inputs):
+            full = list(static)
+            for i, x in zip(dynamic, inputs):
+                full[i] = x
+            a, kw = jax.tree.unflatten(treedef, full)
+            module = nnx.merge(unit.graphdef, _fill(unit.template, dict(zip(rel, params))))
+            return call(module, *a, **kw)
+
+        inputs = [leaves[i] for i in dynamic]
+        return run_unit(apply, unit.flats, bufs, inputs, plan.shard_axes, plan.replica_axes)
+
+    return unit_call
+
+
+def materialize(plan: Plan, shards: dict) -> nnx.Module:
+    """Inside ``shard_map``: the model with the root unit gathered and every block unit intercepted.
+
+    Args:
+      plan: the sharding plan.
+      shards: flat dict ``path -> local shard [n_pad / N]``.
+
+    Returns:
+      An ``nnx.Module`` to hand to the user's loss. Block-unit parameters are placeholders
+      outside the block's own ``__call__``.
+    """
+    root, blocks = (plan.units[0], plan.units[1:]) if plan.units[0].path == () else (None, plan.units)
+    values = {}
+    if root is not None:
+        gathered = gather(root.flats, _unit_bufs(root, shards), plan.shard_axes, plan.replica_axes)
+        values = {s.path: v for s, v in zip(root.slots, gathered)}
+    model = nnx.merge(plan.graphdef, _fill(plan.template, values))
+    for unit in blocks:
+        sub = model
+        for key in unit.path:
+            sub = sub[key] if isinstance(key, int) else getattr(sub, key)
+        cls = type(sub)
+        object.__setattr__(sub, "_zshard_unit_call", _unit_call(plan, unit, _unit_bufs(unit, shards), cls.__call__))
+        object.__setattr__(sub, "__class__", _intercepting_class(cls))
+    return model
+
+
+def _local_step(plan: Plan, loss_fn: Callable, state: ShardedState, batch):
+    world = plan.world
+
+    def scaled_loss(params):
+        model = materialize(plan, traverse_util.flatten_dict(params))
+        loss = loss_fn(model, batch)
+        # Each device's gradient is of (local mean / world); the reduce-scatters sum them
+        # into the gradient of the global mean loss.
+        return loss / world, loss
+
+    (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(state.params)
+    loss = jax.lax.psum(loss, AXES) / world
+    # Padding holds zero gradient; shards are disjoint over the shard axes (and identical
+    # over replica), so the psum over the shard axes is the global norm.
+    sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+    grad_norm = jnp.sqrt(jax.lax.psum(sq, plan.shard_axes))
+    updates, opt_state = plan.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new_state = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
+    return new_state, {"loss": loss, "grad_norm": grad_norm}
+
+
+class TrainStep:
+    """``step(state, batch) -> (state, metrics)``: one optimizer step on the sharded state.
+
+    ``batch`` is any pytree of numpy or jax arrays whose leading dimension is the global
+    batch; it is split over all ``R*S`` devices (``PartitionSpec(("replica", "shard"))``).
+    ``metrics["loss"]`` is the global mean loss (float32 scalar), ``metrics["grad_norm"]`` the
+    global L2 norm of the gradient before the update. The input state is donated.
+
+    Raises:
+      ValueError: a batch leaf is a scalar or its leading dimension does not divide by the
+        device count (before any compile).
+    """
+
+    def __init__(self, loss_fn: Callable[[nnx.Module, Any], jax.Array]):
+        self.loss_fn = loss_fn
+        self._jitted = jax.jit(self._step, donate_argnums=0)
+
+    def _step(self, state: ShardedState, batch):
+        fn = jax.shard_map(
+            lambda s, b: _local_step(state.plan, self.loss_fn, s, b),
+            mesh=state.plan.mesh,
+            in_specs=(state.specs(), P(AXES)),
+            out_specs=(state.specs(), P()),
+        )
+        return fn(state, batch)
+
+    def put_batch(self, state: ShardedState, batch):
+        """Validate ``batch`` and place it with its leading dimension split over all devices."""
+        world = state.plan.world
+        sharding = NamedSharding(state.plan.mesh, P(AXES))
+        leaves = jax.tree_util.tree_leaves_with_path(batch)
+        if not leaves:
+            raise ValueError("batch is empty: give a pytree of arrays with a leading batch dimension")
+        for path, x in leaves:
+            shape = np.shape(x)
+            if not shape or shape[0] % world:
+                raise ValueError(
+                    f"batch{jax.tree_util.keystr(path)} has shape {shape}: its leading (batch) dimension "
+                    f"must divide by the {world} devices of the mesh {dict(state.plan.mesh.shape)}; "
+                    f"use a global batch that is a multiple of {world}"
+                )
+        return jax.device_put(batch, sharding)
+
+    def __call__(self, state: ShardedState, batch):
+        return self._jitted(state, self.put_batch(state, batch))
+
+    def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
+        """The lowered step (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
+        return self._jitted.lower(state, self.put_batch(state, batch))
+
+
+def make_train_step(loss_fn: Callable[[nnx.Module, Any], jax.Array]) -> TrainStep:
+    """Build the sharded step for ``loss_fn(model, batch) -> scalar mean loss``.
+
+    ``loss_fn`` is written for one device and an ordinary model: it receives this device's
+    slice of the batch (``[B / (R*S), ...]``) and must return the mean loss over it.
+    """
+    return TrainStep(loss_fn)
