@@ -58,6 +58,8 @@ def _after(bufs, tree):
 
 def all_gather_flat(shard: jax.Array, shard_axes: tuple[str, ...]) -> jax.Array:
     """One device's FlatParameter shard -> the whole FlatParameter on every device of the group."""
+    if not shard_axes:  # NO_SHARD / SHARD_OPT: the shard is the whole FlatParameter
+        return shard[None]  # [L] -> [1, L]
     # [L/N] --all_gather(shard_axes)--> [N, L/N]
     return jax.lax.all_gather(shard, shard_axes, axis=0, tiled=False)
 
@@ -65,8 +67,11 @@ def all_gather_flat(shard: jax.Array, shard_axes: tuple[str, ...]) -> jax.Array:
 def reduce_scatter_flat(full: jax.Array, shard_axes: tuple[str, ...], replica_axes: tuple[str, ...]) -> jax.Array:
     """A device's full-size FlatParameter gradient -> the summed gradient of its own shard."""
     full = _vary(full, shard_axes + replica_axes)
-    # [N, L/N] --reduce_scatter(shard_axes)--> [L/N]
-    shard = jax.lax.psum_scatter(full, shard_axes, scatter_dimension=0, tiled=False)
+    if shard_axes:
+        # [N, L/N] --reduce_scatter(shard_axes)--> [L/N]
+        shard = jax.lax.psum_scatter(full, shard_axes, scatter_dimension=0, tiled=False)
+    else:
+        shard = full[0]  # [1, L] -> [L]
     if replica_axes:
         # [L/N] --all_reduce(replica_axes)--> [L/N]   (only the shard crosses replicas)
         shard = jax.lax.psum(shard, replica_axes)

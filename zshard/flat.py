@@ -80,12 +80,26 @@ class FlatParameter:
     slots: tuple[ParamSlot, ...]
 
     @classmethod
-    def build(cls, unit: str, params: Sequence[tuple[tuple, tuple[int, ...], np.dtype]], num_shards: int):
-        """Lay out ``(path, shape, dtype)`` triples (all of one dtype) in the given order."""
+    def build(
+        cls,
+        unit: str,
+        params: Sequence[tuple[tuple, tuple[int, ...], np.dtype]],
+        num_shards: int,
+        pad_multiple: int | None = None,
+    ):
+        """Lay out ``(path, shape, dtype)`` triples (all of one dtype) in the given order.
+
+        ``pad_multiple`` (a multiple of ``num_shards``; default ``num_shards``) is what each
+        parameter is padded to: SHARD_OPT keeps whole parameters (``num_shards=1``) padded
+        to the world size, so that the optimizer can slice them.
+        """
+        pad_multiple = pad_multiple or num_shards
+        if pad_multiple % num_shards:
+            raise ValueError(f"pad_multiple={pad_multiple} must be a multiple of num_shards={num_shards}")
         slots, offset = [], 0
         for path, shape, dtype in params:
             size = int(np.prod(shape, dtype=np.int64))
-            padded = padded_size(size, num_shards)
+            padded = padded_size(size, pad_multiple)
             slots.append(ParamSlot(path, tuple(shape), np.dtype(dtype), size, padded, offset))
             offset += padded // num_shards
         return cls(unit, np.dtype(params[0][2]), num_shards, tuple(slots))
@@ -109,13 +123,15 @@ class FlatParameter:
         """Per-parameter local shards ``[n_pad/N]`` -> this device's FlatParameter shard ``[L/N]``."""
         return shards[0] if len(shards) == 1 else jnp.concatenate(shards)
 
+    def split_padded(self, full: jax.Array) -> list[jax.Array]:
+        """Gathered FlatParameter ``[N, L/N]`` -> each parameter padded and flat, ``[n_pad]``."""
+        # [N, L/N] -> [N, n_pad/N] per parameter -> [n_pad]
+        return [full[:, s.offset : s.offset + s.padded // self.num_shards].reshape(-1) for s in self.slots]
+
     def unflatten(self, full: jax.Array) -> list[jax.Array]:
         """Gathered FlatParameter ``[N, L/N]`` -> the parameters in their logical shapes."""
-        out = []
-        for s in self.slots:
-            rows = full[:, s.offset : s.offset + s.padded // self.num_shards]  # [N, n_pad/N]
-            out.append(rows.reshape(-1)[: s.size].reshape(s.shape))  # [n_pad] -> [n] -> shape
-        return out
+        # [n_pad] -> [n] -> shape
+        return [v[: s.size].reshape(s.shape) for s, v in zip(self.slots, self.split_padded(full))]
 
     def flatten(self, values: Sequence[jax.Array]) -> jax.Array:
         """Full-size values (e.g. gradients) in logical shapes -> ``[N, L/N]`` (zero padding)."""

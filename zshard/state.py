@@ -9,6 +9,7 @@ local shards with the same PartitionSpecs. ``unshard`` goes back to a plain ``nn
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -22,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from zshard.flat import FlatParameter, pad_flat, padded_size
 from zshard.mesh import AXES
+from zshard.optim import init_optimizer
 from zshard.strategy import Strategy
 from zshard.units import find_units, path_str
 
@@ -44,7 +46,9 @@ class Unit:
     Attributes:
       name: dotted module path (``"blocks.3"``), or ``"root"`` for everything outside units.
       path: module path in the model, ``()`` for the root.
-      flats: one FlatParameter per dtype.
+      flats: one FlatParameter per dtype, split over the strategy's shard axes.
+      opt_flats: the same parameters laid out over the optimizer's axes; differs from
+        ``flats`` only for SHARD_OPT (ZeRO-1), whose updated slices are all-gathered.
       graphdef: the unit module's own graph (``None`` for the root).
       template: ``(relative path, abstract Variable)`` pairs of the unit module's state.
     """
@@ -52,6 +56,7 @@ class Unit:
     name: str
     path: tuple
     flats: tuple[FlatParameter, ...]
+    opt_flats: tuple[FlatParameter, ...]
     graphdef: Any = None
     template: tuple = ()
 
@@ -74,7 +79,8 @@ class Plan:
       graphdef: the model's graph.
       template: ``(path, abstract Variable)`` pairs of the whole model state.
       units: the root unit first, then the block units in call order.
-      param_specs: nested dict like ``params``: ``PartitionSpec(shard_axes)`` per parameter.
+      param_specs: nested dict like ``params``: ``PartitionSpec(shard_axes)`` per parameter
+        (``PartitionSpec()`` when replicated).
       opt_specs: PartitionSpecs of the Optax state (parameter-like leaves as the parameter,
         scalars such as step counts ``P()``).
     """
@@ -98,8 +104,13 @@ class Plan:
 
     @property
     def num_shards(self) -> int:
-        """``N``: devices one parameter is split over."""
+        """``N``: devices one parameter is split over at rest (1 when replicated)."""
         return int(np.prod([self.mesh.shape[a] for a in self.shard_axes]))
+
+    @property
+    def opt_shards(self) -> int:
+        """Devices the optimizer state of one parameter is split over."""
+        return int(np.prod([self.mesh.shape[a] for a in self.strategy.opt_axes]))
 
     @property
     def world(self) -> int:
@@ -107,7 +118,7 @@ class Plan:
         return int(self.mesh.size)
 
     def param_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P(self.shard_axes))
+        return NamedSharding(self.mesh, _spec(self.shard_axes))
 
     def num_params(self) -> int:
         """Logical parameter count, no padding."""
@@ -139,13 +150,18 @@ class ShardedState:
         return ShardedState(self.plan.param_specs, self.plan.opt_specs, P(), self.plan)
 
 
+def _spec(axes: tuple[str, ...]) -> P:
+    """1-D PartitionSpec over ``axes``; replicated when ``axes`` is empty."""
+    return P(axes) if axes else P()
+
+
 def _check_mesh(mesh):
     if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
         names = getattr(mesh, "axis_names", None)
         raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {AXES} (use zshard.make_mesh); got axes {names}")
 
 
-def _plan_units(abstract_model, flat_state, strategy, num_shards, unit) -> tuple[Unit, ...]:
+def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit) -> tuple[Unit, ...]:
     unit_paths = find_units(abstract_model, unit)
     members: dict[tuple, list] = defaultdict(list)
     for path, var in flat_state:
@@ -160,7 +176,8 @@ def _plan_units(abstract_model, flat_state, strategy, num_shards, unit) -> tuple
         for path, var in params:
             by_dtype[np.dtype(var.get_value().dtype)].append((path, var.get_value().shape, var.get_value().dtype))
         name = path_str(upath)
-        flats = tuple(FlatParameter.build(name, group, num_shards) for group in by_dtype.values())
+        flats = tuple(FlatParameter.build(name, g, num_shards, opt_shards) for g in by_dtype.values())
+        opt_flats = tuple(FlatParameter.build(name, g, opt_shards) for g in by_dtype.values())
         graphdef, template = None, ()
         if upath:
             sub = abstract_model
@@ -168,7 +185,7 @@ def _plan_units(abstract_model, flat_state, strategy, num_shards, unit) -> tuple
                 sub = sub[key] if isinstance(key, int) else getattr(sub, key)
             graphdef, sub_state = nnx.split(sub)
             template = tuple(nnx.to_flat_state(jax.tree.map(_abstract, sub_state)))
-        units.append(Unit(name, upath, flats, graphdef, template))
+        units.append(Unit(name, upath, flats, opt_flats, graphdef, template))
     return tuple(units)
 
 
@@ -177,8 +194,9 @@ def init(
     tx: optax.GradientTransformation,
     mesh: Mesh,
     *,
-    strategy: Strategy | str = "FULL_SHARD",
+    strategy: Strategy | str | None = None,
     unit: Any = None,
+    zero_stage: int | None = None,
 ) -> ShardedState:
     """Shard a model and initialise the optimizer on the shards.
 
@@ -188,14 +206,19 @@ def init(
         never exists on one device).
       tx: an Optax transformation; it runs on the local shards (elementwise transforms).
       mesh: from :func:`zshard.make_mesh`, axes ``("replica", "shard")``.
-      strategy: ``"FULL_SHARD"`` (shard over all devices) or ``"HYBRID_SHARD"`` (shard
-        over ``shard``, replicate over ``replica``).
+      strategy: a :class:`Strategy` or its name (default ``"FULL_SHARD"``): ``NO_SHARD``,
+        ``SHARD_OPT``, ``SHARD_GRAD_OP``, ``FULL_SHARD``, ``HYBRID_SHARD``,
+        ``HYBRID_SHARD_ZERO2`` (DESIGN.md section 3).
       unit: what is gathered together: ``None`` (each element of an ``nnx.List`` of
         repeated blocks), or a module class / tuple of classes. Everything outside the
         units is the root unit.
+      zero_stage: DeepSpeed's ZeRO stage 0/1/2/3, an alias of NO_SHARD / SHARD_OPT /
+        SHARD_GRAD_OP / FULL_SHARD.
 
     Returns:
-      :class:`ShardedState`; every parameter ``[n_pad]`` with ``PartitionSpec(shard_axes)``.
+      :class:`ShardedState`; every parameter ``[n_pad]`` with ``PartitionSpec(shard_axes)``
+      (``n_pad``: the size rounded up to a multiple of the devices it is split over; the
+      optimizer state is split over ``strategy.opt_axes``).
 
     Raises:
       ValueError: bad mesh, unknown strategy, a ``unit`` class not in the model, or a
@@ -203,7 +226,7 @@ def init(
       TypeError: ``model`` is neither a module nor a callable.
     """
     _check_mesh(mesh)
-    strategy = Strategy.parse(strategy)
+    strategy = Strategy.parse(strategy if strategy is not None or zero_stage is not None else "FULL_SHARD", zero_stage=zero_stage)
     if isinstance(model, nnx.Module):
         abstract_model, concrete = model, True
     elif callable(model):
@@ -222,36 +245,40 @@ def init(
             )
     template = tuple((p, v.replace(_abstract(v.get_value()))) for p, v in flat_state)
     num_shards = int(np.prod([mesh.shape[a] for a in strategy.shard_axes]))
-    units = _plan_units(abstract_model, template, strategy, num_shards, unit)
+    opt_shards = int(np.prod([mesh.shape[a] for a in strategy.opt_axes]))
+    units = _plan_units(abstract_model, template, num_shards, opt_shards, unit)
 
-    spec = P(strategy.shard_axes)
+    spec = _spec(strategy.shard_axes)
     sharding = NamedSharding(mesh, spec)
     paths = [p for p, _ in template]
     param_specs = traverse_util.unflatten_dict({p: spec for p in paths})
     if concrete:
-        values = [jax.device_put(pad_flat(np.asarray(v.get_value()), num_shards), sharding) for _, v in flat_state]
+        values = [jax.device_put(pad_flat(np.asarray(v.get_value()), opt_shards), sharding) for _, v in flat_state]
     else:
 
         def build():
             _, st = nnx.split(model())
-            return [pad_flat(v.get_value(), num_shards) for _, v in nnx.to_flat_state(st)]
+            return [pad_flat(v.get_value(), opt_shards) for _, v in nnx.to_flat_state(st)]
 
         values = jax.jit(build, out_shardings=[sharding] * len(paths))()
     params = traverse_util.unflatten_dict(dict(zip(paths, values)))
 
+    # The optimizer runs on per-parameter slices over strategy.opt_axes: [n_pad / opt_shards].
+    opt_param_specs = traverse_util.unflatten_dict({p: _spec(strategy.opt_axes) for p in paths})
     local = traverse_util.unflatten_dict(
-        {p: jax.ShapeDtypeStruct((padded_size(int(np.prod(v.shape)), num_shards) // num_shards,), v.get_value().dtype) for p, v in template}
+        {p: jax.ShapeDtypeStruct((padded_size(int(np.prod(v.shape)), opt_shards) // opt_shards,), v.get_value().dtype) for p, v in template}
     )
     opt_specs = optax.tree_map_params(
         tx,
         lambda _, s: s,
         jax.eval_shape(tx.init, local),
-        param_specs,
+        opt_param_specs,
         transform_non_params=lambda _: P(),
         is_leaf=lambda x: isinstance(x, P),
     )
     plan = Plan(mesh, strategy, tx, graphdef, template, units, param_specs, opt_specs)
-    opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs))(params)
+    init_opt = jax.shard_map(partial(init_optimizer, plan), mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs)
+    opt_state = jax.jit(init_opt)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
     return ShardedState(params, opt_state, step, plan)
 

@@ -18,15 +18,14 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx, traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zshard.collectives import gather, run_unit
 from zshard.mesh import AXES
+from zshard.optim import apply_optimizer, global_norm
 from zshard.state import Plan, ShardedState, Unit, _fill
 
 __all__ = ["TrainStep", "make_train_step"]
@@ -68,7 +67,10 @@ def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable) -> Callable:
             return call(module, *a, **kw)
 
         inputs = [leaves[i] for i in dynamic]
-        return run_unit(apply, unit.flats, bufs, inputs, plan.shard_axes, plan.replica_axes)
+        if plan.strategy.reshard_after_forward:
+            return run_unit(apply, unit.flats, bufs, inputs, plan.shard_axes, plan.replica_axes)
+        # SHARD_GRAD_OP and friends: gather once, keep the gathered copy through backward.
+        return apply(gather(unit.flats, bufs, plan.shard_axes, plan.replica_axes), inputs)
 
     return unit_call
 
@@ -112,12 +114,8 @@ def _local_step(plan: Plan, loss_fn: Callable, state: ShardedState, batch):
 
     (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(state.params)
     loss = jax.lax.psum(loss, AXES) / world
-    # Padding holds zero gradient; shards are disjoint over the shard axes (and identical
-    # over replica), so the psum over the shard axes is the global norm.
-    sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
-    grad_norm = jnp.sqrt(jax.lax.psum(sq, plan.shard_axes))
-    updates, opt_state = plan.tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    grad_norm = global_norm(grads, plan.shard_axes)
+    params, opt_state = apply_optimizer(plan, state.params, grads, state.opt_state)
     new_state = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
     return new_state, {"loss": loss, "grad_norm": grad_norm}
 

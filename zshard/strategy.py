@@ -16,23 +16,45 @@ __all__ = ["Strategy"]
 class Strategy(enum.Enum):
     """How parameters, gradients and optimizer state are split over the ``(replica, shard)`` mesh.
 
-    - ``FULL_SHARD`` (ZeRO-3): everything sharded over all ``R*S`` devices; each unit is
-      all-gathered before forward and again before backward, gradients reduce-scattered.
-    - ``HYBRID_SHARD``: sharded over ``shard`` only and replicated over ``replica``; the
-      all-gathers and reduce-scatters stay inside a shard group, and only the gradient
-      *shard* is all-reduced across ``replica``.
+    "World" is both mesh axes, ``R*S`` devices. PyTorch FSDP names; ZeRO stages in brackets.
+
+    - ``NO_SHARD`` (ZeRO-0, DDP): everything replicated; gradients all-reduced over world.
+    - ``SHARD_OPT`` (ZeRO-1): parameters replicated, optimizer state sharded over world;
+      gradients all-reduced, each device updates its slice, updated parameters all-gathered.
+    - ``SHARD_GRAD_OP`` (ZeRO-2): parameters sharded over world at rest, gathered once per
+      step and kept through backward; gradients reduce-scattered.
+    - ``FULL_SHARD`` (ZeRO-3): everything sharded over world; each unit is all-gathered
+      before forward and again before backward, gradients reduce-scattered.
+    - ``HYBRID_SHARD``: FULL_SHARD inside each ``shard`` group, replicated over ``replica``;
+      only the gradient *shard* is all-reduced across ``replica``.
+    - ``HYBRID_SHARD_ZERO2``: SHARD_GRAD_OP inside each ``shard`` group, replicated over
+      ``replica``.
     """
 
+    NO_SHARD = "NO_SHARD"
+    SHARD_OPT = "SHARD_OPT"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
     FULL_SHARD = "FULL_SHARD"
     HYBRID_SHARD = "HYBRID_SHARD"
+    HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
 
     @classmethod
-    def parse(cls, value: "Strategy | str") -> "Strategy":
-        """``Strategy`` or its name (case-insensitive) -> ``Strategy``.
+    def parse(cls, value: "Strategy | str | None" = None, *, zero_stage: int | None = None) -> "Strategy":
+        """A ``Strategy``, its name (case-insensitive; FSDP's ``_HYBRID_SHARD_ZERO2`` too), or
+        DeepSpeed's ``zero_stage`` 0/1/2/3 -> ``Strategy``.
 
         Raises:
-          ValueError: an unknown name; the message lists the known ones.
+          ValueError: an unknown name or stage, or a name and a stage that disagree; the
+            message lists the known values.
         """
+        if zero_stage is not None:
+            stages = {0: cls.NO_SHARD, 1: cls.SHARD_OPT, 2: cls.SHARD_GRAD_OP, 3: cls.FULL_SHARD}
+            if zero_stage not in stages:
+                raise ValueError(f"zero_stage={zero_stage!r}; choose 0, 1, 2 or 3 (aliases of {', '.join(m.value for m in stages.values())})")
+            from_stage = stages[zero_stage]
+            if value is not None and cls.parse(value) is not from_stage:
+                raise ValueError(f"strategy={value!r} contradicts zero_stage={zero_stage} ({from_stage.value}); give one of them")
+            return from_stage
         if isinstance(value, cls):
             return value
         if isinstance(value, str):
@@ -41,14 +63,33 @@ class Strategy(enum.Enum):
                 if member.value == key:
                     return member
         known = ", ".join(m.value for m in cls)
-        raise ValueError(f"unknown strategy {value!r}; choose one of: {known}")
+        raise ValueError(f"unknown strategy {value!r}; choose one of: {known} (or zero_stage=0/1/2/3)")
+
+    @property
+    def zero_stage(self) -> int | None:
+        """DeepSpeed's ZeRO stage of the non-hybrid strategies (``None`` for the hybrids)."""
+        return {"NO_SHARD": 0, "SHARD_OPT": 1, "SHARD_GRAD_OP": 2, "FULL_SHARD": 3}.get(self.value)
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
-        """Mesh axes a parameter's FlatParameter is split over (all-gather / reduce-scatter)."""
-        return (REPLICA, SHARD) if self is Strategy.FULL_SHARD else (SHARD,)
+        """Mesh axes a parameter's FlatParameter is split over at rest (all-gather / reduce-scatter)."""
+        if self in (Strategy.NO_SHARD, Strategy.SHARD_OPT):
+            return ()
+        if self in (Strategy.HYBRID_SHARD, Strategy.HYBRID_SHARD_ZERO2):
+            return (SHARD,)
+        return (REPLICA, SHARD)
 
     @property
     def replica_axes(self) -> tuple[str, ...]:
-        """Mesh axes the model state is replicated over (gradient shards all-reduced)."""
-        return () if self is Strategy.FULL_SHARD else (REPLICA,)
+        """Mesh axes the parameters are replicated over (their gradients all-reduced over)."""
+        return tuple(a for a in (REPLICA, SHARD) if a not in self.shard_axes)
+
+    @property
+    def opt_axes(self) -> tuple[str, ...]:
+        """Mesh axes the optimizer state is split over (SHARD_OPT: world; else as parameters)."""
+        return (REPLICA, SHARD) if self is Strategy.SHARD_OPT else self.shard_axes
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP's ``reshard_after_forward``: drop gathered units after forward, gather again in backward."""
+        return self in (Strategy.FULL_SHARD, Strategy.HYBRID_SHARD)

@@ -1,0 +1,74 @@
+"""Optax on shards: the update of each device's slice, and norms over all shards.
+
+Inside ``shard_map``. Gradients arrive partitioned like the parameters (``[n_pad / N]`` per
+parameter, zero in the padding). Elementwise Optax transformations run on the local slice
+unchanged (ZeRO paper, arXiv 1910.02054, section 5.1: each data-parallel process updates
+only its partition of the optimizer state).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+__all__ = ["apply_optimizer", "global_norm", "init_optimizer"]
+
+
+def _opt_slice(plan, tree):
+    """SHARD_OPT: whole ``[n_pad]`` leaves -> this device's ``[n_pad / W]`` row over the opt axes."""
+    world, index = plan.opt_shards, jax.lax.axis_index(plan.strategy.opt_axes)
+
+    def mine(x):  # [n_pad] -> [W, n_pad/W] -> row `index`
+        return jax.lax.dynamic_index_in_dim(x.reshape(world, -1), index, keepdims=False)
+
+    return jax.tree.map(mine, tree)
+
+
+def init_optimizer(plan, params: dict):
+    """Inside ``shard_map``: the Optax state of this device's slice of ``params``."""
+    if plan.strategy.opt_axes != plan.shard_axes:
+        params = _opt_slice(plan, params)
+    return plan.tx.init(params)
+
+
+def global_norm(grads, shard_axes: tuple[str, ...]) -> jax.Array:
+    """L2 norm of the whole gradient, float32 scalar, invariant over the mesh.
+
+    Shards are disjoint over ``shard_axes`` (and identical over the replica axes), and the
+    padding holds zeros, so the sum of squares ``psum``-ed over ``shard_axes`` is the norm of
+    the unsharded gradient.
+    """
+    sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+    return jnp.sqrt(jax.lax.psum(sq, shard_axes) if shard_axes else sq)
+
+
+def apply_optimizer(plan, params: dict, grads: dict, opt_state):
+    """One Optax update of this device's shards; returns ``(params, opt_state)``.
+
+    Args:
+      plan: the :class:`~zshard.Plan`.
+      params / grads: nested dicts of local ``[n_pad / N]`` slices (``N = plan.num_shards``).
+      opt_state: local Optax state, sliced over ``plan.strategy.opt_axes``.
+
+    SHARD_OPT (ZeRO-1) holds whole parameters and gradients (``N = 1``) but a ``1/W`` slice
+    of the optimizer state: each device updates its slice, then each unit's updated slices
+    are all-gathered over the world, one collective per unit and dtype.
+    """
+    tx, axes = plan.tx, plan.strategy.opt_axes
+    if axes == plan.shard_axes:
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    local_params = _opt_slice(plan, params)
+    updates, opt_state = tx.update(_opt_slice(plan, grads), opt_state, local_params)
+    local = traverse_util.flatten_dict(optax.apply_updates(local_params, updates))
+    new = {}
+    for unit in plan.units:
+        for flat in unit.opt_flats:
+            shard = flat.concat_shards([local[s.path] for s in flat.slots])
+            # [L/W] --all_gather(world)--> [W, L/W], the same on every device
+            full = jax.lax.all_gather(shard, axes, axis=0, tiled=False, to="invarying")
+            new.update({s.path: v for s, v in zip(flat.slots, flat.split_padded(full))})  # [n_pad] each
+    return traverse_util.unflatten_dict(new), opt_state
