@@ -8,17 +8,20 @@
 """
 
 from zshard.mesh import make_mesh
+from zshard.report import Report, report
 from zshard.state import Plan, ShardedState, init, unshard
 from zshard.step import TrainStep, make_train_step
 from zshard.strategy import Strategy
 
 __all__ = [
     "Plan",
+    "Report",
     "ShardedState",
     "Strategy",
     "TrainStep",
     "init",
     "make_mesh",
     "make_train_step",
+    "report",
     "unshard",
 ]

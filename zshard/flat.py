@@ -135,5 +135,9 @@ class FlatParameter:
 
     def flatten(self, values: Sequence[jax.Array]) -> jax.Array:
         """Full-size values (e.g. gradients) in logical shapes -> ``[N, L/N]`` (zero padding)."""
-        rows = [pad_flat(v.astype(self.dtype), self.num_shards).reshape(self.num_shards, -1) for v in values]
+        rows = []
+        for s, v in zip(self.slots, values):
+            flat = v.astype(self.dtype).reshape(-1)
+            flat = jnp.pad(flat, (0, s.padded - s.size)) if s.padded > s.size else flat  # [n] -> [n_pad]
+            rows.append(flat.reshape(self.num_shards, -1))  # [N, n_pad/N]
         return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)  # [N, L/N]

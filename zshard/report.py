@@ -1,0 +1,336 @@
+"""Memory and communication of the compiled step, next to the ZeRO / FSDP formulas.
+
+``zshard.report(step, state, batch)`` compiles the step ahead of time and reads:
+
+- per-device bytes from ``compiled.memory_analysis()`` (argument, output, temp, alias);
+- model-state bytes per device from the shard shapes, against the formula of the strategy
+  (ZeRO, arXiv 1910.02054 section 5; FSDP, arXiv 2304.11277 section 3.2);
+- every collective of the compiled HLO text: kind, the mesh axis its replica groups span,
+  and the bytes one device sends with a ring algorithm (all-gather and reduce-scatter of a
+  full buffer ``X`` over ``n`` devices: ``X(n-1)/n``; all-reduce: ``2X(n-1)/n``; Patarasuk &
+  Yuan 2009), against DESIGN.md section 3. Collectives inside a ``while`` body count once
+  per iteration (``known_trip_count``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+
+import jax
+import numpy as np
+from flax import traverse_util
+
+from zshard.mesh import REPLICA, SHARD
+from zshard.strategy import Strategy
+
+__all__ = ["Collective", "Report", "parse_collectives", "parse_replica_groups", "report"]
+
+_KINDS = {
+    "all-gather": "all-gather",
+    "reduce-scatter": "reduce-scatter",
+    "all-reduce": "all-reduce",
+    "all-to-all": "other",
+    "collective-permute": "other",
+    "collective-broadcast": "other",
+}
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e\dm\d(?:fn)?)?)\[([0-9,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of the compiled step.
+
+    Attributes:
+      kind: ``"all-gather"``, ``"reduce-scatter"``, ``"all-reduce"`` or ``"other"``.
+      axis: mesh axis the groups span: ``"shard"``, ``"replica"``, ``"world"`` (both) or
+        ``"none"`` (groups of one device).
+      group_size: ``n``, devices per replica group.
+      buffer_bytes: ``X``, bytes of the full (unsharded) buffer, all tuple elements.
+      sent_bytes: bytes one device sends per execution (ring algorithm).
+      trips: executions per step (product of enclosing ``while`` trip counts).
+    """
+
+    name: str
+    kind: str
+    axis: str
+    group_size: int
+    buffer_bytes: int
+    sent_bytes: float
+    trips: int = 1
+
+
+def _shape_bytes(shape_text: str) -> list[int]:
+    """Bytes of each array in an HLO shape (``f32[4,8]{1,0}`` or a tuple of them)."""
+    return [_DTYPE_BYTES.get(dt, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+            for dt, dims in _ARRAY.findall(shape_text)]
+
+
+def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list[int]]:
+    """Replica groups of an HLO attribute in any of its notations.
+
+    - explicit lists: ``{{0,1,2,3},{4,5,6,7}}`` (``{}`` = all devices, needs ``num_devices``);
+    - iota: ``[2,4]<=[8]`` or ``[4,2]<=[2,4]T(1,0)`` (reshape ``arange`` to the dims after
+      ``<=``, transpose, reshape to ``[groups, size]``);
+    - mesh axes: ``@mesh<"replica"=2,"shard"=4> {shard}`` (groups along the named axes).
+
+    Raises:
+      ValueError: an unrecognised notation.
+    """
+    text = text.strip()
+    if text.startswith("{"):
+        groups = [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([0-9,\s]*)\}", text[1:-1])]
+        groups = [g for g in groups if g]
+        if not groups:
+            if num_devices is None:
+                raise ValueError("replica_groups={} (all devices) needs num_devices")
+            groups = [list(range(num_devices))]
+        return groups
+    m = re.fullmatch(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
+    if m:
+        out_dims = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(int(np.prod([int(x) for x in m.group(2).split(",")]))).reshape([int(x) for x in m.group(2).split(",")])
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape(-1, out_dims[-1]).tolist()
+    m = re.fullmatch(r'@?mesh<([^>]*)>\s*\{([^}]*)\}', text)
+    if m:
+        axes = re.findall(r'"?([\w]+)"?\s*=\s*(\d+)', m.group(1))
+        names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+        dims, grouped = [], []
+        for name, size in zip(names, sizes):
+            refs = [r for r in re.findall(r'"?(\w+)"?(?::\((\d+)\)(\d+))?', m.group(2)) if r[0] == name]
+            if not refs:
+                dims.append(size)
+            elif not refs[0][1]:
+                grouped.append(len(dims))
+                dims.append(size)
+            else:  # sub-axis a:(pre)size -> reshape [pre, size, rest], group the middle
+                pre, sub = int(refs[0][1]), int(refs[0][2])
+                dims += [pre, sub, size // (pre * sub)]
+                grouped.append(len(dims) - 2)
+        ids = np.arange(int(np.prod(sizes))).reshape(dims)
+        rest = [i for i in range(len(dims)) if i not in grouped]
+        group_size = int(np.prod([dims[i] for i in grouped]))
+        return ids.transpose(rest + grouped).reshape(-1, group_size).tolist()
+    raise ValueError(f"unrecognised replica_groups notation: {text!r}")
+
+
+def _axis_name(mesh, axes) -> str:
+    """The mesh axes a collective spans (size-1 axes ignored) -> ``shard``/``replica``/``world``/``none``."""
+    axes = {a for a in axes if mesh.shape[a] > 1}
+    if not axes:
+        return "none"
+    return "world" if axes == {REPLICA, SHARD} else axes.pop()
+
+
+def _axis_of(groups: list[list[int]], mesh) -> str:
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    pos = {int(d): rs for rs, d in np.ndenumerate(ids)}
+    group = [pos[d] for d in groups[0]]
+    varies = {name for i, name in enumerate((REPLICA, SHARD)) if len({p[i] for p in group}) > 1}
+    return _axis_name(mesh, varies)
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    comps, current = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            current = "ENTRY" if line.startswith("ENTRY") else head.group(1)
+            comps[current] = []
+        elif current is not None and line.strip() == "}":
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    return comps
+
+
+def _trip_counts(comps: dict[str, list[str]]) -> dict[str, int]:
+    """Executions per step of each computation reachable from ENTRY through while/call."""
+    trips = {"ENTRY": 1}
+    todo = ["ENTRY"]
+    while todo:
+        name = todo.pop()
+        for line in comps.get(name, []):
+            n = 1
+            if re.search(r"\swhile\(", line):
+                k = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                n = int(k.group(1)) if k else 1
+            for callee in re.findall(r"(?:body|calls|to_apply|condition|branch_computations)=\{?%?([\w.\-]+)", line):
+                if callee in comps and callee not in trips:
+                    trips[callee] = trips[name] * (n if "body=" in line or "condition=" in line else 1)
+                    todo.append(callee)
+    return trips
+
+
+def parse_collectives(hlo: str, mesh) -> list[Collective]:
+    """Every collective of a compiled HLO module (``compiled.as_text()``).
+
+    Tuple-shaped (combined) collectives count as one instruction whose buffer is the sum of
+    their elements; async pairs count once (the ``-start``; ``-done`` is skipped).
+    """
+    comps = _computations(hlo)
+    trips = _trip_counts(comps)
+    out = []
+    for comp, lines in comps.items():
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            name, shape, op, rest = m.groups()
+            base = op[: -len("-start")] if op.endswith("-start") else op
+            if base not in _KINDS or op.endswith("-done"):
+                continue
+            g = re.search(r"replica_groups=(\{(?:\{[0-9,]*\},?)*\}|\[[^\s]*?\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|@?mesh<[^>]*>\s*\{[^}]*\})", rest)
+            groups = parse_replica_groups(g.group(1), mesh.size) if g else [list(range(mesh.size))]
+            n = len(groups[0])
+            sizes = _shape_bytes(shape)
+            if op.endswith("-start") and base != "all-reduce" and len(sizes) >= 2:
+                sizes = sizes[len(sizes) // 2 :]  # (operands, outputs) -> outputs
+            result = sum(sizes)
+            kind = _KINDS[base]
+            full = result * n if kind == "reduce-scatter" else result  # X: the unsharded buffer
+            factor = 2 if kind == "all-reduce" else 1
+            sent = factor * full * (n - 1) / n if kind != "other" else float(result)
+            out.append(Collective(name, kind, _axis_of(groups, mesh), n, full, sent, trips.get(comp, 1)))
+    return out
+
+
+def _local_bytes(x) -> int:
+    return int(x.addressable_shards[0].data.nbytes) if hasattr(x, "addressable_shards") else int(np.asarray(x).nbytes)
+
+
+def _formula_comm(plan) -> dict[str, float]:
+    """Bytes one device sends per step, DESIGN.md section 3 (ring algorithm)."""
+    R, S = plan.mesh.shape[REPLICA], plan.mesh.shape[SHARD]
+    W = R * S
+    psi_b = sum(s.size * s.dtype.itemsize for u in plan.units for s in u.slots)  # Psi * b
+    root_b = sum(s.size * s.dtype.itemsize for u in plan.units if not u.path for s in u.slots)
+    st = plan.strategy
+    ring = lambda n: (n - 1) / n  # noqa: E731
+    world, shard, replica = (_axis_name(plan.mesh, a) for a in ((REPLICA, SHARD), (SHARD,), (REPLICA,)))
+    if st is Strategy.NO_SHARD:
+        return {world: 2 * psi_b * ring(W)}
+    if st is Strategy.SHARD_OPT:
+        return {world: 3 * psi_b * ring(W)}
+    if st is Strategy.SHARD_GRAD_OP:
+        return {world: 2 * psi_b * ring(W)}
+    # FULL / HYBRID: AG forward + AG backward + RS; the root unit is gathered once and kept
+    # through backward (FSDP does not reshard the root after forward).
+    gathers = 3 * psi_b - root_b if st.reshard_after_forward else 2 * psi_b
+    if st is Strategy.FULL_SHARD:
+        return {world: gathers * ring(W)}
+    return {shard: gathers * ring(S), replica: 2 * (psi_b / S) * ring(R)}
+
+
+@dataclasses.dataclass
+class Report:
+    """What :func:`report` measured. Bytes are per device; ``ratio`` = measured / formula.
+
+    Attributes:
+      strategy, mesh: the run's strategy name and ``{"replica": R, "shard": S}``.
+      num_params: logical parameter count ``Psi``.
+      per_device_bytes: ``memory_analysis()``: ``argument``, ``output``, ``temp``, ``alias``.
+      model_state_bytes: ``measured`` and ``formula`` dicts of ``params``, ``opt_state``,
+        ``total`` (gradients are step temporaries in JAX, never persistent state), and
+        ``ratio`` of the totals.
+      comm_bytes_per_step: per mesh axis (``shard``, ``replica``, ``world``): ``measured``,
+        ``formula``, ``ratio``.
+      collectives: per ``(kind, axis)``: ``count`` (executions per step) and ``bytes``.
+      units: ``name``, ``params`` (logical) and ``padded`` elements of each unit.
+    """
+
+    strategy: str
+    mesh: dict
+    num_params: int
+    per_device_bytes: dict
+    model_state_bytes: dict
+    comm_bytes_per_step: dict
+    collectives: list
+    units: list
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def table(self) -> str:
+        """Markdown tables, MiB per device."""
+        mib = lambda b: f"{b / 2**20:.3f}"  # noqa: E731
+        ms = self.model_state_bytes
+        lines = [
+            f"### {self.strategy} on {self.mesh['replica']}x{self.mesh['shard']} ({self.num_params:,} parameters)",
+            "",
+            "| memory per device | MiB |",
+            "|---|---:|",
+            *(f"| {k} (memory_analysis) | {mib(v)} |" for k, v in self.per_device_bytes.items()),
+            f"| model state measured (params + optimizer) | {mib(ms['measured']['total'])} |",
+            f"| model state formula | {mib(ms['formula']['total'])} |",
+            f"| ratio | {ms['ratio']:.4f} |",
+            "",
+            "| communication per step | measured MiB | formula MiB | ratio |",
+            "|---|---:|---:|---:|",
+            *(f"| {axis} | {mib(v['measured'])} | {mib(v['formula'])} | {v['ratio']:.4f} |" for axis, v in self.comm_bytes_per_step.items()),
+            "",
+            "| collective | axis | count | MiB sent |",
+            "|---|---|---:|---:|",
+            *(f"| {c['kind']} | {c['axis']} | {c['count']} | {mib(c['bytes'])} |" for c in self.collectives),
+        ]
+        return "\n".join(lines)
+
+
+def report(step, state, batch) -> Report:
+    """Compile ``step`` for ``(state, batch)`` ahead of time and account for memory and bytes.
+
+    ``state`` is not consumed (lowering does not donate). ``batch`` may hold arrays or
+    ``jax.ShapeDtypeStruct`` leaves.
+    """
+    plan = state.plan
+    compiled = step.lower(state, batch).compile()
+    ma = compiled.memory_analysis()
+    per_device = {
+        "argument": int(ma.argument_size_in_bytes),
+        "output": int(ma.output_size_in_bytes),
+        "temp": int(ma.temp_size_in_bytes),
+        "alias": int(ma.alias_size_in_bytes),
+    }
+    measured = {
+        "params": sum(_local_bytes(x) for x in jax.tree.leaves(state.params)),
+        "opt_state": sum(_local_bytes(x) for x in jax.tree.leaves(state.opt_state)),
+    }
+    measured["total"] = measured["params"] + measured["opt_state"]
+    logical = traverse_util.unflatten_dict({p: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype) for p, v in plan.template})
+    opt_full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(plan.tx.init, logical)))
+    param_full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(logical))
+    formula = {"params": param_full / plan.num_shards, "opt_state": opt_full / plan.opt_shards}
+    formula["total"] = formula["params"] + formula["opt_state"]
+
+    colls = parse_collectives(compiled.as_text(), plan.mesh)
+    by_axis: dict[str, float] = defaultdict(float)
+    table: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
+    for c in colls:
+        if c.buffer_bytes <= 64 or c.axis == "none":  # scalar metrics (loss, grad norm); size-1 groups
+            continue
+        by_axis[c.axis] += c.sent_bytes * c.trips
+        table[(c.kind, c.axis)][0] += c.trips
+        table[(c.kind, c.axis)][1] += c.sent_bytes * c.trips
+    formula_comm = _formula_comm(plan)
+    comm = {}
+    for axis in (SHARD, REPLICA, "world"):
+        f, m = formula_comm.get(axis, 0.0), by_axis.get(axis, 0.0)
+        if f or m or axis != "world":
+            ratio = m / f if f else (1.0 if not m else float("inf"))
+            comm[axis] = {"measured": m, "formula": f, "ratio": ratio}
+    return Report(
+        strategy=plan.strategy.value,
+        mesh={REPLICA: plan.mesh.shape[REPLICA], SHARD: plan.mesh.shape[SHARD]},
+        num_params=plan.num_params(),
+        per_device_bytes=per_device,
+        model_state_bytes={"measured": measured, "formula": formula, "ratio": measured["total"] / formula["total"]},
+        comm_bytes_per_step=comm,
+        collectives=[{"kind": k, "axis": a, "count": n, "bytes": b} for (k, a), (n, b) in sorted(table.items())],
+        units=[{"name": u.name, "params": sum(f.size for f in u.flats), "padded": sum(f.padded_size for f in u.flats)} for u in plan.units],
+    )
