@@ -1,0 +1,157 @@
+"""Shared setup for the zshard test suite: 8 emulated CPU devices, small models, a reference step.
+
+``XLA_FLAGS`` must hold ``--xla_force_host_platform_device_count=8`` before jax is imported
+anywhere (DESIGN.md section 7); pytest imports this file before any test module, so it is
+set here, at the very top, before the first ``import jax``.
+
+Test modules import the helpers below with ``from conftest import ...``.
+"""
+
+from __future__ import annotations
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+# The suite is about emulated CPU devices, also on a machine that has an accelerator.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import dataclasses  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx, traverse_util  # noqa: E402
+
+NUM_DEVICES = 8
+
+if len(jax.devices()) != NUM_DEVICES:  # pragma: no cover - environment check
+    raise RuntimeError(
+        f"the zshard tests need {NUM_DEVICES} emulated CPU devices, got {jax.devices()}: "
+        f"jax was imported before tests/conftest.py could set XLA_FLAGS={_FLAG}"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------
+
+
+class ResBlock(nnx.Module):
+    """``x + tanh(Linear(x))``: one repeated block (one zshard unit)."""
+
+    def __init__(self, d: int, *, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.lin(x))
+
+
+class ResMLP(nnx.Module):
+    """``d_in -> d -> (n_blocks residual blocks) -> d_out``, biases everywhere.
+
+    The default 13 -> 19 -> 3 has no size divisible by 2, 4 or 8: every parameter is padded.
+    ``inp`` and ``head`` form the root unit; each element of ``blocks`` is a block unit.
+    """
+
+    def __init__(self, d_in: int = 13, d: int = 19, d_out: int = 3, n_blocks: int = 2, *, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(d_in, d, rngs=rngs)
+        self.blocks = nnx.List([ResBlock(d, rngs=rngs) for _ in range(n_blocks)])
+        self.head = nnx.Linear(d, d_out, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def mse_loss(model, batch):
+    """Mean squared error; ``batch = (x, y)``."""
+    x, y = batch
+    return jnp.mean(jnp.square(model(x) - y))
+
+
+def mlp_batches(steps: int, batch: int = 16, d_in: int = 13, d_out: int = 3, seed: int = 0):
+    """``steps`` different ``(x, y)`` numpy batches."""
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.standard_normal((batch, d_in)).astype(np.float32), rng.standard_normal((batch, d_out)).astype(np.float32))
+        for _ in range(steps)
+    ]
+
+
+def gpt_batches(steps: int, batch: int = 8, seq_len: int = 16, vocab: int = 256, seed: int = 0):
+    """``steps`` different ``(inputs, targets)`` int32 batches of shape (batch, seq_len)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        tok = rng.integers(0, vocab, size=(batch, seq_len + 1), dtype=np.int32)
+        out.append((tok[:, :-1], tok[:, 1:]))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Reference: a plain single-device NNX + Optax step
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Trajectory:
+    losses: list[float]
+    grad_norms: list[float]
+    params: dict  # flat dict path -> np.ndarray (final parameters)
+    model: nnx.Module
+
+
+def flat_params(model: nnx.Module) -> dict:
+    """``{path: np.ndarray}`` of every ``nnx.Param`` of ``model``."""
+    state = nnx.state(model, nnx.Param)
+    return {p: np.asarray(v) for p, v in traverse_util.flatten_dict(nnx.to_pure_dict(state)).items()}
+
+
+def reference_run(make_model: Callable[[], nnx.Module], tx, loss_fn, batches) -> Trajectory:
+    """Train ``make_model()`` on one device with ``nnx.Optimizer``: the ground truth."""
+    ref = make_model()
+    opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        opt.update(model, grads)
+        return loss, optax.global_norm(grads)
+
+    losses, norms = [], []
+    for b in batches:
+        loss, gn = step(ref, opt, jax.tree.map(jnp.asarray, b))
+        losses.append(float(loss))
+        norms.append(float(gn))
+    return Trajectory(losses, norms, flat_params(ref), ref)
+
+
+def zshard_run(init_arg, tx, mesh, strategy, loss_fn, batches, **init_kw) -> Trajectory:
+    """The same training with zshard; ``init_arg`` is a module or a zero-arg callable."""
+    import zshard
+
+    state = zshard.init(init_arg, tx, mesh, strategy=strategy, **init_kw)
+    step = zshard.make_train_step(loss_fn)
+    losses, norms = [], []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+    model = zshard.unshard(state)
+    return Trajectory(losses, norms, flat_params(model), model)
+
+
+def rel_l2(a, b) -> float:
+    """``||a - b|| / ||b||`` (``||a - b||`` where ``b`` is exactly zero)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    nb = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / nb) if nb else float(np.linalg.norm(a - b))
+
+

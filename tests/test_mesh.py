@@ -1,0 +1,108 @@
+"""zshard.make_mesh / parse_mesh / mesh_presets on 8 emulated CPU devices."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh
+
+import zshard
+from zshard.mesh import mesh_presets, parse_mesh
+
+
+def _ids(mesh: Mesh) -> np.ndarray:
+    return np.vectorize(lambda d: d.id)(mesh.devices)
+
+
+def _check_axes(mesh: Mesh):
+    assert isinstance(mesh, Mesh)
+    assert tuple(mesh.axis_names) == ("replica", "shard")
+    assert tuple(mesh.axis_types) == (AxisType.Explicit, AxisType.Explicit)
+
+
+def test_default_is_one_host_by_eight():
+    mesh = zshard.make_mesh()
+    _check_axes(mesh)
+    assert jax.process_count() == 1
+    assert dict(mesh.shape) == {"replica": 1, "shard": 8}
+    # devices of the one process in id order along the shard axis
+    np.testing.assert_array_equal(_ids(mesh), np.arange(8).reshape(1, 8))
+
+
+@pytest.mark.parametrize("replica,shard", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_explicit_shapes(replica, shard):
+    mesh = zshard.make_mesh(replica, shard)
+    _check_axes(mesh)
+    assert dict(mesh.shape) == {"replica": replica, "shard": shard}
+    # row r = replica group r; one group's devices adjacent on the shard axis
+    np.testing.assert_array_equal(_ids(mesh), np.arange(8).reshape(replica, shard))
+
+
+def test_keyword_form_and_inference():
+    mesh = zshard.make_mesh(replica=2, shard=4)
+    assert dict(mesh.shape) == {"replica": 2, "shard": 4}
+    mesh = zshard.make_mesh(replica=4)
+    _check_axes(mesh)
+    assert dict(mesh.shape) == {"replica": 4, "shard": 2}
+    mesh = zshard.make_mesh(shard=2)
+    assert dict(mesh.shape) == {"replica": 4, "shard": 2}
+
+
+def test_devices_argument_order():
+    # devices given in reverse order are still laid out by id
+    mesh = zshard.make_mesh(2, 4, devices=list(reversed(jax.devices())))
+    np.testing.assert_array_equal(_ids(mesh), np.arange(8).reshape(2, 4))
+    mesh = zshard.make_mesh(1, 4, devices=jax.devices()[:4])
+    assert dict(mesh.shape) == {"replica": 1, "shard": 4}
+
+
+@pytest.mark.parametrize("kwargs", [dict(replica=3, shard=3), dict(replica=3), dict(shard=3), dict(replica=2, shard=2)])
+def test_bad_shape_lists_factorizations(kwargs):
+    with pytest.raises(ValueError) as e:
+        zshard.make_mesh(**kwargs)
+    assert "1x8, 2x4, 4x2, 8x1" in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs", [dict(replica=0, shard=8), dict(replica=-1), dict(shard=0)])
+def test_non_positive_sizes(kwargs):
+    with pytest.raises(ValueError):
+        zshard.make_mesh(**kwargs)
+
+
+def test_parse_mesh_shape():
+    assert parse_mesh("2x4") == (2, 4)
+    assert parse_mesh("1x8") == (1, 8)
+    assert parse_mesh(" 4X2 ") == (4, 2)
+
+
+def test_parse_mesh_presets():
+    assert parse_mesh("cpu-2x4") == (2, 4)
+    assert parse_mesh("cpu-8") == (1, 8)
+
+
+def test_parse_mesh_unknown_preset_lists_known():
+    with pytest.raises(ValueError) as e:
+        parse_mesh("tpu-v9-4096")
+    msg = str(e.value)
+    assert "tpu-v9-4096" in msg
+    for name in mesh_presets():
+        assert name in msg
+    assert "cpu-8" in msg and "cpu-2x4" in msg
+
+
+def test_mesh_presets():
+    presets = mesh_presets()
+    assert {"cpu-8", "cpu-2x4"} <= set(presets)
+    assert (presets["cpu-8"].replica, presets["cpu-8"].shard) == (1, 8)
+    assert (presets["cpu-2x4"].replica, presets["cpu-2x4"].shard) == (2, 4)
+    assert presets["cpu-8"].platform == "cpu"
+    gpu8 = [p for p in presets.values() if p.platform == "gpu" and p.devices == 8]
+    assert gpu8, f"no 8-GPU preset among {sorted(presets)}"
+    for p in presets.values():
+        assert p.replica >= 1 and p.shard >= 1 and p.name
+
+
+def test_presets_build_meshes_here():
+    for name, p in mesh_presets().items():
+        if p.platform == "cpu" and p.devices == 8:
+            mesh = zshard.make_mesh(*parse_mesh(name))
+            assert dict(mesh.shape) == {"replica": p.replica, "shard": p.shard}
