@@ -136,6 +136,11 @@ def build_parser(model_names: list[str], strategies: list[str]) -> argparse.Argu
     g.add_argument("--strategy", type=str.upper, choices=strategies, default=d["strategy"],
                    help="sharding strategy (DESIGN.md section 3): FULL_SHARD = ZeRO-3 over all devices; "
                    "HYBRID_SHARD = ZeRO-3 inside each shard group, replicated over replica")
+    g.add_argument("--zero-stage", metavar="K", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="DeepSpeed ZeRO stage, an alias of --strategy: 0 NO_SHARD, 1 SHARD_OPT, 2 SHARD_GRAD_OP, 3 FULL_SHARD")
+    g.add_argument("--report", action="store_true",
+                   help="print zshard.report (memory and collective bytes of the compiled step against the "
+                   "ZeRO/FSDP formulas) and store it in summary.json under 'report'")
     g.add_argument("--mesh", metavar="RxS|PRESET", default=None,
                    help="REPLICAxSHARD (e.g. 2x4) or a preset name from meshes/*.toml (e.g. cpu-2x4); "
                    "default 1xN: all devices on the shard axis (HYBRID_SHARD then equals FULL_SHARD)")
@@ -331,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser(list(MODEL_PRESETS), [s.value for s in zshard.Strategy])
     args = parser.parse_args(argv)
+    if args.zero_stage is not None:
+        args.strategy = zshard.Strategy.parse(zero_stage=args.zero_stage).value
     setup = validate(parser, args)
     out, n, platform = setup.out, len(setup.devices), setup.devices[0].platform
     print(
@@ -356,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     per_device_bytes = None
     if mem is not None:
         per_device_bytes = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
+
+    report = None
+    if args.report:
+        report = zshard.report(step, state, batch)
+        print(report.table(), file=sys.stderr)
 
     eval_set = data.eval_batches(setup.eval_data, args.batch_size, args.seq_len, args.eval_batches)
     evaluate = make_evaluator(state, eval_set, setup.devices[0])
@@ -437,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         "initial_eval_loss": eval_loss0,
         "final_eval_loss": records[-1]["eval_loss"],
         "per_device_bytes": per_device_bytes,  # from the compiled step's memory_analysis()
+        **({"report": report.to_dict()} if report is not None else {}),
         "compile_s": compile_s,
         "train_s": train_s,  # the training loop, evaluations included
         "eval_s": eval_s,  # evaluations inside the loop
