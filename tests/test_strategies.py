@@ -1,11 +1,11 @@
 """Every strategy on every mesh shape against a plain single-device Optax step, and the
 report of each against its ZeRO / FSDP formula (DESIGN.md section 3)."""
 
-import jax
-import jax.numpy as jnp
+import chex
 import numpy as np
 import optax
 import pytest
+from conftest import ResBlock, ResMLP, mlp_batches, mse_loss, reference_run, rel_l2, zshard_run
 from flax import nnx
 
 import zshard
@@ -14,34 +14,11 @@ from zshard import Strategy
 STRATEGIES = [s.value for s in Strategy]
 
 
-class Block(nnx.Module):
-    def __init__(self, d, rngs):
-        self.fc = nnx.Linear(d, d, rngs=rngs)
-
-    def __call__(self, x):
-        return x + jnp.tanh(self.fc(x))
-
-
-class UnevenMLP(nnx.Module):
-    """13 -> 19 -> 19 -> 19 -> 3: no size divides by 4 or 8; blocks in an nnx.List."""
-
-    def __init__(self, rngs):
-        self.inp = nnx.Linear(13, 19, rngs=rngs)
-        self.blocks = nnx.List([Block(19, rngs) for _ in range(2)])
-        self.head = nnx.Linear(19, 3, rngs=rngs)
-
-    def __call__(self, x):
-        x = jnp.tanh(self.inp(x))
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
 class BlocksOnly(nnx.Module):
     """All parameters inside block units: the root unit is empty."""
 
     def __init__(self, d, n, rngs):
-        self.blocks = nnx.List([Block(d, rngs) for _ in range(n)])
+        self.blocks = nnx.List([ResBlock(d, rngs=rngs) for _ in range(n)])
 
     def __call__(self, x):
         for b in self.blocks:
@@ -49,75 +26,38 @@ class BlocksOnly(nnx.Module):
         return x
 
 
-def mse(model, batch):
-    x, y = batch
-    return jnp.mean((model(x) - y) ** 2)
-
-
-def batches(n, d_in=13, d_out=3, b=16, seed=0):
-    r = np.random.default_rng(seed)
-    return [(r.standard_normal((b, d_in)).astype(np.float32), r.standard_normal((b, d_out)).astype(np.float32)) for _ in range(n)]
-
-
-def reference(make, tx, data):
-    model = make()
-    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-    @nnx.jit
-    def step(m, o, b):
-        loss, g = nnx.value_and_grad(mse)(m, b)
-        o.update(m, g)
-        return loss, optax.global_norm(g)
-
-    out = [tuple(map(float, step(model, opt, b))) for b in data]
-    return out, model
-
-
-def rel_l2(a, b):
-    return float(jnp.linalg.norm(a - b) / max(float(jnp.linalg.norm(b)), 1e-30))
+def uneven_mlp(seed=0):
+    return ResMLP(13, 19, 3, n_blocks=2, rngs=nnx.Rngs(seed))
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategy_matches_single_device(strategy, mesh_shape):
-    data = batches(10)
-    make = lambda: UnevenMLP(nnx.Rngs(0))  # noqa: E731
-    want, ref = reference(make, optax.adamw(1e-3), data)
-    state = zshard.init(make, optax.adamw(1e-3), zshard.make_mesh(*mesh_shape), strategy=strategy)
-    step = zshard.make_train_step(mse)
-    for b, (loss, gnorm) in zip(data, want):
-        state, metrics = step(state, b)
-        assert abs(float(metrics["loss"]) - loss) <= 1e-5 * abs(loss)
-        assert abs(float(metrics["grad_norm"]) - gnorm) <= 1e-5 * gnorm
-    got = zshard.unshard(state)
+    data = mlp_batches(10)
+    want = reference_run(uneven_mlp, optax.adamw(1e-3), mse_loss, data)
+    got = zshard_run(uneven_mlp, optax.adamw(1e-3), zshard.make_mesh(*mesh_shape), strategy, mse_loss, data)
+    np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)
+    np.testing.assert_allclose(got.grad_norms, want.grad_norms, rtol=1e-5)
     # Relative L2 per parameter: Adam turns fp32 reduction-order noise of cancelling
     # gradient sums into elementwise differences, so elementwise rtol would test noise.
-    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(got, nnx.Param)), nnx.to_flat_state(nnx.state(ref, nnx.Param))):
-        assert a.get_value().shape == b.get_value().shape, path
-        assert rel_l2(a.get_value(), b.get_value()) <= 1e-5, path
+    for path, ref in want.params.items():
+        assert got.params[path].shape == ref.shape, path
+        assert rel_l2(got.params[path], ref) <= 1e-5, path
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategy_sgd_exact_gradient_scale(strategy):
     # SGD is linear in the gradient: a gradient summed twice across replicas shows here,
     # where Adam's scale invariance would hide it.
-    data = batches(3)
-    make = lambda: UnevenMLP(nnx.Rngs(1))  # noqa: E731
-    _, ref = reference(make, optax.sgd(0.1), data)
-    state = zshard.init(make(), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy=strategy)
-    step = zshard.make_train_step(mse)
-    for b in data:
-        state, _ = step(state, b)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-        nnx.state(zshard.unshard(state), nnx.Param).to_pure_dict(),
-        nnx.state(ref, nnx.Param).to_pure_dict(),
-    )
+    data = mlp_batches(3)
+    want = reference_run(lambda: uneven_mlp(1), optax.sgd(0.1), mse_loss, data)
+    got = zshard_run(uneven_mlp(1), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy, mse_loss, data)
+    chex.assert_trees_all_close(got.params, want.params, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("stage,name", [(0, "NO_SHARD"), (1, "SHARD_OPT"), (2, "SHARD_GRAD_OP"), (3, "FULL_SHARD")])
 def test_zero_stage_aliases(stage, name):
-    state = zshard.init(UnevenMLP(nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(1, 8), zero_stage=stage)
+    state = zshard.init(uneven_mlp(), optax.sgd(0.1), zshard.make_mesh(1, 8), zero_stage=stage)
     assert state.plan.strategy is Strategy[name]
     assert Strategy.parse("_hybrid_shard_zero2") is Strategy.HYBRID_SHARD_ZERO2
 
@@ -139,7 +79,7 @@ def reports():
         for strategy in STRATEGIES:
             state = zshard.init(lambda: BlocksOnly(100, 8, nnx.Rngs(0)), optax.adamw(1e-3), zshard.make_mesh(*shape), strategy=strategy)
             batch = (np.ones((16, 100), np.float32), np.zeros((16, 100), np.float32))
-            out[strategy, shape] = zshard.report(zshard.make_train_step(mse), state, batch)
+            out[strategy, shape] = zshard.report(zshard.make_train_step(mse_loss), state, batch)
     return out
 
 
