@@ -117,3 +117,16 @@ def test_memory_per_strategy_orders_as_zero_paper(reports):
     assert ms["NO_SHARD"] > ms["SHARD_OPT"] > ms["SHARD_GRAD_OP"] == ms["FULL_SHARD"]
     assert ms["HYBRID_SHARD"] == ms["HYBRID_SHARD_ZERO2"]
     assert ms["FULL_SHARD"] < ms["HYBRID_SHARD"] < ms["SHARD_OPT"]
+
+
+def test_step_refuses_donated_state_and_ragged_batches():
+    state = zshard.init(uneven_mlp(), optax.sgd(0.1), zshard.make_mesh(1, 8))
+    step = zshard.make_train_step(mse_loss)
+    x, y = mlp_batches(1)[0]
+    new_state, _ = step(state, (x, y))
+    with pytest.raises(ValueError, match="donated"):
+        step(state, (x, y))  # the old state's buffers were donated to the first step
+    with pytest.raises(ValueError, match="different leading"):
+        step(new_state, (x, y[:8]))
+    with pytest.raises(ValueError, match="must divide by the 8 devices"):
+        step(new_state, (x[:0], y[:0]))

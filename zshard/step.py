@@ -153,9 +153,15 @@ class TrainStep:
         leaves = jax.tree_util.tree_leaves_with_path(batch)
         if not leaves:
             raise ValueError("batch is empty: give a pytree of arrays with a leading batch dimension")
+        sizes = {f"batch{jax.tree_util.keystr(p)}": np.shape(x)[0] if np.shape(x) else None for p, x in leaves}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(
+                f"batch leaves have different leading (batch) dimensions: {sizes}; every leaf must have "
+                f"the same global batch size, a multiple of the {world} devices of the mesh"
+            )
         for path, x in leaves:
             shape = np.shape(x)
-            if not shape or shape[0] % world:
+            if not shape or shape[0] == 0 or shape[0] % world:
                 raise ValueError(
                     f"batch{jax.tree_util.keystr(path)} has shape {shape}: its leading (batch) dimension "
                     f"must divide by the {world} devices of the mesh {dict(state.plan.mesh.shape)}; "
@@ -164,6 +170,11 @@ class TrainStep:
         return jax.device_put(batch, sharding)
 
     def __call__(self, state: ShardedState, batch):
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
+            raise ValueError(
+                "this state was donated to an earlier step (its buffers are deleted); "
+                "use the state that step returned: state, metrics = step(state, batch)"
+            )
         return self._jitted(state, self.put_batch(state, batch))
 
     def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
