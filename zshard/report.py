@@ -202,7 +202,8 @@ def parse_collectives(hlo: str, mesh) -> list[Collective]:
 
 
 def _local_bytes(x) -> int:
-    return int(x.addressable_shards[0].data.nbytes) if hasattr(x, "addressable_shards") else int(np.asarray(x).nbytes)
+    """Bytes of one device's shard of ``x`` (an array or a ``ShapeDtypeStruct`` with a sharding)."""
+    return int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
 
 
 def _formula_comm(plan) -> dict[str, float]:

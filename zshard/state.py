@@ -197,6 +197,7 @@ def init(
     strategy: Strategy | str | None = None,
     unit: Any = None,
     zero_stage: int | None = None,
+    abstract: bool = False,
 ) -> ShardedState:
     """Shard a model and initialise the optimizer on the shards.
 
@@ -214,6 +215,9 @@ def init(
         units is the root unit.
       zero_stage: DeepSpeed's ZeRO stage 0/1/2/3, an alias of NO_SHARD / SHARD_OPT /
         SHARD_GRAD_OP / FULL_SHARD.
+      abstract: allocate nothing: every leaf is a ``jax.ShapeDtypeStruct`` carrying its
+        sharding (pass a callable ``model``; it is only traced with ``nnx.eval_shape``), for
+        ``step.lower`` / :func:`zshard.report` of models larger than the machine.
 
     Returns:
       :class:`ShardedState`; every parameter ``[n_pad]`` with ``PartitionSpec(shard_axes)``
@@ -252,7 +256,12 @@ def init(
     sharding = NamedSharding(mesh, spec)
     paths = [p for p, _ in template]
     param_specs = traverse_util.unflatten_dict({p: spec for p in paths})
-    if concrete:
+    if abstract:
+        values = [
+            jax.ShapeDtypeStruct((padded_size(int(np.prod(v.get_value().shape)), opt_shards),), v.get_value().dtype, sharding=sharding)
+            for _, v in template
+        ]
+    elif concrete:
         values = [jax.device_put(pad_flat(np.asarray(v.get_value()), opt_shards), sharding) for _, v in flat_state]
     else:
 
@@ -278,8 +287,17 @@ def init(
     )
     plan = Plan(mesh, strategy, tx, graphdef, template, units, param_specs, opt_specs)
     init_opt = jax.shard_map(partial(init_optimizer, plan), mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs)
+    replicated = NamedSharding(mesh, P())
+    if abstract:
+        opt_state = jax.tree.map(
+            lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+            jax.eval_shape(jax.jit(init_opt), params),
+            opt_specs,
+            is_leaf=lambda x: isinstance(x, P),
+        )
+        return ShardedState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), plan)
     opt_state = jax.jit(init_opt)(params)
-    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
     return ShardedState(params, opt_state, step, plan)
 
 

@@ -167,7 +167,12 @@ class TrainStep:
                     f"must divide by the {world} devices of the mesh {dict(state.plan.mesh.shape)}; "
                     f"use a global batch that is a multiple of {world}"
                 )
-        return jax.device_put(batch, sharding)
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+            if isinstance(x, jax.ShapeDtypeStruct)
+            else jax.device_put(x, sharding),
+            batch,
+        )
 
     def __call__(self, state: ShardedState, batch):
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
