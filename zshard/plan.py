@@ -1,0 +1,149 @@
+"""Plan a run before renting the hardware: ``python -m zshard.plan``.
+
+Builds a preset model abstractly (nothing allocated: ``zshard.init(..., abstract=True)``),
+compiles one train step ahead of time on as many emulated CPU devices as the mesh needs,
+and prints :func:`zshard.report` plus a verdict: does the step fit in the device memory?
+
+    python -m zshard.plan --model llama-7b --mesh 8x8 --strategy HYBRID_SHARD --batch-size 64
+
+Peak bytes per device are estimated as ``argument + output - alias + temp`` of the
+compiled step's ``memory_analysis()`` (donated outputs reuse their inputs' buffers).
+Block units recompute their forward pass in backward (FULL_SHARD / HYBRID_SHARD), so the
+activations held are about one block's plus each block's input.
+
+The model presets (``train/model.py``, ``PLAN_PRESETS``) are GPT-2 and Llama shapes from
+their papers; this entry point imports them from the ``train`` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+__all__ = ["main", "peak_bytes"]
+
+GB = 10**9  # device memory is quoted in GB (10^9 bytes)
+
+
+def peak_bytes(per_device: dict) -> int:
+    """``argument + output - alias + temp`` bytes of one device (``Report.per_device_bytes``)."""
+    return per_device["argument"] + per_device["output"] - per_device["alias"] + per_device["temp"]
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m zshard.plan",
+        allow_abbrev=False,
+        description="Compile one zshard train step of a preset model ahead of time on emulated "
+        "devices and report per-device memory and communication against the ZeRO/FSDP formulas.",
+    )
+    p.add_argument("--model", required=True, help="preset: gpt2-124m, gpt2-1.5b, llama-1b, llama-7b, llama-70b")
+    p.add_argument("--mesh", required=True, metavar="RxS", help="mesh shape, e.g. 8x8 (R*S emulated devices)")
+    p.add_argument("--strategy", default="FULL_SHARD", help="NO_SHARD, SHARD_OPT, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
+    p.add_argument("--batch-size", type=int, default=None, metavar="B", help="global batch in sequences (default: one per device)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="T", help="tokens per sequence (default: the preset's)")
+    p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype the parameters (and Adam moments) are stored in")
+    p.add_argument("--device-memory-gb", type=float, default=80.0, metavar="GB", help="memory of one device, GB (10^9 bytes)")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="also compile every strategy and plot per-device memory side by side")
+    return p, p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    parser, args = _parse(sys.argv[1:] if argv is None else argv)
+    from zshard.mesh import parse_mesh  # noqa: PLC0415  (no jax import: devices not yet fixed)
+
+    try:
+        replica, shard = parse_mesh(args.mesh)
+    except ValueError as e:
+        parser.error(f"--mesh: {e}")
+    world = replica * shard
+    # Emulated devices must be set before jax is imported.
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={world}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    import dataclasses  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    import zshard  # noqa: PLC0415
+    from train.model import PLAN_PRESETS, build_model, cross_entropy_loss  # noqa: PLC0415
+
+    if args.model not in PLAN_PRESETS:
+        parser.error(f"--model {args.model!r}: choose one of {', '.join(PLAN_PRESETS)}")
+    try:
+        zshard.Strategy.parse(args.strategy)
+    except ValueError as e:
+        parser.error(f"--strategy: {e}")
+    if len(jax.devices()) < world:
+        parser.error(f"--mesh {args.mesh} needs {world} devices, JAX sees {len(jax.devices())}")
+    cfg = PLAN_PRESETS[args.model]
+    seq = args.seq_len or cfg.seq_len
+    cfg = dataclasses.replace(cfg, seq_len=seq)
+    batch = args.batch_size or world
+    if batch % world:
+        parser.error(f"--batch-size {batch} must divide by the {world} devices of the {replica}x{shard} mesh")
+    dtype = jnp.dtype(args.param_dtype)
+    mesh = zshard.make_mesh(replica, shard, devices=jax.devices()[:world])
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    step = zshard.make_train_step(cross_entropy_loss)
+
+    def plan_one(strategy):
+        def build():
+            model = build_model(cfg, nnx.Rngs(0))
+            if dtype != jnp.float32:  # store every parameter in the chosen dtype
+                state = nnx.state(model, nnx.Param)
+                nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), state))
+            return model
+
+        state = zshard.init(build, optax.adamw(1e-4), mesh, strategy=strategy, abstract=True)
+        t0 = time.perf_counter()
+        rep = zshard.report(step, state, (tokens, tokens))
+        return rep, time.perf_counter() - t0
+
+    rep, seconds = plan_one(args.strategy)
+    peak = peak_bytes(rep.per_device_bytes)
+    budget = args.device_memory_gb * GB
+    print(rep.table())
+    print()
+    print(f"global batch {batch} x {seq} tokens, parameters {args.param_dtype}, AdamW; compiled in {seconds:.0f} s on {world} emulated devices")
+    verdict = "FITS" if peak <= budget else "DOES NOT FIT"
+    print(
+        f"peak per device (argument + output - alias + temp) = {peak / GB:.2f} GB of {args.device_memory_gb:g} GB: "
+        f"{verdict} (margin {(budget - peak) / GB:+.2f} GB)"
+    )
+
+    if args.plot:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+
+        names, rows = [], []
+        for s in zshard.Strategy:
+            r = rep if s.value == rep.strategy else plan_one(s.value)[0]
+            ms = r.model_state_bytes["measured"]
+            names.append(s.value.replace("_", "\n"))
+            rows.append((ms["params"] / GB, ms["opt_state"] / GB, r.per_device_bytes["temp"] / GB))
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        bottom = [0.0] * len(rows)
+        for i, label in enumerate(["parameters", "optimizer state", "temporaries (gradients, activations, gathered units)"]):
+            vals = [row[i] for row in rows]
+            ax.bar(names, vals, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.axhline(args.device_memory_gb, color="k", ls="--", lw=1, label=f"device memory {args.device_memory_gb:g} GB")
+        ax.set_ylabel("GB per device")
+        ax.set_title(f"{args.model} on {replica}x{shard}, batch {batch} x {seq}, {args.param_dtype} params, AdamW")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
