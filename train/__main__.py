@@ -146,6 +146,9 @@ def build_parser(model_names: list[str], strategies: list[str]) -> argparse.Argu
                    "default 1xN: all devices on the shard axis (HYBRID_SHARD then equals FULL_SHARD)")
     g = p.add_argument_group("model and optimisation")
     g.add_argument("--model", choices=model_names, default=d["model"], help="model preset (train/model.py)")
+    g.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
+                   help="stack the blocks (nnx.vmap) and run them with nnx.scan: compile time flat in depth "
+                   "(default: the preset's choice, on for 'medium')")
     g.add_argument("--steps", metavar="N", type=_positive_int, default=d["steps"], help="optimizer steps")
     g.add_argument("--batch-size", metavar="B", type=_positive_int, default=d["batch_size"],
                    help="GLOBAL batch, sequences per step (split over all devices; must divide by their number)")
@@ -229,6 +232,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Setup
     from zshard.mesh import parse_mesh  # noqa: PLC0415
 
     cfg = dataclasses.replace(MODEL_PRESETS[args.model], seq_len=args.seq_len)
+    if args.scan is not None:
+        cfg = dataclasses.replace(cfg, scan=args.scan)
 
     source = data.describe_source(args.data)
     try:

@@ -29,6 +29,8 @@ class GPTConfig:
       n_layers: transformer blocks.
       n_heads: attention heads; ``d_model`` must divide by it.
       tie_embeddings: the output projection is the token embedding (``wte.attend``), as in GPT-2.
+      scan: stack the blocks (``nnx.vmap``) and run them with ``nnx.scan``: compile time
+        stays flat in depth; otherwise an ``nnx.List`` run by a Python loop.
     """
 
     vocab_size: int = 256
@@ -37,14 +39,42 @@ class GPTConfig:
     n_layers: int = 4
     n_heads: int = 4
     tie_embeddings: bool = False
+    scan: bool = False
 
 
 MODEL_PRESETS = {
     "nano": GPTConfig(d_model=64, n_layers=2, n_heads=2),
     "tiny": GPTConfig(d_model=128, n_layers=4, n_heads=4),
     "small": GPTConfig(d_model=256, n_layers=6, n_heads=8),
-    "medium": GPTConfig(d_model=512, n_layers=8, n_heads=8),
+    "medium": GPTConfig(d_model=512, n_layers=8, n_heads=8, scan=True),
 }
+
+
+def make_blocks(block_cls, cfg, rngs: nnx.Rngs):
+    """``cfg.n_layers`` blocks: an ``nnx.List``, or one module of stacked layers when ``cfg.scan``."""
+    if not cfg.scan:
+        return nnx.List([block_cls(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stacked(rngs):  # every parameter gets a leading layer axis: [n_layers, ...]
+        return block_cls(cfg, rngs=rngs)
+
+    return stacked(rngs)
+
+
+def run_blocks(blocks, x, scan: bool):
+    """Apply the blocks in order: a Python loop, or ``nnx.scan`` over the layer axis."""
+    if not scan:
+        for block in blocks:
+            x = block(x)
+        return x
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, block):
+        return block(x)
+
+    return body(x, blocks)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -97,7 +127,7 @@ class GPT(nnx.Module):
         self.cfg = cfg
         self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
         self.wpe = nnx.Embed(cfg.seq_len, cfg.d_model, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.blocks = make_blocks(Block, cfg, rngs)
         self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
@@ -105,8 +135,7 @@ class GPT(nnx.Module):
     def __call__(self, tokens):
         T = tokens.shape[1]
         x = self.wte(tokens) + self.wpe(jnp.arange(T))[None]  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
+        x = run_blocks(self.blocks, x, self.cfg.scan)
         x = self.ln_f(x)
         return self.wte.attend(x) if self.cfg.tie_embeddings else self.head(x)  # (B, T, vocab)
 
@@ -124,6 +153,7 @@ class LlamaConfig:
       n_kv_heads: key/value heads (grouped-query attention); ``n_heads`` divides by it.
       d_ff: hidden width of the SwiGLU MLP.
       rope_theta: RoPE base.
+      scan: stacked blocks run with ``nnx.scan`` (see :class:`GPTConfig`).
     """
 
     vocab_size: int = 32000
@@ -134,6 +164,7 @@ class LlamaConfig:
     n_kv_heads: int = 32
     d_ff: int = 11008
     rope_theta: float = 10000.0
+    scan: bool = False
 
 
 def _rope(x, theta: float):
@@ -182,26 +213,26 @@ class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
-        self.blocks = nnx.List([LlamaBlock(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.blocks = make_blocks(LlamaBlock, cfg, rngs)
         self.norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens):
         x = self.embed(tokens)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
+        x = run_blocks(self.blocks, x, self.cfg.scan)
         return self.head(self.norm(x))  # (B, T, vocab)
 
 
 # Shapes from the papers: GPT-2 (Radford et al. 2019, table 2; vocab 50257, context 1024,
 # tied embeddings), TinyLlama 1.1B (arXiv 2401.02385, table 1), LLaMA 7B (arXiv
 # 2302.13971, table 2), Llama 2 70B (arXiv 2307.09288, GQA with 8 KV heads, d_ff 28672).
+# Scanned layers: compile time does not grow with depth.
 PLAN_PRESETS = {
-    "gpt2-124m": GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12, tie_embeddings=True),
-    "gpt2-1.5b": GPTConfig(vocab_size=50257, seq_len=1024, d_model=1600, n_layers=48, n_heads=25, tie_embeddings=True),
-    "llama-1b": LlamaConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, d_ff=5632),
-    "llama-7b": LlamaConfig(vocab_size=32000, seq_len=2048, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, d_ff=11008),
-    "llama-70b": LlamaConfig(vocab_size=32000, seq_len=4096, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672),
+    "gpt2-124m": GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12, tie_embeddings=True, scan=True),
+    "gpt2-1.5b": GPTConfig(vocab_size=50257, seq_len=1024, d_model=1600, n_layers=48, n_heads=25, tie_embeddings=True, scan=True),
+    "llama-1b": LlamaConfig(vocab_size=32000, seq_len=2048, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, d_ff=5632, scan=True),
+    "llama-7b": LlamaConfig(vocab_size=32000, seq_len=2048, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, d_ff=11008, scan=True),
+    "llama-70b": LlamaConfig(vocab_size=32000, seq_len=4096, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672, scan=True),
 }
 
 

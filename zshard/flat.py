@@ -34,12 +34,14 @@ def padded_size(size: int, num_shards: int) -> int:
     return max(1, math.ceil(size / num_shards)) * num_shards if size else 0
 
 
-def pad_flat(value, num_shards: int):
-    """A parameter of any shape -> its padded 1-D form ``[n_pad]`` (numpy or jax input)."""
+def pad_flat(value, num_shards: int, layers: int | None = None):
+    """A parameter -> its padded flat form: ``[n_pad]``, or ``[L, n_pad]`` for a stacked
+    parameter ``[L, *shape]`` (``layers=L``; each layer padded on its own). numpy or jax input."""
     xp = np if isinstance(value, np.ndarray) else jnp
-    flat = xp.reshape(value, (-1,))
-    pad = padded_size(flat.shape[0], num_shards) - flat.shape[0]
-    return xp.pad(flat, (0, pad)) if pad else flat
+    lead = () if layers is None else (layers,)
+    flat = xp.reshape(value, lead + (-1,))  # [n] or [L, n]
+    pad = padded_size(flat.shape[-1], num_shards) - flat.shape[-1]
+    return xp.pad(flat, [(0, 0)] * len(lead) + [(0, pad)]) if pad else flat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +122,17 @@ class FlatParameter:
         return self.shard_size * self.num_shards
 
     def concat_shards(self, shards: Sequence[jax.Array]) -> jax.Array:
-        """Per-parameter local shards ``[n_pad/N]`` -> this device's FlatParameter shard ``[L/N]``."""
-        return shards[0] if len(shards) == 1 else jnp.concatenate(shards)
+        """Per-parameter local shards ``[..., n_pad/N]`` -> this device's FlatParameter shard ``[..., L/N]``."""
+        return shards[0] if len(shards) == 1 else jnp.concatenate(shards, axis=-1)
 
     def split_padded(self, full: jax.Array) -> list[jax.Array]:
-        """Gathered FlatParameter ``[N, L/N]`` -> each parameter padded and flat, ``[n_pad]``."""
-        # [N, L/N] -> [N, n_pad/N] per parameter -> [n_pad]
-        return [full[:, s.offset : s.offset + s.padded // self.num_shards].reshape(-1) for s in self.slots]
+        """Gathered FlatParameter ``[N, ..., L/N]`` -> each parameter padded and flat, ``[..., n_pad]``."""
+        out = []
+        for s in self.slots:
+            rows = full[..., s.offset : s.offset + s.padded // self.num_shards]  # [N, ..., n_pad/N]
+            rows = jnp.moveaxis(rows, 0, -2)  # [..., N, n_pad/N]
+            out.append(rows.reshape(rows.shape[:-2] + (-1,)))  # [..., n_pad]
+        return out
 
     def unflatten(self, full: jax.Array) -> list[jax.Array]:
         """Gathered FlatParameter ``[N, L/N]`` -> the parameters in their logical shapes."""

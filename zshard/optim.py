@@ -20,8 +20,8 @@ def _opt_slice(plan, tree):
     """SHARD_OPT: whole ``[n_pad]`` leaves -> this device's ``[n_pad / W]`` row over the opt axes."""
     world, index = plan.opt_shards, jax.lax.axis_index(plan.strategy.opt_axes)
 
-    def mine(x):  # [n_pad] -> [W, n_pad/W] -> row `index`
-        return jax.lax.dynamic_index_in_dim(x.reshape(world, -1), index, keepdims=False)
+    def mine(x):  # [..., n_pad] -> [..., W, n_pad/W] -> row `index`: [..., n_pad/W]
+        return jax.lax.dynamic_index_in_dim(x.reshape(x.shape[:-1] + (world, -1)), index, axis=x.ndim - 1, keepdims=False)
 
     return jax.tree.map(mine, tree)
 
@@ -68,7 +68,7 @@ def apply_optimizer(plan, params: dict, grads: dict, opt_state):
     for unit in plan.units:
         for flat in unit.opt_flats:
             shard = flat.concat_shards([local[s.path] for s in flat.slots])
-            # [L/W] --all_gather(world)--> [W, L/W], the same on every device
+            # [..., L/W] --all_gather(world)--> [W, ..., L/W], the same on every device
             full = jax.lax.all_gather(shard, axes, axis=0, tiled=False, to="invarying")
-            new.update({s.path: v for s, v in zip(flat.slots, flat.split_padded(full))})  # [n_pad] each
+            new.update({s.path: v for s, v in zip(flat.slots, flat.split_padded(full))})  # [..., n_pad] each
     return traverse_util.unflatten_dict(new), opt_state

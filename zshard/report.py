@@ -210,7 +210,7 @@ def _formula_comm(plan) -> dict[str, float]:
     """Bytes one device sends per step, DESIGN.md section 3 (ring algorithm)."""
     R, S = plan.mesh.shape[REPLICA], plan.mesh.shape[SHARD]
     W = R * S
-    psi_b = sum(s.size * s.dtype.itemsize for u in plan.units for s in u.slots)  # Psi * b
+    psi_b = sum((u.layers or 1) * s.size * s.dtype.itemsize for u in plan.units for s in u.slots)  # Psi * b
     root_b = sum(s.size * s.dtype.itemsize for u in plan.units if not u.path for s in u.slots)
     st = plan.strategy
     ring = lambda n: (n - 1) / n  # noqa: E731
@@ -333,5 +333,8 @@ def report(step, state, batch) -> Report:
         model_state_bytes={"measured": measured, "formula": formula, "ratio": measured["total"] / formula["total"]},
         comm_bytes_per_step=comm,
         collectives=[{"kind": k, "axis": a, "count": n, "bytes": b} for (k, a), (n, b) in sorted(table.items())],
-        units=[{"name": u.name, "params": sum(f.size for f in u.flats), "padded": sum(f.padded_size for f in u.flats)} for u in plan.units],
+        units=[
+            {"name": u.name, "layers": u.layers or 1, "params": u.num_params, "padded": (u.layers or 1) * sum(f.padded_size for f in u.flats)}
+            for u in plan.units
+        ],
     )

@@ -25,7 +25,7 @@ from zshard.flat import FlatParameter, pad_flat, padded_size
 from zshard.mesh import AXES
 from zshard.optim import init_optimizer
 from zshard.strategy import Strategy
-from zshard.units import find_units, path_str
+from zshard.units import find_units, path_str, stacked_layers
 
 __all__ = ["Plan", "Unit", "ShardedState", "init", "unshard"]
 
@@ -50,7 +50,11 @@ class Unit:
       opt_flats: the same parameters laid out over the optimizer's axes; differs from
         ``flats`` only for SHARD_OPT (ZeRO-1), whose updated slices are all-gathered.
       graphdef: the unit module's own graph (``None`` for the root).
-      template: ``(relative path, abstract Variable)`` pairs of the unit module's state.
+      template: ``(relative path, abstract Variable)`` pairs of the unit module's state,
+        shapes of one layer.
+      layers: ``L`` for a stacked unit (``nnx.vmap``-built, run with ``nnx.scan``): its
+        parameters are ``[L, *shape]``, stored ``[L, n_pad]`` with the layer axis never
+        sharded, and each scan iteration gathers only its own layer. ``None`` otherwise.
     """
 
     name: str
@@ -59,10 +63,16 @@ class Unit:
     opt_flats: tuple[FlatParameter, ...]
     graphdef: Any = None
     template: tuple = ()
+    layers: int | None = None
 
     @property
     def slots(self):
         return [s for f in self.flats for s in f.slots]
+
+    @property
+    def num_params(self) -> int:
+        """Logical parameters of the unit, all layers."""
+        return (self.layers or 1) * sum(f.size for f in self.flats)
 
 
 @dataclasses.dataclass(eq=False, frozen=True)
@@ -117,12 +127,14 @@ class Plan:
         """Devices in the mesh; the global batch is split over all of them."""
         return int(self.mesh.size)
 
-    def param_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, _spec(self.shard_axes))
 
     def num_params(self) -> int:
         """Logical parameter count, no padding."""
-        return sum(f.size for u in self.units for f in u.flats)
+        return sum(u.num_params for u in self.units)
+
+    def layers_of(self) -> dict[tuple, int | None]:
+        """Parameter path -> ``L`` of its stacked unit (``None`` when not stacked)."""
+        return {s.path: u.layers for u in self.units for s in u.slots}
 
 
 @jax.tree_util.register_dataclass
@@ -150,9 +162,10 @@ class ShardedState:
         return ShardedState(self.plan.param_specs, self.plan.opt_specs, P(), self.plan)
 
 
-def _spec(axes: tuple[str, ...]) -> P:
-    """1-D PartitionSpec over ``axes``; replicated when ``axes`` is empty."""
-    return P(axes) if axes else P()
+def _spec(axes: tuple[str, ...], layers: int | None = None) -> P:
+    """PartitionSpec of a padded flat parameter ``[n_pad]`` (or ``[L, n_pad]``) over ``axes``."""
+    lead = () if layers is None else (None,)
+    return P(*lead, axes) if axes else P()
 
 
 def _check_mesh(mesh):
@@ -172,20 +185,24 @@ def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit) -> tup
         params = members.get(upath, [])
         if not params:
             continue
+        sub = abstract_model
+        for key in upath:
+            sub = sub[key] if isinstance(key, int) else getattr(sub, key)
+        layers = stacked_layers(sub) if upath else None
+        drop = 0 if layers is None else 1  # stacked: lay out one layer's shape
         by_dtype: dict = defaultdict(list)
         for path, var in params:
-            by_dtype[np.dtype(var.get_value().dtype)].append((path, var.get_value().shape, var.get_value().dtype))
+            value = var.get_value()
+            by_dtype[np.dtype(value.dtype)].append((path, value.shape[drop:], value.dtype))
         name = path_str(upath)
         flats = tuple(FlatParameter.build(name, g, num_shards, opt_shards) for g in by_dtype.values())
         opt_flats = tuple(FlatParameter.build(name, g, opt_shards) for g in by_dtype.values())
         graphdef, template = None, ()
         if upath:
-            sub = abstract_model
-            for key in upath:
-                sub = sub[key] if isinstance(key, int) else getattr(sub, key)
             graphdef, sub_state = nnx.split(sub)
-            template = tuple(nnx.to_flat_state(jax.tree.map(_abstract, sub_state)))
-        units.append(Unit(name, upath, flats, opt_flats, graphdef, template))
+            one_layer = lambda x: jax.ShapeDtypeStruct(np.shape(x)[drop:], jnp.result_type(x))  # noqa: E731
+            template = tuple(nnx.to_flat_state(jax.tree.map(one_layer, sub_state)))
+        units.append(Unit(name, upath, flats, opt_flats, graphdef, template, layers))
     return tuple(units)
 
 
@@ -252,30 +269,39 @@ def init(
     opt_shards = int(np.prod([mesh.shape[a] for a in strategy.opt_axes]))
     units = _plan_units(abstract_model, template, num_shards, opt_shards, unit)
 
-    spec = _spec(strategy.shard_axes)
-    sharding = NamedSharding(mesh, spec)
+    layers = {s.path: u.layers for u in units for s in u.slots}
     paths = [p for p, _ in template]
-    param_specs = traverse_util.unflatten_dict({p: spec for p in paths})
+    specs = {p: _spec(strategy.shard_axes, layers[p]) for p in paths}
+    shardings = [NamedSharding(mesh, specs[p]) for p in paths]
+    param_specs = traverse_util.unflatten_dict(specs)
+
+    def padded_shape(path, shape, shards=1):  # [n_pad / shards] or [L, n_pad / shards]
+        lead = () if layers[path] is None else (layers[path],)
+        return lead + (padded_size(int(np.prod(shape[len(lead):])), opt_shards) // shards,)
+
     if abstract:
         values = [
-            jax.ShapeDtypeStruct((padded_size(int(np.prod(v.get_value().shape)), opt_shards),), v.get_value().dtype, sharding=sharding)
-            for _, v in template
+            jax.ShapeDtypeStruct(padded_shape(p, v.get_value().shape), v.get_value().dtype, sharding=sh)
+            for (p, v), sh in zip(template, shardings)
         ]
     elif concrete:
-        values = [jax.device_put(pad_flat(np.asarray(v.get_value()), opt_shards), sharding) for _, v in flat_state]
+        values = [
+            jax.device_put(pad_flat(np.asarray(v.get_value()), opt_shards, layers[p]), sh)
+            for (p, v), sh in zip(flat_state, shardings)
+        ]
     else:
 
         def build():
             _, st = nnx.split(model())
-            return [pad_flat(v.get_value(), opt_shards) for _, v in nnx.to_flat_state(st)]
+            return [pad_flat(v.get_value(), opt_shards, layers[p]) for p, v in nnx.to_flat_state(st)]
 
-        values = jax.jit(build, out_shardings=[sharding] * len(paths))()
+        values = jax.jit(build, out_shardings=shardings)()
     params = traverse_util.unflatten_dict(dict(zip(paths, values)))
 
-    # The optimizer runs on per-parameter slices over strategy.opt_axes: [n_pad / opt_shards].
-    opt_param_specs = traverse_util.unflatten_dict({p: _spec(strategy.opt_axes) for p in paths})
+    # The optimizer runs on per-parameter slices over strategy.opt_axes: [.., n_pad / opt_shards].
+    opt_param_specs = traverse_util.unflatten_dict({p: _spec(strategy.opt_axes, layers[p]) for p in paths})
     local = traverse_util.unflatten_dict(
-        {p: jax.ShapeDtypeStruct((padded_size(int(np.prod(v.shape)), opt_shards) // opt_shards,), v.get_value().dtype) for p, v in template}
+        {p: jax.ShapeDtypeStruct(padded_shape(p, v.shape, opt_shards), v.get_value().dtype) for p, v in template}
     )
     opt_specs = optax.tree_map_params(
         tx,
@@ -309,9 +335,13 @@ def unshard(state: ShardedState) -> nnx.Module:
     """
     plan = state.plan
     flat = traverse_util.flatten_dict(state.params)
+    layers = plan.layers_of()
     values = {}
     for path, var in plan.template:
         shape = var.get_value().shape
-        host = np.asarray(jax.device_get(flat[path]))  # [n_pad]
-        values[path] = jnp.asarray(host[: int(np.prod(shape))].reshape(shape))
+        host = np.asarray(jax.device_get(flat[path]))  # [n_pad] or [L, n_pad]
+        if layers[path] is None:
+            values[path] = jnp.asarray(host[: int(np.prod(shape))].reshape(shape))
+        else:
+            values[path] = jnp.asarray(host[:, : int(np.prod(shape[1:]))].reshape(shape))
     return nnx.merge(plan.graphdef, _fill(plan.template, values))

@@ -44,6 +44,24 @@ def _intercepting_class(cls: type) -> type:
     return _INTERCEPTORS[cls]
 
 
+_STACKED: dict = {}
+
+
+def _stacked_class(cls: type, plan: Plan, unit: Unit) -> type:
+    """A subclass of ``cls`` for a stacked unit: under ``nnx.scan`` each iteration's module
+    holds its own layer's local shards ``[n_pad / N]`` and gathers only that layer."""
+    key = (cls, unit)
+    if key not in _STACKED:
+
+        def __call__(self, *args, **kwargs):
+            own = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(self, nnx.Param))}
+            shards = {s.path: own[s.path[len(unit.path) :]] for s in unit.slots}
+            return _unit_call(plan, unit, _unit_bufs(unit, shards), cls.__call__)(*args, **kwargs)
+
+        _STACKED[key] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
+    return _STACKED[key]
+
+
 def _unit_bufs(unit: Unit, shards: dict) -> list[jax.Array]:
     # per-parameter local shards [n_pad/N] -> this device's FlatParameter shard [L/N], per dtype
     return [f.concat_shards([shards[s.path] for s in f.slots]) for f in unit.flats]
@@ -91,12 +109,18 @@ def materialize(plan: Plan, shards: dict) -> nnx.Module:
     if root is not None:
         gathered = gather(root.flats, _unit_bufs(root, shards), plan.shard_axes, plan.replica_axes)
         values = {s.path: v for s, v in zip(root.slots, gathered)}
+    for unit in blocks:
+        if unit.layers is not None:  # stacked: the module holds its local shards [L, n_pad/N]
+            values.update({s.path: shards[s.path] for s in unit.slots})
     model = nnx.merge(plan.graphdef, _fill(plan.template, values))
     for unit in blocks:
         sub = model
         for key in unit.path:
             sub = sub[key] if isinstance(key, int) else getattr(sub, key)
         cls = type(sub)
+        if unit.layers is not None:
+            object.__setattr__(sub, "__class__", _stacked_class(cls, plan, unit))
+            continue
         object.__setattr__(sub, "_zshard_unit_call", _unit_call(plan, unit, _unit_bufs(unit, shards), cls.__call__))
         object.__setattr__(sub, "__class__", _intercepting_class(cls))
     return model

@@ -13,7 +13,7 @@ from typing import Any
 
 from flax import nnx
 
-__all__ = ["find_units", "path_str"]
+__all__ = ["find_units", "path_str", "stacked_layers"]
 
 
 def path_str(path: tuple) -> str:
@@ -23,6 +23,20 @@ def path_str(path: tuple) -> str:
 
 def _modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
     return [(tuple(p), m) for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and p]
+
+
+def stacked_layers(module: nnx.Module) -> int | None:
+    """``L`` when ``module`` holds ``L`` stacked layers (built with ``nnx.vmap``), else ``None``.
+
+    Stacked means: every parameter has a leading dimension of the same size ``L >= 2`` and at
+    least one parameter has 3 or more dimensions (a stacked matrix ``[L, d_in, d_out]``);
+    plain modules have differing leading dimensions or only matrices and vectors.
+    """
+    shapes = [v.get_value().shape for _, v in nnx.to_flat_state(nnx.state(module, nnx.Param))]
+    if not shapes or min(len(s) for s in shapes) < 1 or max(len(s) for s in shapes) < 3:
+        return None
+    layers = shapes[0][0]
+    return layers if layers >= 2 and all(s[0] == layers for s in shapes) else None
 
 
 def _repeated_blocks(model: nnx.Module) -> list[tuple]:
@@ -36,6 +50,8 @@ def _repeated_blocks(model: nnx.Module) -> list[tuple]:
     for members in groups.values():
         if len(members) >= 2 and len({cls for _, cls in members}) == 1:
             found.extend(p for p, _ in members)
+    # Stacked blocks (nnx.vmap-built, run with nnx.scan): one module holding L layers.
+    found.extend(p for p, m in _modules(model) if stacked_layers(m) is not None)
     return found
 
 
@@ -53,7 +69,8 @@ def find_units(model: nnx.Module, unit: Any = None) -> list[tuple]:
 
     Args:
       model: the (possibly abstract) model.
-      unit: ``None`` (repeated blocks: elements of an ``nnx.List`` of one module class),
+      unit: ``None`` (repeated blocks: elements of an ``nnx.List`` of one module class, and
+        modules of stacked layers, see :func:`stacked_layers`),
         a module class or a tuple of classes (every outermost submodule of that class).
 
     Returns:

@@ -1,0 +1,88 @@
+"""Stacked blocks (built with nnx.vmap, run with nnx.scan) as units: the layer axis is never
+sharded and each scan iteration gathers only its own layer."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import gpt_batches, reference_run, zshard_run
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import zshard
+from train.model import GPT, GPTConfig, Llama, LlamaConfig, cross_entropy_loss
+from zshard.report import parse_collectives
+from zshard.units import stacked_layers
+
+L = 3
+
+
+def gpt(scan):
+    return GPT(GPTConfig(seq_len=16, d_model=32, n_layers=L, n_heads=2, scan=scan), rngs=nnx.Rngs(0))
+
+
+def llama(scan):
+    cfg = LlamaConfig(vocab_size=256, seq_len=16, d_model=32, n_layers=L, n_heads=4, n_kv_heads=2, d_ff=48, scan=scan)
+    return Llama(cfg, rngs=nnx.Rngs(0))
+
+
+def test_stacked_units_are_detected_and_laid_out_per_layer():
+    state = zshard.init(lambda: gpt(True), optax.adamw(1e-3), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
+    units = {u.name: u.layers for u in state.plan.units}
+    assert units == {"root": None, "blocks": L}
+    kernel = state.params["blocks"]["mlp"]["fc"]["kernel"]  # [L, 32*128] -> per layer padded to /4
+    assert kernel.shape == (L, 32 * 128) and kernel.sharding.spec == P(None, "shard")
+    assert kernel.addressable_shards[0].data.shape == (L, 32 * 128 // 4)
+    assert stacked_layers(gpt(False).blocks[0]) is None  # an ordinary block is not "stacked"
+
+
+def unrolled_copy(make):
+    """The unrolled (nnx.List) model holding exactly the scanned model's initial weights."""
+    scanned, unrolled = make(True), make(False)
+    stacked = nnx.state(scanned, nnx.Param).to_pure_dict()
+    target = nnx.state(unrolled, nnx.Param).to_pure_dict()
+    target["blocks"] = {i: jax.tree.map(lambda x: x[i], stacked["blocks"]) for i in range(L)}
+    for key in stacked:
+        if key != "blocks":
+            target[key] = stacked[key]
+    nnx.update(unrolled, nnx.State(target))
+    return unrolled
+
+
+@pytest.mark.parametrize("strategy", [s.value for s in zshard.Strategy])
+@pytest.mark.parametrize("make", [gpt, llama], ids=["gpt", "llama"])
+def test_scanned_equals_unrolled_equals_reference(make, strategy):
+    data = gpt_batches(4)
+    want = reference_run(lambda: unrolled_copy(make), optax.adamw(1e-3), cross_entropy_loss, data)
+    scanned = zshard_run(lambda: make(True), optax.adamw(1e-3), zshard.make_mesh(2, 4), strategy, cross_entropy_loss, data)
+    np.testing.assert_allclose(scanned.losses, want.losses, rtol=1e-5)
+    np.testing.assert_allclose(scanned.grad_norms, want.grad_norms, rtol=1e-5)
+    # the scanned model's parameters are the unrolled ones stacked on a leading layer axis
+    for path, ref in want.params.items():
+        if path[0] == "blocks":
+            got = scanned.params[("blocks",) + path[2:]][path[1]]
+        else:
+            got = scanned.params[path]
+        assert got.shape == ref.shape, path
+        assert np.linalg.norm(got - ref) <= 1e-5 * max(np.linalg.norm(ref), 1e-30), path
+
+
+@pytest.mark.parametrize("strategy,mesh,gathers,scatters", [
+    ("FULL_SHARD", (1, 8), 2 * L, L),      # forward and backward loop bodies each gather one layer
+    ("HYBRID_SHARD", (2, 4), 2 * L, L),
+    ("SHARD_GRAD_OP", (1, 8), L, L),       # gathered once, kept for backward
+])
+def test_gather_happens_inside_the_loop_once_per_layer(strategy, mesh, gathers, scatters):
+    state = zshard.init(lambda: gpt(True), optax.sgd(0.1), zshard.make_mesh(*mesh), strategy=strategy)
+    step = zshard.make_train_step(cross_entropy_loss)
+    colls = parse_collectives(step.lower(state, gpt_batches(1)[0]).compile().as_text(), state.plan.mesh)
+    block = state.plan.units[1]
+    layer_bytes = sum(f.padded_size * f.dtype.itemsize for f in block.flats)  # one layer, not the stack
+    in_loop = [c for c in colls if c.trips == L]
+    assert sum(1 for c in in_loop if c.kind == "all-gather") * L == gathers
+    assert sum(1 for c in in_loop if c.kind == "reduce-scatter") * L == scatters
+    assert all(c.buffer_bytes == layer_bytes for c in in_loop if c.kind in ("all-gather", "reduce-scatter"))
+    assert not any(c.buffer_bytes >= L * layer_bytes for c in colls), "a whole-stack collective"
+    if strategy == "HYBRID_SHARD":  # per layer, the gradient shard crosses replicas
+        ar = [c for c in in_loop if c.kind == "all-reduce"]
+        assert len(ar) == 1 and ar[0].axis == "replica" and ar[0].buffer_bytes == layer_bytes // 4
