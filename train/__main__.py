@@ -160,6 +160,10 @@ def build_parser(model_names: list[str], strategies: list[str]) -> argparse.Argu
                    help="linear warmup, steps (default: 10%% of --steps; at most --steps - 1)")
     g.add_argument("--weight-decay", metavar="WD", type=_nonnegative_float, default=d["weight_decay"],
                    help="AdamW decoupled weight decay on matrices and embeddings (not on norms or biases)")
+    g.add_argument("--grad-accum", metavar="K", type=_positive_int, default=1,
+                   help="gradient accumulation: micro-batches per optimizer step (the batch splits into devices x K)")
+    g.add_argument("--clip-norm", metavar="X", type=_positive_float, default=None,
+                   help="clip the gradient to this global L2 norm (exact over all shards)")
     g.add_argument("--seed", metavar="SEED", type=_nonnegative_int, default=d["seed"], help="seed of the initial weights and of the batches")
     g = p.add_argument_group("data, evaluation and output")
     g.add_argument("--data", metavar="FILE", default=None,
@@ -259,11 +263,13 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Setup
         mesh = zshard.make_mesh(replica, shard, devices=devices)
     except ValueError as e:
         parser.error(f"--mesh {args.mesh!r}: {e}")
-    if args.batch_size % n:
-        lo = max(n, args.batch_size // n * n)
+    unit = n * args.grad_accum  # the global batch splits over devices x micro-batches
+    if args.batch_size % unit:
+        lo = max(unit, args.batch_size // unit * unit)
+        accum = f" x --grad-accum {args.grad_accum}" if args.grad_accum > 1 else ""
         parser.error(
-            f"--batch-size {args.batch_size} does not divide by the {n} devices of the {replica}x{shard} mesh "
-            f"(the global batch is split over all devices); use a multiple of {n}, e.g. {lo} or {lo + n}"
+            f"--batch-size {args.batch_size} does not divide by the {n} devices of the {replica}x{shard} mesh{accum} "
+            f"(the global batch is split over all devices); use a multiple of {unit}, e.g. {lo} or {lo + unit}"
         )
 
     out = Path(args.out)
@@ -355,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     # ---- build and compile ------------------------------------------------------------
     tx, warmup = make_optimizer(args)
     state = zshard.init(lambda: GPT(setup.cfg, rngs=nnx.Rngs(args.seed)), tx, setup.mesh, strategy=args.strategy)
-    step = zshard.make_train_step(cross_entropy_loss)
+    step = zshard.make_train_step(cross_entropy_loss, grad_accum=args.grad_accum, clip_norm=args.clip_norm)
     batches = data.train_batches(setup.train_data, args.batch_size, args.seq_len, args.seed)
     batch = next(batches)
 
@@ -440,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         "seq_len": args.seq_len,  # tokens
         "tokens_per_step": tokens_per_step,
         "lr": args.lr,
+        "grad_accum": args.grad_accum,  # micro-batches per step
+        "clip_norm": args.clip_norm,
+        "scan": setup.cfg.scan,
         "warmup": warmup,  # steps
         "weight_decay": args.weight_decay,
         "seed": args.seed,

@@ -14,16 +14,18 @@ Per device (DESIGN.md section 5):
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.collectives import gather, run_unit
+from zshard.collectives import _vary, gather, run_unit
 from zshard.mesh import AXES
 from zshard.optim import apply_optimizer, global_norm
 from zshard.state import Plan, ShardedState, Unit, _fill
@@ -31,6 +33,14 @@ from zshard.state import Plan, ShardedState, Unit, _fill
 __all__ = ["TrainStep", "make_train_step"]
 
 _INTERCEPTORS: dict[type, type] = {}
+
+# While tracing a step with gradient accumulation, units reduce-scatter over the shard axes
+# only; the cross-replica all-reduce of the accumulated shard happens once per step.
+_DEFER_REPLICA_REDUCE = contextvars.ContextVar("zshard_defer_replica_reduce", default=False)
+
+
+def _replica_axes(plan: Plan) -> tuple[str, ...]:
+    return () if _DEFER_REPLICA_REDUCE.get() else plan.replica_axes
 
 
 def _intercepting_class(cls: type) -> type:
@@ -86,9 +96,9 @@ def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable) -> Callable:
 
         inputs = [leaves[i] for i in dynamic]
         if plan.strategy.reshard_after_forward:
-            return run_unit(apply, unit.flats, bufs, inputs, plan.shard_axes, plan.replica_axes)
+            return run_unit(apply, unit.flats, bufs, inputs, plan.shard_axes, _replica_axes(plan))
         # SHARD_GRAD_OP and friends: gather once, keep the gathered copy through backward.
-        return apply(gather(unit.flats, bufs, plan.shard_axes, plan.replica_axes), inputs)
+        return apply(gather(unit.flats, bufs, plan.shard_axes, _replica_axes(plan)), inputs)
 
     return unit_call
 
@@ -107,7 +117,7 @@ def materialize(plan: Plan, shards: dict) -> nnx.Module:
     root, blocks = (plan.units[0], plan.units[1:]) if plan.units[0].path == () else (None, plan.units)
     values = {}
     if root is not None:
-        gathered = gather(root.flats, _unit_bufs(root, shards), plan.shard_axes, plan.replica_axes)
+        gathered = gather(root.flats, _unit_bufs(root, shards), plan.shard_axes, _replica_axes(plan))
         values = {s.path: v for s, v in zip(root.slots, gathered)}
     for unit in blocks:
         if unit.layers is not None:  # stacked: the module holds its local shards [L, n_pad/N]
@@ -126,19 +136,59 @@ def materialize(plan: Plan, shards: dict) -> nnx.Module:
     return model
 
 
-def _local_step(plan: Plan, loss_fn: Callable, state: ShardedState, batch):
+def _accumulate(plan: Plan, scaled_loss: Callable, params: dict, batch, k: int):
+    """Gradient accumulation over ``k`` micro-batches (``lax.scan``), on the shards.
+
+    The accumulator is an fp32 copy of the gradient shards, never a full gradient; every
+    micro-batch reduce-scatters over the shard axes, and the replica axes are all-reduced
+    once per step, on the accumulated shard (FSDP2's ``set_requires_all_reduce(False)``).
+    """
+    replica = plan.replica_axes
+    # Differentiating w.r.t. replica-varying parameters lets each micro-batch's gradient
+    # stay unsummed over replica.
+    params = jax.tree.map(lambda p: _vary(p, plan.shard_axes + replica), params)
+    micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)  # [B/W] -> [k, B/(W k), ...]
+    token = _DEFER_REPLICA_REDUCE.set(True)
+    try:
+
+        def body(carry, mb):
+            acc, loss_sum = carry
+            (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params, mb)
+            acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+            return (acc, loss_sum + loss), None
+
+        zeros = jax.tree.map(lambda p: _vary(jnp.zeros(p.shape, jnp.float32), plan.shard_axes + replica), params)
+        loss0 = _vary(jnp.zeros((), jnp.float32), AXES)
+        (acc, loss_sum), _ = jax.lax.scan(body, (zeros, loss0), micro)
+    finally:
+        _DEFER_REPLICA_REDUCE.reset(token)
+    if replica:
+        # [n_pad/N] --all_reduce(replica)--> [n_pad/N], once per step
+        acc = jax.lax.psum(acc, replica)
+    grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+    return loss_sum / k, grads
+
+
+def _local_step(plan: Plan, loss_fn: Callable, grad_accum: int, clip_norm, state: ShardedState, batch):
     world = plan.world
 
-    def scaled_loss(params):
+    def scaled_loss(params, batch):
         model = materialize(plan, traverse_util.flatten_dict(params))
         loss = loss_fn(model, batch)
-        # Each device's gradient is of (local mean / world); the reduce-scatters sum them
-        # into the gradient of the global mean loss.
-        return loss / world, loss
+        # Each device's gradient is of (local mean / (world * micro-batches)); the
+        # reduce-scatters and the accumulation sum them into the global mean's gradient.
+        return loss / (world * grad_accum), loss
 
-    (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(state.params)
+    if grad_accum == 1:
+        (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(state.params, batch)
+    else:
+        loss, grads = _accumulate(plan, scaled_loss, state.params, batch, grad_accum)
     loss = jax.lax.psum(loss, AXES) / world
     grad_norm = global_norm(grads, plan.shard_axes)
+    if clip_norm is not None:
+        # optax.clip_by_global_norm semantics with the norm of the whole (unsharded) gradient
+        scale = jnp.where(grad_norm < clip_norm, 1.0, clip_norm / grad_norm)
+        grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
     params, opt_state = apply_optimizer(plan, state.params, grads, state.opt_state)
     new_state = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
     return new_state, {"loss": loss, "grad_norm": grad_norm}
@@ -157,13 +207,19 @@ class TrainStep:
         device count (before any compile).
     """
 
-    def __init__(self, loss_fn: Callable[[nnx.Module, Any], jax.Array]):
+    def __init__(self, loss_fn: Callable[[nnx.Module, Any], jax.Array], *, grad_accum: int = 1, clip_norm: float | None = None):
+        if not isinstance(grad_accum, int) or grad_accum < 1:
+            raise ValueError(f"grad_accum={grad_accum!r}: must be a positive integer (micro-batches per step)")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"clip_norm={clip_norm!r}: must be a positive number (or None for no clipping)")
         self.loss_fn = loss_fn
+        self.grad_accum = grad_accum
+        self.clip_norm = clip_norm
         self._jitted = jax.jit(self._step, donate_argnums=0)
 
     def _step(self, state: ShardedState, batch):
         fn = jax.shard_map(
-            lambda s, b: _local_step(state.plan, self.loss_fn, s, b),
+            lambda s, b: _local_step(state.plan, self.loss_fn, self.grad_accum, self.clip_norm, s, b),
             mesh=state.plan.mesh,
             in_specs=(state.specs(), P(AXES)),
             out_specs=(state.specs(), P()),
@@ -172,7 +228,7 @@ class TrainStep:
 
     def put_batch(self, state: ShardedState, batch):
         """Validate ``batch`` and place it with its leading dimension split over all devices."""
-        world = state.plan.world
+        world = state.plan.world * self.grad_accum  # the batch splits into devices x micro-batches
         sharding = NamedSharding(state.plan.mesh, P(AXES))
         leaves = jax.tree_util.tree_leaves_with_path(batch)
         if not leaves:
@@ -186,9 +242,10 @@ class TrainStep:
         for path, x in leaves:
             shape = np.shape(x)
             if not shape or shape[0] == 0 or shape[0] % world:
+                micro = f" x grad_accum={self.grad_accum} micro-batches" if self.grad_accum > 1 else ""
                 raise ValueError(
                     f"batch{jax.tree_util.keystr(path)} has shape {shape}: its leading (batch) dimension "
-                    f"must divide by the {world} devices of the mesh {dict(state.plan.mesh.shape)}; "
+                    f"must divide by the {state.plan.world} devices of the mesh {dict(state.plan.mesh.shape)}{micro}; "
                     f"use a global batch that is a multiple of {world}"
                 )
         return jax.tree.map(
@@ -211,10 +268,21 @@ class TrainStep:
         return self._jitted.lower(state, self.put_batch(state, batch))
 
 
-def make_train_step(loss_fn: Callable[[nnx.Module, Any], jax.Array]) -> TrainStep:
+def make_train_step(
+    loss_fn: Callable[[nnx.Module, Any], jax.Array], *, grad_accum: int = 1, clip_norm: float | None = None
+) -> TrainStep:
     """Build the sharded step for ``loss_fn(model, batch) -> scalar mean loss``.
 
-    ``loss_fn`` is written for one device and an ordinary model: it receives this device's
-    slice of the batch (``[B / (R*S), ...]``) and must return the mean loss over it.
+    Args:
+      loss_fn: written for one device and an ordinary model: it receives this device's
+        slice of the batch (``[B / (R*S*grad_accum), ...]``) and returns the mean loss over it.
+      grad_accum: micro-batches per step (gradient accumulation); the global batch must
+        divide by ``R*S*grad_accum``. The optimizer (and its schedules) advance once per step.
+      clip_norm: clip the gradient to this global L2 norm before the optimizer
+        (``optax.clip_by_global_norm`` semantics over the whole, unsharded gradient).
+        ``metrics["grad_norm"]`` is the norm before clipping.
+
+    Raises:
+      ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive.
     """
-    return TrainStep(loss_fn)
+    return TrainStep(loss_fn, grad_accum=grad_accum, clip_norm=clip_norm)
