@@ -160,6 +160,10 @@ def build_parser(model_names: list[str], strategies: list[str]) -> argparse.Argu
                    help="linear warmup, steps (default: 10%% of --steps; at most --steps - 1)")
     g.add_argument("--weight-decay", metavar="WD", type=_nonnegative_float, default=d["weight_decay"],
                    help="AdamW decoupled weight decay on matrices and embeddings (not on norms or biases)")
+    g.add_argument("--param-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="mixed precision: dtype of the all-gather and of the compute (masters stay float32)")
+    g.add_argument("--reduce-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="mixed precision: dtype of the gradient reduce-scatter / all-reduce (default: --param-dtype)")
     g.add_argument("--grad-accum", metavar="K", type=_positive_int, default=1,
                    help="gradient accumulation: micro-batches per optimizer step (the batch splits into devices x K)")
     g.add_argument("--clip-norm", metavar="X", type=_positive_float, default=None,
@@ -360,7 +364,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- build and compile ------------------------------------------------------------
     tx, warmup = make_optimizer(args)
-    state = zshard.init(lambda: GPT(setup.cfg, rngs=nnx.Rngs(args.seed)), tx, setup.mesh, strategy=args.strategy)
+    mp = None
+    if args.param_dtype or args.reduce_dtype:
+        mp = zshard.MixedPrecision(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
+    state = zshard.init(lambda: GPT(setup.cfg, rngs=nnx.Rngs(args.seed)), tx, setup.mesh, strategy=args.strategy, mixed_precision=mp)
     step = zshard.make_train_step(cross_entropy_loss, grad_accum=args.grad_accum, clip_norm=args.clip_norm)
     batches = data.train_batches(setup.train_data, args.batch_size, args.seq_len, args.seed)
     batch = next(batches)
@@ -446,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         "seq_len": args.seq_len,  # tokens
         "tokens_per_step": tokens_per_step,
         "lr": args.lr,
+        "param_dtype": args.param_dtype or "float32",
+        "reduce_dtype": args.reduce_dtype or args.param_dtype or "float32",
         "grad_accum": args.grad_accum,  # micro-batches per step
         "clip_norm": args.clip_norm,
         "scan": setup.cfg.scan,

@@ -8,12 +8,14 @@
 """
 
 from zshard.mesh import make_mesh
+from zshard.precision import MixedPrecision
 from zshard.report import Report, report
 from zshard.state import Plan, ShardedState, init, unshard
 from zshard.step import TrainStep, make_train_step
 from zshard.strategy import Strategy
 
 __all__ = [
+    "MixedPrecision",
     "Plan",
     "Report",
     "ShardedState",

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from zshard.flat import FlatParameter
+from zshard.precision import FULL_PRECISION
 
 __all__ = ["all_gather_flat", "reduce_scatter_flat", "gather", "run_unit"]
 
@@ -78,31 +79,33 @@ def reduce_scatter_flat(full: jax.Array, shard_axes: tuple[str, ...], replica_ax
     return shard
 
 
-def _gather_all(flats, bufs, shard_axes, replica_axes):
+def _gather_all(flats, bufs, shard_axes, replica_axes, mp):
     # The gathered parameters meet batch data that varies over every mesh axis. Marking the
     # shard varying over replica *before* the gather keeps autodiff from inserting a
     # broadcast whose transpose would all-reduce the full gradient across replicas
     # (DESIGN.md section 7, "the replica trap"); the backward sums only the shard instead.
-    bufs = [_vary(b, shard_axes + replica_axes) for b in bufs]
+    bufs = [_vary(b, shard_axes + replica_axes).astype(mp.gather_dtype(f.dtype)) for f, b in zip(flats, bufs)]
     return [p for f, b in zip(flats, bufs) for p in f.unflatten(all_gather_flat(b, shard_axes))]
 
 
-def _scatter_all(flats, grads, shard_axes, replica_axes):
+def _scatter_all(flats, grads, shard_axes, replica_axes, mp):
     out, i = [], 0
     for f in flats:
         n = len(f.slots)
-        out.append(reduce_scatter_flat(f.flatten(grads[i : i + n]), shard_axes, replica_axes))
+        full = f.flatten(grads[i : i + n], mp.grad_dtype(f.dtype))  # [N, L/N] in the reduce dtype
+        out.append(reduce_scatter_flat(full, shard_axes, replica_axes).astype(f.dtype))
         i += n
     return tuple(out)
 
 
-def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], shard_axes, replica_axes) -> list[jax.Array]:
+def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], shard_axes, replica_axes, mp=FULL_PRECISION) -> list[jax.Array]:
     """All-gather a unit's FlatParameter shards; backward reduce-scatters (+ replica all-reduce).
 
     Args:
       flats: the unit's layouts, one per dtype.
       bufs: this device's shards, ``[L_k / N]`` each, ``PartitionSpec(shard_axes)`` outside.
       shard_axes / replica_axes: mesh axes of the strategy.
+      mp: the :class:`~zshard.MixedPrecision` (gather in ``param_dtype``, reduce in ``reduce_dtype``).
 
     Returns:
       The unit's parameters in logical shapes, in slot order (all flats concatenated).
@@ -111,13 +114,13 @@ def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], shard_axes
 
     @jax.custom_vjp
     def _gather(bufs):
-        return _gather_all(flats, bufs, shard_axes, replica_axes)
+        return _gather_all(flats, bufs, shard_axes, replica_axes, mp)
 
     def fwd(bufs):
-        return _gather_all(flats, bufs, shard_axes, replica_axes), None
+        return _gather_all(flats, bufs, shard_axes, replica_axes, mp), None
 
     def bwd(_, grads):
-        return (_scatter_all(flats, grads, shard_axes, replica_axes),)
+        return (_scatter_all(flats, grads, shard_axes, replica_axes, mp),)
 
     _gather.defvjp(fwd, bwd)
     return _gather(tuple(bufs))
@@ -130,6 +133,7 @@ def run_unit(
     inputs,
     shard_axes,
     replica_axes,
+    mp=FULL_PRECISION,
 ):
     """Run ``apply(params, inputs)`` with the unit's parameters gathered just in time.
 
@@ -148,23 +152,23 @@ def run_unit(
 
     @jax.custom_vjp
     def _unit(bufs, inputs):
-        return apply(_gather_all(flats, bufs, shard_axes, replica_axes), inputs)
+        return apply(_gather_all(flats, bufs, shard_axes, replica_axes, mp), inputs)
 
     def fwd(bufs, inputs):
         # The gather may not start before the unit's input exists (prefetch is a later,
         # deliberate choice), so the gathered copy is alive only around this unit.
         bufs = _after(bufs, inputs)
-        out = apply(_gather_all(flats, bufs, shard_axes, replica_axes), inputs)
+        out = apply(_gather_all(flats, bufs, shard_axes, replica_axes, mp), inputs)
         return out, (bufs, inputs)
 
     def bwd(res, g):
         bufs, inputs = res
         # The re-gather depends on the cotangent: it cannot be merged with the forward one.
         bufs = _after(bufs, g)
-        params = _gather_all(flats, bufs, shard_axes, replica_axes)
+        params = _gather_all(flats, bufs, shard_axes, replica_axes, mp)
         _, vjp = jax.vjp(apply, params, inputs)
         d_params, d_inputs = vjp(g)
-        return _scatter_all(flats, d_params, shard_axes, replica_axes), d_inputs
+        return _scatter_all(flats, d_params, shard_axes, replica_axes, mp), d_inputs
 
     _unit.defvjp(fwd, bwd)
     return _unit(tuple(bufs), inputs)

@@ -139,11 +139,12 @@ class FlatParameter:
         # [n_pad] -> [n] -> shape
         return [v[: s.size].reshape(s.shape) for s, v in zip(self.slots, self.split_padded(full))]
 
-    def flatten(self, values: Sequence[jax.Array]) -> jax.Array:
-        """Full-size values (e.g. gradients) in logical shapes -> ``[N, L/N]`` (zero padding)."""
+    def flatten(self, values: Sequence[jax.Array], dtype=None) -> jax.Array:
+        """Full-size values (e.g. gradients) in logical shapes -> ``[N, L/N]`` in ``dtype``
+        (default: the FlatParameter's), zero padding."""
         rows = []
         for s, v in zip(self.slots, values):
-            flat = v.astype(self.dtype).reshape(-1)
+            flat = v.astype(dtype or self.dtype).reshape(-1)
             flat = jnp.pad(flat, (0, s.padded - s.size)) if s.padded > s.size else flat  # [n] -> [n_pad]
             rows.append(flat.reshape(self.num_shards, -1))  # [N, n_pad/N]
         return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)  # [N, L/N]

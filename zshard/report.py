@@ -10,6 +10,11 @@
   full buffer ``X`` over ``n`` devices: ``X(n-1)/n``; all-reduce: ``2X(n-1)/n``; Patarasuk &
   Yuan 2009), against DESIGN.md section 3. Collectives inside a ``while`` body count once
   per iteration (``known_trip_count``).
+
+XLA:CPU upcasts bf16 collectives to f32 while compiling (float normalisation); with
+``MixedPrecision(param_dtype=bfloat16)`` the compiled CPU program therefore moves twice the
+gather bytes of the formula. GPU backends keep bf16. ``step.lower(...).as_text(dialect="hlo")``
+shows the program as zshard emits it, and :func:`parse_collectives` reads that text too.
 """
 
 from __future__ import annotations
@@ -207,26 +212,36 @@ def _local_bytes(x) -> int:
 
 
 def _formula_comm(plan) -> dict[str, float]:
-    """Bytes one device sends per step, DESIGN.md section 3 (ring algorithm)."""
+    """Bytes one device sends per step, DESIGN.md section 3 (ring algorithm).
+
+    ``Psi * b`` is counted per collective in the dtype it moves: gathers in the mixed
+    precision ``param_dtype``, gradient reductions in ``reduce_dtype``, SHARD_OPT's gather of
+    updated parameters in the master dtype.
+    """
     R, S = plan.mesh.shape[REPLICA], plan.mesh.shape[SHARD]
     W = R * S
-    psi_b = sum((u.layers or 1) * s.size * s.dtype.itemsize for u in plan.units for s in u.slots)  # Psi * b
-    root_b = sum(s.size * s.dtype.itemsize for u in plan.units if not u.path for s in u.slots)
+    mp = plan.mp
+
+    def total(dtype_of, units):  # sum over parameters of size * itemsize
+        return sum((u.layers or 1) * s.size * np.dtype(dtype_of(s.dtype)).itemsize for u in units for s in u.slots)
+
+    master = total(lambda d: d, plan.units)
+    ag = total(mp.gather_dtype, plan.units)  # one all-gather of every unit
+    ag_root = total(mp.gather_dtype, [u for u in plan.units if not u.path])
+    rs = total(mp.grad_dtype, plan.units)  # one reduction of every gradient
     st = plan.strategy
     ring = lambda n: (n - 1) / n  # noqa: E731
     world, shard, replica = (_axis_name(plan.mesh, a) for a in ((REPLICA, SHARD), (SHARD,), (REPLICA,)))
     if st is Strategy.NO_SHARD:
-        return {world: 2 * psi_b * ring(W)}
+        return {world: 2 * rs * ring(W)}
     if st is Strategy.SHARD_OPT:
-        return {world: 3 * psi_b * ring(W)}
-    if st is Strategy.SHARD_GRAD_OP:
-        return {world: 2 * psi_b * ring(W)}
-    # FULL / HYBRID: AG forward + AG backward + RS; the root unit is gathered once and kept
-    # through backward (FSDP does not reshard the root after forward).
-    gathers = 3 * psi_b - root_b if st.reshard_after_forward else 2 * psi_b
-    if st is Strategy.FULL_SHARD:
-        return {world: gathers * ring(W)}
-    return {shard: gathers * ring(S), replica: 2 * (psi_b / S) * ring(R)}
+        return {world: (2 * rs + master) * ring(W)}
+    # AG forward (+ AG backward for resharding strategies; the root unit is gathered once and
+    # kept through backward, as FSDP keeps its root) + RS of the gradients.
+    gathers = 2 * ag - ag_root if st.reshard_after_forward else ag
+    if st in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD):
+        return {world: (gathers + rs) * ring(W)}
+    return {shard: (gathers + rs) * ring(S), replica: 2 * (rs / S) * ring(R)}
 
 
 @dataclasses.dataclass

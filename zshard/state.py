@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from zshard.flat import FlatParameter, pad_flat, padded_size
 from zshard.mesh import AXES
 from zshard.optim import init_optimizer
+from zshard.precision import FULL_PRECISION, MixedPrecision
 from zshard.strategy import Strategy
 from zshard.units import find_units, path_str, stacked_layers
 
@@ -93,6 +94,7 @@ class Plan:
         (``PartitionSpec()`` when replicated).
       opt_specs: PartitionSpecs of the Optax state (parameter-like leaves as the parameter,
         scalars such as step counts ``P()``).
+      mp: the :class:`~zshard.MixedPrecision` policy.
     """
 
     mesh: Mesh
@@ -103,6 +105,7 @@ class Plan:
     units: tuple[Unit, ...]
     param_specs: dict
     opt_specs: Any = None
+    mp: MixedPrecision = FULL_PRECISION
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
@@ -214,6 +217,7 @@ def init(
     strategy: Strategy | str | None = None,
     unit: Any = None,
     zero_stage: int | None = None,
+    mixed_precision: MixedPrecision | None = None,
     abstract: bool = False,
 ) -> ShardedState:
     """Shard a model and initialise the optimizer on the shards.
@@ -232,6 +236,9 @@ def init(
         units is the root unit.
       zero_stage: DeepSpeed's ZeRO stage 0/1/2/3, an alias of NO_SHARD / SHARD_OPT /
         SHARD_GRAD_OP / FULL_SHARD.
+      mixed_precision: :class:`~zshard.MixedPrecision` (FSDP's meaning): fp32 masters and
+        optimizer state in the shards, all-gather and compute in ``param_dtype``, gradient
+        reduction in ``reduce_dtype``. Default: everything in the parameters' own dtype.
       abstract: allocate nothing: every leaf is a ``jax.ShapeDtypeStruct`` carrying its
         sharding (pass a callable ``model``; it is only traced with ``nnx.eval_shape``), for
         ``step.lower`` / :func:`zshard.report` of models larger than the machine.
@@ -311,7 +318,9 @@ def init(
         transform_non_params=lambda _: P(),
         is_leaf=lambda x: isinstance(x, P),
     )
-    plan = Plan(mesh, strategy, tx, graphdef, template, units, param_specs, opt_specs)
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(f"mixed_precision must be a zshard.MixedPrecision, got {type(mixed_precision).__name__}")
+    plan = Plan(mesh, strategy, tx, graphdef, template, units, param_specs, opt_specs, mixed_precision or FULL_PRECISION)
     init_opt = jax.shard_map(partial(init_optimizer, plan), mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs)
     replicated = NamedSharding(mesh, P())
     if abstract:

@@ -87,6 +87,7 @@ def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable) -> Callable:
         static = [None if i in dynamic else x for i, x in enumerate(leaves)]
 
         def apply(params, inputs):
+            inputs = plan.mp.cast_inputs(inputs)  # compute in param_dtype (FSDP cast_forward_inputs)
             full = list(static)
             for i, x in zip(dynamic, inputs):
                 full[i] = x
@@ -96,9 +97,9 @@ def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable) -> Callable:
 
         inputs = [leaves[i] for i in dynamic]
         if plan.strategy.reshard_after_forward:
-            return run_unit(apply, unit.flats, bufs, inputs, plan.shard_axes, _replica_axes(plan))
+            return run_unit(apply, unit.flats, bufs, inputs, plan.shard_axes, _replica_axes(plan), plan.mp)
         # SHARD_GRAD_OP and friends: gather once, keep the gathered copy through backward.
-        return apply(gather(unit.flats, bufs, plan.shard_axes, _replica_axes(plan)), inputs)
+        return apply(gather(unit.flats, bufs, plan.shard_axes, _replica_axes(plan), plan.mp), inputs)
 
     return unit_call
 
@@ -117,7 +118,7 @@ def materialize(plan: Plan, shards: dict) -> nnx.Module:
     root, blocks = (plan.units[0], plan.units[1:]) if plan.units[0].path == () else (None, plan.units)
     values = {}
     if root is not None:
-        gathered = gather(root.flats, _unit_bufs(root, shards), plan.shard_axes, _replica_axes(plan))
+        gathered = gather(root.flats, _unit_bufs(root, shards), plan.shard_axes, _replica_axes(plan), plan.mp)
         values = {s.path: v for s, v in zip(root.slots, gathered)}
     for unit in blocks:
         if unit.layers is not None:  # stacked: the module holds its local shards [L, n_pad/N]
@@ -174,7 +175,7 @@ def _local_step(plan: Plan, loss_fn: Callable, grad_accum: int, clip_norm, state
 
     def scaled_loss(params, batch):
         model = materialize(plan, traverse_util.flatten_dict(params))
-        loss = loss_fn(model, batch)
+        loss = plan.mp.cast_loss(loss_fn(model, batch))
         # Each device's gradient is of (local mean / (world * micro-batches)); the
         # reduce-scatters and the accumulation sum them into the global mean's gradient.
         return loss / (world * grad_accum), loss
