@@ -1,6 +1,8 @@
 """Gradient accumulation and global-norm clipping on shards, against the single-device step."""
 
 import chex
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -78,3 +80,56 @@ def test_bad_accumulation_arguments():
     step = zshard.make_train_step(mse_loss, grad_accum=4)
     with pytest.raises(ValueError, match="grad_accum=4 micro-batches; use a global batch that is a multiple of 32"):
         step(state, mlp_batches(1, batch=16)[0])
+
+
+def masked_sum_count(model, batch):
+    """Token-weighted loss: (sum of squared errors over valid rows, number of valid rows)."""
+    x, y, mask = batch
+    err = jnp.sum(jnp.square(model(x) - y), axis=-1) * mask
+    return jnp.sum(err), jnp.sum(mask)
+
+
+def masked_mean(model, batch):
+    total, count = masked_sum_count(model, batch)
+    return total / count
+
+
+@pytest.mark.parametrize("strategy,mesh,k", [("FULL_SHARD", (1, 8), 1), ("HYBRID_SHARD", (2, 4), 2), ("NO_SHARD", (2, 4), 4)])
+def test_sum_count_loss_is_the_global_token_mean(strategy, mesh, k):
+    rng = np.random.default_rng(3)
+    data = []
+    for x, y in mlp_batches(3, batch=32):
+        mask = (rng.random(32) < 0.3).astype(np.float32)  # uneven: some devices see no valid row
+        mask[0] = 1.0
+        data.append((x, y, mask))
+    want = reference_run(mlp, optax.sgd(0.1), masked_mean, data)
+    state = zshard.init(mlp, optax.sgd(0.1), zshard.make_mesh(*mesh), strategy=strategy)
+    step = zshard.make_train_step(masked_sum_count, grad_accum=k)
+    for b, loss in zip(data, want.losses):
+        state, metrics = step(state, b)
+        assert abs(float(metrics["loss"]) - loss) <= 1e-5 * abs(loss)
+        assert float(metrics["tokens"]) == b[2].sum()
+    got = nnx.state(zshard.unshard(state), nnx.Param).to_pure_dict()
+    chex.assert_trees_all_close(got, nnx.state(want.model, nnx.Param).to_pure_dict(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_nan_on_one_device_is_seen_by_all(skip):
+    state = zshard.init(mlp, optax.adamw(1e-3), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
+    step = zshard.make_train_step(mse_loss, skip_nonfinite=skip)
+    good, bad = mlp_batches(2)
+    state, metrics = step(state, good)
+    assert int(metrics["nonfinite"]) == 0
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    x, y = bad
+    x = x.copy()
+    x[5, 3] = np.nan  # row 5 lives on device 2 (2 rows per device): one device only
+    state, metrics = step(state, (x, y))
+    assert int(metrics["nonfinite"]) == 1
+    after = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    if skip:  # every device kept its shards, bitwise
+        chex.assert_trees_all_equal(after, before)
+        state, metrics = step(state, good)
+        assert int(metrics["nonfinite"]) == 0 and np.isfinite(float(metrics["loss"]))
+    else:  # the update went through with NaN everywhere: all devices agree on it
+        assert all(np.isnan(leaf).any() for leaf in jax.tree.leaves(after[0]))

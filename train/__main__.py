@@ -168,6 +168,9 @@ def build_parser(model_names: list[str], strategies: list[str]) -> argparse.Argu
                    help="gradient accumulation: micro-batches per optimizer step (the batch splits into devices x K)")
     g.add_argument("--clip-norm", metavar="X", type=_positive_float, default=None,
                    help="clip the gradient to this global L2 norm (exact over all shards)")
+    g.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip the update of a step whose loss or gradient is NaN/inf (counted in metrics.jsonl "
+                   "as 'skipped'); by default such a step stops the run with an error naming it")
     g.add_argument("--seed", metavar="SEED", type=_nonnegative_int, default=d["seed"], help="seed of the initial weights and of the batches")
     g = p.add_argument_group("data, evaluation and output")
     g.add_argument("--data", metavar="FILE", default=None,
@@ -368,7 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.param_dtype or args.reduce_dtype:
         mp = zshard.MixedPrecision(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
     state = zshard.init(lambda: GPT(setup.cfg, rngs=nnx.Rngs(args.seed)), tx, setup.mesh, strategy=args.strategy, mixed_precision=mp)
-    step = zshard.make_train_step(cross_entropy_loss, grad_accum=args.grad_accum, clip_norm=args.clip_norm)
+    step = zshard.make_train_step(
+        cross_entropy_loss, grad_accum=args.grad_accum, clip_norm=args.clip_norm, skip_nonfinite=args.skip_nonfinite
+    )
     batches = data.train_batches(setup.train_data, args.batch_size, args.seq_len, args.seed)
     batch = next(batches)
 
@@ -409,14 +414,20 @@ def main(argv: list[str] | None = None) -> int:
         loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
         now = time.perf_counter()
         rec = {"step": i, "loss": loss, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / (now - t_last)}
+        nonfinite = int(metrics["nonfinite"])  # the same on every device (reduced over the mesh)
+        if nonfinite:
+            rec["skipped"] = int(args.skip_nonfinite)
         t_last = now
         records.append(rec)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
         bar.update(1)
-        if not np.isfinite(loss):
+        if nonfinite and not args.skip_nonfinite:
             bar.close()
             write_metrics(out, records)
-            raise SystemExit(f"{PROG}: error: the training loss is {loss} at step {i}; lower --lr (now {args.lr})")
+            raise SystemExit(
+                f"{PROG}: error: non-finite loss {loss} / grad norm {grad_norm} at step {i}; lower --lr "
+                f"(now {args.lr}), add --clip-norm, or pass --skip-nonfinite to skip such steps"
+            )
         return rec
 
     pending = None  # (step number, metrics) dispatched but not yet read

@@ -137,12 +137,13 @@ def materialize(plan: Plan, shards: dict) -> nnx.Module:
     return model
 
 
-def _accumulate(plan: Plan, scaled_loss: Callable, params: dict, batch, k: int):
+def _accumulate(plan: Plan, objective: Callable, params: dict, batch, k: int):
     """Gradient accumulation over ``k`` micro-batches (``lax.scan``), on the shards.
 
     The accumulator is an fp32 copy of the gradient shards, never a full gradient; every
     micro-batch reduce-scatters over the shard axes, and the replica axes are all-reduced
     once per step, on the accumulated shard (FSDP2's ``set_requires_all_reduce(False)``).
+    Returns ``((loss total, count total), grads)`` summed over the micro-batches.
     """
     replica = plan.replica_axes
     # Differentiating w.r.t. replica-varying parameters lets each micro-batch's gradient
@@ -153,46 +154,66 @@ def _accumulate(plan: Plan, scaled_loss: Callable, params: dict, batch, k: int):
     try:
 
         def body(carry, mb):
-            acc, loss_sum = carry
-            (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(params, mb)
+            acc, totals = carry
+            (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, mb)
             acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-            return (acc, loss_sum + loss), None
+            return (acc, jax.tree.map(jnp.add, totals, aux)), None
 
         zeros = jax.tree.map(lambda p: _vary(jnp.zeros(p.shape, jnp.float32), plan.shard_axes + replica), params)
-        loss0 = _vary(jnp.zeros((), jnp.float32), AXES)
-        (acc, loss_sum), _ = jax.lax.scan(body, (zeros, loss0), micro)
+        zero = _vary(jnp.zeros((), jnp.float32), AXES)
+        (acc, totals), _ = jax.lax.scan(body, (zeros, (zero, zero)), micro)
     finally:
         _DEFER_REPLICA_REDUCE.reset(token)
     if replica:
         # [n_pad/N] --all_reduce(replica)--> [n_pad/N], once per step
         acc = jax.lax.psum(acc, replica)
-    grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
-    return loss_sum / k, grads
+    return totals, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
 
 
-def _local_step(plan: Plan, loss_fn: Callable, grad_accum: int, clip_norm, state: ShardedState, batch):
-    world = plan.world
+def _local_step(plan: Plan, opts: dict, loss_fn: Callable, state: ShardedState, batch):
+    world, k = plan.world, opts["grad_accum"]
+    token_weighted = []  # set while tracing: loss_fn returned (sum, count)
 
-    def scaled_loss(params, batch):
+    def objective(params, batch):
+        """What this device differentiates, and its ``(loss, count)`` contribution."""
         model = materialize(plan, traverse_util.flatten_dict(params))
-        loss = plan.mp.cast_loss(loss_fn(model, batch))
-        # Each device's gradient is of (local mean / (world * micro-batches)); the
-        # reduce-scatters and the accumulation sum them into the global mean's gradient.
-        return loss / (world * grad_accum), loss
+        out = loss_fn(model, batch)
+        if isinstance(out, (tuple, list)) and len(out) == 2:
+            # (sum, count): differentiate the sum; divide by the global count afterwards.
+            total, count = plan.mp.cast_loss(out[0]), jnp.asarray(out[1], jnp.float32)
+            token_weighted.append(True)
+            return total, (total, count)
+        loss = plan.mp.cast_loss(out)
+        # (local mean / (world * micro-batches)): the reduce-scatters and the accumulation
+        # sum these into the gradient of the global mean.
+        return loss / (world * k), (loss, jnp.ones((), jnp.float32))
 
-    if grad_accum == 1:
-        (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(state.params, batch)
+    if k == 1:
+        (_, totals), grads = jax.value_and_grad(objective, has_aux=True)(state.params, batch)
     else:
-        loss, grads = _accumulate(plan, scaled_loss, state.params, batch, grad_accum)
-    loss = jax.lax.psum(loss, AXES) / world
+        totals, grads = _accumulate(plan, objective, state.params, batch, k)
+    loss_total, count = (jax.lax.psum(t, AXES) for t in totals)
+    if token_weighted:  # global token mean across devices and micro-batches
+        loss = loss_total / count
+        grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
+    else:
+        loss = loss_total / (world * k)
     grad_norm = global_norm(grads, plan.shard_axes)
-    if clip_norm is not None:
+    if opts["clip_norm"] is not None:
         # optax.clip_by_global_norm semantics with the norm of the whole (unsharded) gradient
-        scale = jnp.where(grad_norm < clip_norm, 1.0, clip_norm / grad_norm)
+        scale = jnp.where(grad_norm < opts["clip_norm"], 1.0, opts["clip_norm"] / grad_norm)
         grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
     params, opt_state = apply_optimizer(plan, state.params, grads, state.opt_state)
+    # loss and grad_norm are psum-ed: every device sees the same verdict.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if opts["skip_nonfinite"]:
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
     new_state = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
-    return new_state, {"loss": loss, "grad_norm": grad_norm}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
+    if token_weighted:
+        metrics["tokens"] = count
+    return new_state, metrics
 
 
 class TrainStep:
@@ -208,7 +229,14 @@ class TrainStep:
         device count (before any compile).
     """
 
-    def __init__(self, loss_fn: Callable[[nnx.Module, Any], jax.Array], *, grad_accum: int = 1, clip_norm: float | None = None):
+    def __init__(
+        self,
+        loss_fn: Callable[[nnx.Module, Any], Any],
+        *,
+        grad_accum: int = 1,
+        clip_norm: float | None = None,
+        skip_nonfinite: bool = False,
+    ):
         if not isinstance(grad_accum, int) or grad_accum < 1:
             raise ValueError(f"grad_accum={grad_accum!r}: must be a positive integer (micro-batches per step)")
         if clip_norm is not None and not clip_norm > 0:
@@ -216,16 +244,20 @@ class TrainStep:
         self.loss_fn = loss_fn
         self.grad_accum = grad_accum
         self.clip_norm = clip_norm
+        self.skip_nonfinite = bool(skip_nonfinite)
         self._jitted = jax.jit(self._step, donate_argnums=0)
 
     def _step(self, state: ShardedState, batch):
         fn = jax.shard_map(
-            lambda s, b: _local_step(state.plan, self.loss_fn, self.grad_accum, self.clip_norm, s, b),
+            lambda s, b: _local_step(state.plan, self._opts(), self.loss_fn, s, b),
             mesh=state.plan.mesh,
             in_specs=(state.specs(), P(AXES)),
             out_specs=(state.specs(), P()),
         )
         return fn(state, batch)
+
+    def _opts(self) -> dict:
+        return {"grad_accum": self.grad_accum, "clip_norm": self.clip_norm, "skip_nonfinite": self.skip_nonfinite}
 
     def put_batch(self, state: ShardedState, batch):
         """Validate ``batch`` and place it with its leading dimension split over all devices."""
@@ -270,20 +302,31 @@ class TrainStep:
 
 
 def make_train_step(
-    loss_fn: Callable[[nnx.Module, Any], jax.Array], *, grad_accum: int = 1, clip_norm: float | None = None
+    loss_fn: Callable[[nnx.Module, Any], Any],
+    *,
+    grad_accum: int = 1,
+    clip_norm: float | None = None,
+    skip_nonfinite: bool = False,
 ) -> TrainStep:
     """Build the sharded step for ``loss_fn(model, batch) -> scalar mean loss``.
 
     Args:
       loss_fn: written for one device and an ordinary model: it receives this device's
-        slice of the batch (``[B / (R*S*grad_accum), ...]``) and returns the mean loss over it.
+        slice of the batch (``[B / (R*S*grad_accum), ...]``) and returns the mean loss over
+        it, or ``(sum, count)`` for token-weighted losses with masking: then the loss and the
+        gradient are the global token mean over all devices and micro-batches, however
+        unevenly the valid tokens fall (``metrics["tokens"]`` is the global count).
       grad_accum: micro-batches per step (gradient accumulation); the global batch must
         divide by ``R*S*grad_accum``. The optimizer (and its schedules) advance once per step.
       clip_norm: clip the gradient to this global L2 norm before the optimizer
         (``optax.clip_by_global_norm`` semantics over the whole, unsharded gradient).
         ``metrics["grad_norm"]`` is the norm before clipping.
+      skip_nonfinite: if the loss or the gradient norm is NaN or inf (on any device: both
+        are reduced over the mesh, so every device agrees), keep the parameters and the
+        optimizer state of the previous step. ``metrics["nonfinite"]`` is 1 for such a step
+        either way; without skipping, the caller decides (``python -m train`` stops).
 
     Raises:
       ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive.
     """
-    return TrainStep(loss_fn, grad_accum=grad_accum, clip_norm=clip_norm)
+    return TrainStep(loss_fn, grad_accum=grad_accum, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite)
