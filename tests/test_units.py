@@ -1,5 +1,6 @@
 """find_units: the wrap policy -> module paths of the block units."""
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -110,7 +111,7 @@ def test_missing_class_in_tuple(nested):
     assert "NotInModel" in msg and "Outer" in msg and "Inner" in msg
 
 
-@pytest.mark.parametrize("bad", ["Block", 3, (ResBlock, "x"), ()])
+@pytest.mark.parametrize("bad", ["Block", 3.5, 0, True, (ResBlock, "x"), ()])
 def test_bad_policy_type(mlp, bad):
     with pytest.raises(ValueError):
         find_units(mlp, bad)
@@ -119,3 +120,40 @@ def test_bad_policy_type(mlp, bad):
 def test_path_str():
     assert path_str(()) == "root"
     assert path_str(("blocks", 0, "attn")) == "blocks.0.attn"
+
+
+def test_callable_policy(mlp):
+    lins = [("blocks", i, "lin") for i in range(len(mlp.blocks))]
+    assert find_units(mlp, lambda path, m: isinstance(m, nnx.Linear) and path[0] == "blocks") == lins
+    with pytest.raises(ValueError, match="selected no submodule"):
+        find_units(mlp, lambda path, m: False)
+    with pytest.raises(ValueError, match="overlapping units 'blocks.0' and 'blocks.0.lin'"):
+        find_units(mlp, lambda path, m: path[:1] == ("blocks",) and len(path) >= 2)
+
+
+def test_size_based_policy(mlp):
+    # ResMLP 13 -> 19 -> 3: inp 266, blocks.i.lin 380 each, head 60 parameters
+    lins = [("blocks", i, "lin") for i in range(len(mlp.blocks))]
+    assert find_units(mlp, 300) == lins
+    assert find_units(mlp, 60) == [*lins, ("head",), ("inp",)]  # graph order
+    with pytest.raises(ValueError, match="the largest holds 380"):
+        find_units(mlp, 10_000)
+
+
+@pytest.mark.parametrize("policy", [None, ResBlock, (ResBlock, nnx.Linear), 60, "callable"], ids=["default", "class", "tuple", "size", "callable"])
+def test_every_policy_trains_like_the_reference(policy):
+    import optax
+    from conftest import mlp_batches, mse_loss, reference_run, zshard_run
+
+    import zshard
+
+    if policy == "callable":
+        policy = lambda path, m: isinstance(m, nnx.Linear)  # noqa: E731
+    make = lambda: ResMLP(13, 19, 3, n_blocks=2, rngs=nnx.Rngs(0))  # noqa: E731
+    data = mlp_batches(3)
+    want = reference_run(make, optax.sgd(0.1), mse_loss, data)
+    for strategy, mesh in (("FULL_SHARD", (1, 8)), ("HYBRID_SHARD", (2, 4))):
+        got = zshard_run(make, optax.sgd(0.1), zshard.make_mesh(*mesh), strategy, mse_loss, data, unit=policy)
+        np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)
+        for path, ref in want.params.items():
+            np.testing.assert_allclose(got.params[path], ref, rtol=1e-5, atol=1e-6, err_msg=str(path))

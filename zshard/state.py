@@ -231,9 +231,11 @@ def init(
       strategy: a :class:`Strategy` or its name (default ``"FULL_SHARD"``): ``NO_SHARD``,
         ``SHARD_OPT``, ``SHARD_GRAD_OP``, ``FULL_SHARD``, ``HYBRID_SHARD``,
         ``HYBRID_SHARD_ZERO2`` (DESIGN.md section 3).
-      unit: what is gathered together: ``None`` (each element of an ``nnx.List`` of
-        repeated blocks), or a module class / tuple of classes. Everything outside the
-        units is the root unit.
+      unit: the wrap policy, what is gathered together: ``None`` (each element of an
+        ``nnx.List`` of repeated blocks, and stacked modules), a module class / tuple of
+        classes, a callable ``(path, module) -> bool``, or a minimum parameter count
+        (size-based); see :func:`zshard.units.find_units`. Everything outside the units is
+        the root unit.
       zero_stage: DeepSpeed's ZeRO stage 0/1/2/3, an alias of NO_SHARD / SHARD_OPT /
         SHARD_GRAD_OP / FULL_SHARD.
       mixed_precision: :class:`~zshard.MixedPrecision` (FSDP's meaning): fp32 masters and

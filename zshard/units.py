@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
 from flax import nnx
 
 __all__ = ["find_units", "path_str", "stacked_layers"]
@@ -64,30 +65,56 @@ def _outermost(paths: list[tuple]) -> list[tuple]:
     return keep
 
 
+def _num_params(module: nnx.Module) -> int:
+    return sum(int(np.prod(v.get_value().shape)) for _, v in nnx.to_flat_state(nnx.state(module, nnx.Param)))
+
+
+def _size_based(model: nnx.Module, min_params: int) -> list[tuple]:
+    # FSDP's size_based_auto_wrap_policy, bottom-up, without nesting: a module becomes a unit
+    # when it holds >= min_params parameters and no descendant is a unit already.
+    found: list[tuple] = []
+    for path, mod in sorted(_modules(model), key=lambda pm: -len(pm[0])):  # deepest first
+        if isinstance(mod, nnx.List) or any(f[: len(path)] == path for f in found):  # containers are never called
+            continue
+        if _num_params(mod) >= min_params:
+            found.append(path)
+    return found
+
+
 def find_units(model: nnx.Module, unit: Any = None) -> list[tuple]:
     """Module paths of the units of ``model`` (the root unit is implicit), in graph order.
 
     Args:
       model: the (possibly abstract) model.
-      unit: ``None`` (repeated blocks: elements of an ``nnx.List`` of one module class, and
-        modules of stacked layers, see :func:`stacked_layers`),
-        a module class or a tuple of classes (every outermost submodule of that class).
+      unit: the wrap policy (PyTorch FSDP's ``auto_wrap_policy``):
+
+        - ``None``: repeated blocks (elements of an ``nnx.List`` of one module class) and
+          modules of stacked layers (see :func:`stacked_layers`);
+        - a module class or a tuple of classes: every outermost submodule of those classes;
+        - a callable ``(path, module) -> bool``: the submodules it selects (they must not nest);
+        - an int ``n``: size-based, the deepest submodules holding at least ``n`` parameters
+          (a module whose descendant is already a unit is not wrapped again).
 
     Returns:
-      Paths like ``("blocks", 0)``. Nested matches keep the outermost module.
+      Paths like ``("blocks", 0)``.
 
     Raises:
-      ValueError: ``unit`` names a class that does not occur in the model, or is not a
-        class / tuple of classes.
+      ValueError: a class not in the model, a policy that selects nothing, a callable that
+        selects nested (overlapping) modules, or a ``unit`` of another type.
     """
     if unit is None:
         found = _repeated_blocks(model)
-    else:
+    elif isinstance(unit, bool) or (isinstance(unit, (int, np.integer)) and unit < 1):
+        raise ValueError(f"unit={unit!r}: a size-based policy takes a positive parameter count, e.g. unit=1_000_000")
+    elif isinstance(unit, (int, np.integer)):
+        found = _size_based(model, int(unit))
+        if not found:
+            biggest = max((_num_params(m) for _, m in _modules(model) if not isinstance(m, nnx.List)), default=0)
+            raise ValueError(f"unit={unit}: no submodule holds that many parameters (the largest holds {biggest:,}); lower it")
+    elif isinstance(unit, type) or isinstance(unit, tuple):
         classes = unit if isinstance(unit, tuple) else (unit,)
         if not classes or not all(isinstance(c, type) and issubclass(c, nnx.Module) for c in classes):
-            raise ValueError(
-                f"unit={unit!r}: expected an nnx.Module subclass or a tuple of them (e.g. unit=Block)"
-            )
+            raise ValueError(f"unit={unit!r}: expected an nnx.Module subclass or a tuple of them (e.g. unit=Block)")
         found = [p for p, m in _modules(model) if isinstance(m, classes)]
         if not found:
             present = sorted({type(m).__name__ for _, m in _modules(model)})
@@ -96,5 +123,21 @@ def find_units(model: nnx.Module, unit: Any = None) -> list[tuple]:
                 f"unit={names}: no submodule of the model is an instance of it; "
                 f"submodule classes present: {', '.join(present)}"
             )
+    elif callable(unit):
+        found = [p for p, m in _modules(model) if unit(p, m)]
+        if not found:
+            raise ValueError(f"unit={getattr(unit, '__name__', unit)!r}: the policy selected no submodule (it is called as policy(path, module))")
+        for a in found:
+            for b in found:
+                if a != b and b[: len(a)] == a:
+                    raise ValueError(
+                        f"unit policy selected overlapping units {path_str(a)!r} and {path_str(b)!r}: "
+                        f"units cannot nest; select only one of them"
+                    )
+    else:
+        raise ValueError(
+            f"unit={unit!r}: expected None, a module class, a tuple of classes, a callable "
+            f"(path, module) -> bool, or a minimum parameter count"
+        )
     order = {p: i for i, (p, _) in enumerate(_modules(model))}
     return sorted(_outermost(found), key=lambda p: order[p])
