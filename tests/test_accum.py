@@ -133,3 +133,35 @@ def test_nan_on_one_device_is_seen_by_all(skip):
         assert int(metrics["nonfinite"]) == 0 and np.isfinite(float(metrics["loss"]))
     else:  # the update went through with NaN everywhere: all devices agree on it
         assert all(np.isnan(leaf).any() for leaf in jax.tree.leaves(after[0]))
+
+
+def no_decay_on_vectors(params):
+    return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+@pytest.mark.parametrize("strategy,mesh", [("FULL_SHARD", (1, 8)), ("HYBRID_SHARD", (2, 4)), ("SHARD_OPT", (2, 4))])
+def test_optax_masks_and_labels_see_the_logical_tree(strategy, mesh):
+    # weight decay only on matrices (p.ndim > 1), and multi_transform labels by path
+    def label(params):  # works on zshard's nested dict and on nnx.State alike
+        return jax.tree_util.tree_map_with_path(lambda path, _: "frozen_lr" if "head" in str(path[0]) else "main", params)
+
+    def make_tx():
+        return optax.multi_transform(
+            {"main": optax.adamw(1e-2, weight_decay=0.5, mask=no_decay_on_vectors), "frozen_lr": optax.sgd(0.0)},
+            label,
+        )
+
+    data = mlp_batches(4)
+    want = reference_run(mlp, make_tx(), mse_loss, data)
+    state = zshard.init(mlp, make_tx(), zshard.make_mesh(*mesh), strategy=strategy)
+    step = zshard.make_train_step(mse_loss)
+    for b in data:
+        state, _ = step(state, b)
+    got = nnx.state(zshard.unshard(state), nnx.Param).to_pure_dict()
+    ref = nnx.state(want.model, nnx.Param).to_pure_dict()
+    np.testing.assert_array_equal(got["head"]["kernel"], ref["head"]["kernel"])  # lr 0: untouched
+    for path in [("inp", "bias"), ("inp", "kernel"), ("blocks", 0, "lin", "bias"), ("blocks", 1, "lin", "kernel")]:
+        a, r = got, ref
+        for k in path:
+            a, r = a[k], r[k]
+        assert np.linalg.norm(np.asarray(a) - np.asarray(r)) <= 1e-5 * np.linalg.norm(np.asarray(r)), path

@@ -26,11 +26,39 @@ def _opt_slice(plan, tree):
     return jax.tree.map(mine, tree)
 
 
+def view_rank(logical_ndim: int) -> int:
+    """Rank of the optimizer's view of a parameter of ``logical_ndim`` dimensions (one layer)."""
+    return max(logical_ndim, 1)
+
+
+def _ndims(plan) -> dict:
+    layers = plan.layers_of()
+    return {p: len(v.get_value().shape) - (layers[p] is not None) for p, v in plan.template}
+
+
+def _to_view(plan, tree: dict) -> dict:
+    """Flat shards ``[..., n]`` -> ``[..., 1, ..., 1, n]`` with the parameter's logical rank.
+
+    Optax masks and ``multi_transform`` labels see the logical tree (paths) and the logical
+    rank (``p.ndim > 1`` tells weights from biases and norm scales); the values are this
+    device's padded slice, so elementwise transformations are unchanged.
+    """
+    ndims = _ndims(plan)
+    flat = traverse_util.flatten_dict(tree)
+    return traverse_util.unflatten_dict(
+        {p: x.reshape(x.shape[:-1] + (1,) * (view_rank(ndims[p]) - 1) + x.shape[-1:]) for p, x in flat.items()}
+    )
+
+
+def _from_view(tree: dict, like: dict) -> dict:
+    return jax.tree.map(lambda x, ref: x.reshape(ref.shape), tree, like)
+
+
 def init_optimizer(plan, params: dict):
     """Inside ``shard_map``: the Optax state of this device's slice of ``params``."""
     if plan.strategy.opt_axes != plan.shard_axes:
         params = _opt_slice(plan, params)
-    return plan.tx.init(params)
+    return plan.tx.init(_to_view(plan, params))
 
 
 def global_norm(grads, shard_axes: tuple[str, ...]) -> jax.Array:
@@ -58,12 +86,12 @@ def apply_optimizer(plan, params: dict, grads: dict, opt_state):
     """
     tx, axes = plan.tx, plan.strategy.opt_axes
     if axes == plan.shard_axes:
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        updates, opt_state = tx.update(_to_view(plan, grads), opt_state, _to_view(plan, params))
+        return optax.apply_updates(params, _from_view(updates, params)), opt_state
 
     local_params = _opt_slice(plan, params)
-    updates, opt_state = tx.update(_opt_slice(plan, grads), opt_state, local_params)
-    local = traverse_util.flatten_dict(optax.apply_updates(local_params, updates))
+    updates, opt_state = tx.update(_to_view(plan, _opt_slice(plan, grads)), opt_state, _to_view(plan, local_params))
+    local = traverse_util.flatten_dict(optax.apply_updates(local_params, _from_view(updates, local_params)))
     new = {}
     for unit in plan.units:
         for flat in unit.opt_flats:

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from zshard.flat import FlatParameter, pad_flat, padded_size
 from zshard.mesh import AXES
-from zshard.optim import init_optimizer
+from zshard.optim import init_optimizer, view_rank
 from zshard.precision import FULL_PRECISION, MixedPrecision
 from zshard.strategy import Strategy
 from zshard.units import find_units, path_str, stacked_layers
@@ -307,18 +307,29 @@ def init(
         values = jax.jit(build, out_shardings=shardings)()
     params = traverse_util.unflatten_dict(dict(zip(paths, values)))
 
-    # The optimizer runs on per-parameter slices over strategy.opt_axes: [.., n_pad / opt_shards].
-    opt_param_specs = traverse_util.unflatten_dict({p: _spec(strategy.opt_axes, layers[p]) for p in paths})
-    local = traverse_util.unflatten_dict(
-        {p: jax.ShapeDtypeStruct(padded_shape(p, v.shape, opt_shards), v.get_value().dtype) for p, v in template}
+    # The optimizer runs on per-parameter slices over strategy.opt_axes, viewed with the
+    # parameter's logical rank: [.., 1, ..., 1, n_pad / opt_shards] (see optim._to_view).
+    ones = {p: view_rank(len(v.shape) - (layers[p] is not None)) - 1 for p, v in template}
+    opt_axes = strategy.opt_axes
+    opt_param_specs = traverse_util.unflatten_dict(
+        {p: P(*([None] * ((layers[p] is not None) + ones[p])), opt_axes) if opt_axes else P() for p in paths}
     )
+    local = traverse_util.unflatten_dict(
+        {
+            p: jax.ShapeDtypeStruct(
+                (lambda sh: sh[:-1] + (1,) * ones[p] + sh[-1:])(padded_shape(p, v.shape, opt_shards)), v.get_value().dtype
+            )
+            for p, v in template
+        }
+    )
+    masked = optax.MaskedNode
     opt_specs = optax.tree_map_params(
         tx,
-        lambda _, s: s,
+        lambda leaf, s: leaf if isinstance(leaf, masked) else s,  # masked-out slots hold no array
         jax.eval_shape(tx.init, local),
         opt_param_specs,
         transform_non_params=lambda _: P(),
-        is_leaf=lambda x: isinstance(x, P),
+        is_leaf=lambda x: isinstance(x, (P, masked)),
     )
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"mixed_precision must be a zshard.MixedPrecision, got {type(mixed_precision).__name__}")
