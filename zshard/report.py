@@ -211,12 +211,16 @@ def _local_bytes(x) -> int:
     return int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
 
 
-def _formula_comm(plan) -> dict[str, float]:
+def _formula_comm(plan, k: int = 1) -> dict[str, float]:
     """Bytes one device sends per step, DESIGN.md section 3 (ring algorithm).
 
     ``Psi * b`` is counted per collective in the dtype it moves: gathers in the mixed
     precision ``param_dtype``, gradient reductions in ``reduce_dtype``, SHARD_OPT's gather of
-    updated parameters in the master dtype.
+    updated parameters in the master dtype. With ``k`` micro-batches (gradient
+    accumulation) the per-unit gathers and reduce-scatters run once per micro-batch and the
+    cross-replica all-reduce once per step; gathers that do not depend on the micro-batch
+    (the root unit's, and every unrolled unit's under SHARD_GRAD_OP) are loop-invariant and
+    XLA hoists them out of the micro-batch loop, so they count once.
     """
     R, S = plan.mesh.shape[REPLICA], plan.mesh.shape[SHARD]
     W = R * S
@@ -238,10 +242,15 @@ def _formula_comm(plan) -> dict[str, float]:
         return {world: (2 * rs + master) * ring(W)}
     # AG forward (+ AG backward for resharding strategies; the root unit is gathered once and
     # kept through backward, as FSDP keeps its root) + RS of the gradients.
-    gathers = 2 * ag - ag_root if st.reshard_after_forward else ag
+    if st.reshard_after_forward:
+        gathers = k * 2 * (ag - ag_root) + ag_root
+    else:  # stacked units gather inside their own scan, which is not hoisted: once per micro-batch
+        ag_stacked = total(mp.gather_dtype, [u for u in plan.units if u.layers])
+        gathers = ag - ag_stacked + k * ag_stacked
+    per_step = gathers + k * rs
     if st in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD):
-        return {world: (gathers + rs) * ring(W)}
-    return {shard: (gathers + rs) * ring(S), replica: 2 * (rs / S) * ring(R)}
+        return {world: per_step * ring(W)}
+    return {shard: per_step * ring(S), replica: 2 * (rs / S) * ring(R)}
 
 
 @dataclasses.dataclass
@@ -333,7 +342,7 @@ def report(step, state, batch) -> Report:
         by_axis[c.axis] += c.sent_bytes * c.trips
         table[(c.kind, c.axis)][0] += c.trips
         table[(c.kind, c.axis)][1] += c.sent_bytes * c.trips
-    formula_comm = _formula_comm(plan)
+    formula_comm = _formula_comm(plan, getattr(step, "grad_accum", 1))
     comm = {}
     for axis in (SHARD, REPLICA, "world"):
         f, m = formula_comm.get(axis, 0.0), by_axis.get(axis, 0.0)

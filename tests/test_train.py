@@ -1,0 +1,78 @@
+"""The main job, `python -m train`, end to end in a subprocess (its own 8 emulated devices)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def run(tmp_path, *args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small real text: tinyshakespeare when it lies beside the checkout, else this repo's Python."""
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    if SHAKESPEARE.exists():
+        path.write_bytes(SHAKESPEARE.read_bytes()[:200_000])
+    else:
+        path.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "zshard").glob("*.py"))))
+    return path
+
+
+def test_train_writes_metrics_summary_and_report(tmp_path, corpus):
+    out = tmp_path / "run"
+    res = run(tmp_path, "--model", "nano", "--steps", "30", "--seq-len", "32", "--batch-size", "16", "--mesh", "2x4",
+              "--strategy", "HYBRID_SHARD", "--data", str(corpus), "--eval-every", "15", "--report", "--grad-accum", "2",
+              "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["step"] == 0 and "eval_loss" in lines[0]
+    steps = [rec for rec in lines if "loss" in rec]
+    assert [rec["step"] for rec in steps] == list(range(1, 31))
+    assert all({"loss", "grad_norm", "tokens_per_s"} <= rec.keys() for rec in steps)
+    assert [rec["step"] for rec in lines if "eval_loss" in rec] == [0, 15, 30]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["strategy"] == "HYBRID_SHARD" and summary["grad_accum"] == 2
+    assert set(summary["per_device_bytes"]) == {"argument", "output", "temp", "alias"}
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    report = summary["report"]
+    assert set(report["per_device_bytes"]) == {"argument", "output", "temp", "alias"}
+    assert {"measured", "formula"} <= set(report["model_state_bytes"])
+    for axis in ("shard", "replica"):
+        assert {"measured", "formula"} <= set(report["comm_bytes_per_step"][axis])
+        assert abs(report["comm_bytes_per_step"][axis]["ratio"] - 1) <= 0.01
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--mesh", "3x3"], "--mesh '3x3' is 3x3 = 9 devices"),
+        (["--batch-size", "12"], "--batch-size 12 does not divide by the 8 devices"),
+        (["--strategy", "foo"], "invalid choice: 'FOO'"),
+        (["--zero-stage", "5"], "invalid choice: 5"),
+        (["--data", "/nonexistent/file.txt"], "/nonexistent/file.txt"),
+        (["--model", "huge"], "invalid choice: 'huge'"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bad_input_fails_before_compiling_and_writes_nothing(tmp_path, args, needle):
+    out = tmp_path / "run"
+    res = run(tmp_path, "--out", str(out), *args, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert needle in res.stderr, res.stderr[-2000:]
+    assert not out.exists()
+
+
+def test_empty_data_file_is_refused(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    res = run(tmp_path, "--data", str(empty), "--out", str(tmp_path / "run"), timeout=120)
+    assert res.returncode == 2 and str(empty) in res.stderr
+    assert not (tmp_path / "run").exists()
