@@ -86,3 +86,19 @@ def test_gather_happens_inside_the_loop_once_per_layer(strategy, mesh, gathers, 
     if strategy == "HYBRID_SHARD":  # per layer, the gradient shard crosses replicas
         ar = [c for c in in_loop if c.kind == "all-reduce"]
         assert len(ar) == 1 and ar[0].axis == "replica" and ar[0].buffer_bytes == layer_bytes // 4
+
+
+def test_scanned_blocks_under_bf16_mixed_precision_keep_the_carry_dtype():
+    mp = zshard.MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
+    data = gpt_batches(6)
+    want = reference_run(lambda: unrolled_copy(gpt), optax.adamw(3e-3), cross_entropy_loss, data)
+    got = zshard_run(lambda: gpt(True), optax.adamw(3e-3), zshard.make_mesh(2, 4), "HYBRID_SHARD", cross_entropy_loss, data,
+                     mixed_precision=mp)
+    np.testing.assert_allclose(got.losses, want.losses, rtol=2e-2)  # bf16 tolerance, as in test_precision
+
+
+def test_single_kernel_layers_are_not_mistaken_for_stacks():
+    conv = nnx.Conv(4, 4, kernel_size=(3, 3), use_bias=False, rngs=nnx.Rngs(0))  # kernel [3, 3, 4, 4]
+    general = nnx.LinearGeneral(13, (4, 8), use_bias=False, rngs=nnx.Rngs(0))  # kernel [13, 4, 8]
+    assert stacked_layers(conv) is None and stacked_layers(general) is None
+    assert stacked_layers(gpt(True).blocks) == L

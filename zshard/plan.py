@@ -44,7 +44,9 @@ def _parse(argv):
     p.add_argument("--strategy", default="FULL_SHARD", help="NO_SHARD, SHARD_OPT, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
     p.add_argument("--batch-size", type=int, default=None, metavar="B", help="global batch in sequences (default: one per device)")
     p.add_argument("--seq-len", type=int, default=None, metavar="T", help="tokens per sequence (default: the preset's)")
-    p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"], help="dtype the parameters (and Adam moments) are stored in")
+    p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype the parameters (and so the Adam moments) are stored in; not mixed precision "
+                   "(there, masters stay float32): this asks what pure-bf16 training would need")
     p.add_argument("--device-memory-gb", type=float, default=80.0, metavar="GB", help="memory of one device, GB (10^9 bytes)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also compile every strategy and plot per-device memory side by side")
     return p, p.parse_args(argv)
@@ -82,9 +84,12 @@ def main(argv=None) -> int:
     if len(jax.devices()) < world:
         parser.error(f"--mesh {args.mesh} needs {world} devices, JAX sees {len(jax.devices())}")
     cfg = PLAN_PRESETS[args.model]
-    seq = args.seq_len or cfg.seq_len
+    for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size), ("--device-memory-gb", args.device_memory_gb)):
+        if value is not None and not value > 0:
+            parser.error(f"{flag} {value}: must be positive")
+    seq = cfg.seq_len if args.seq_len is None else args.seq_len
     cfg = dataclasses.replace(cfg, seq_len=seq)
-    batch = args.batch_size or world
+    batch = world if args.batch_size is None else args.batch_size
     if batch % world:
         parser.error(f"--batch-size {batch} must divide by the {world} devices of the {replica}x{shard} mesh")
     dtype = jnp.dtype(args.param_dtype)
@@ -135,7 +140,12 @@ def main(argv=None) -> int:
             vals = [row[i] for row in rows]
             ax.bar(names, vals, bottom=bottom, label=label)
             bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.axhline(args.device_memory_gb, color="k", ls="--", lw=1, label=f"device memory {args.device_memory_gb:g} GB")
+        top = max(bottom)
+        if args.device_memory_gb <= 1.5 * top:  # keep the bars readable when memory dwarfs them
+            ax.axhline(args.device_memory_gb, color="k", ls="--", lw=1, label=f"device memory {args.device_memory_gb:g} GB")
+        else:
+            ax.set_ylim(0, 1.2 * top)
+            ax.text(0.01, 0.97, f"device memory {args.device_memory_gb:g} GB (off the scale)", transform=ax.transAxes, va="top", fontsize=8)
         ax.set_ylabel("GB per device")
         ax.set_title(f"{args.model} on {replica}x{shard}, batch {batch} x {seq}, {args.param_dtype} params, AdamW")
         ax.legend(fontsize=8)

@@ -27,6 +27,8 @@ def _dtype(value, name: str):
         raise ValueError(f"MixedPrecision({name}={value!r}): not a dtype; use e.g. 'bfloat16' or 'float32'") from e
     if not jnp.issubdtype(dt, jnp.floating):
         raise ValueError(f"MixedPrecision({name}={value!r}): must be a floating dtype (bfloat16, float16, float32)")
+    if dt.itemsize > 4 and not jax.config.jax_enable_x64:
+        raise ValueError(f"MixedPrecision({name}={value!r}): 64-bit floats need jax_enable_x64; use float32 or lower")
     return dt
 
 

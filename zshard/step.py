@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import numbers
 from typing import Any, Callable
 
 import jax
@@ -93,9 +94,15 @@ def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable) -> Callable:
                 full[i] = x
             a, kw = jax.tree.unflatten(treedef, full)
             module = nnx.merge(unit.graphdef, _fill(unit.template, dict(zip(rel, params))))
-            return call(module, *a, **kw)
+            out = call(module, *a, **kw)
+            # Floating outputs leave the unit in the dtype its floating inputs came in (the
+            # residual stream stays fp32 under bf16 compute; an nnx.scan carry keeps its type).
+            if plan.mp.param_dtype is not None and in_dtypes:
+                out = jax.tree.map(lambda y: y.astype(in_dtypes[0]) if jnp.issubdtype(y.dtype, jnp.floating) else y, out)
+            return out
 
         inputs = [leaves[i] for i in dynamic]
+        in_dtypes = [x.dtype for x in inputs if jnp.issubdtype(x.dtype, jnp.floating)]
         if plan.strategy.reshard_after_forward:
             return run_unit(apply, unit.flats, bufs, inputs, plan.shard_axes, _replica_axes(plan), plan.mp)
         # SHARD_GRAD_OP and friends: gather once, keep the gathered copy through backward.
@@ -237,10 +244,13 @@ class TrainStep:
         clip_norm: float | None = None,
         skip_nonfinite: bool = False,
     ):
-        if not isinstance(grad_accum, int) or grad_accum < 1:
+        if isinstance(grad_accum, bool) or not isinstance(grad_accum, numbers.Integral) or grad_accum < 1:
             raise ValueError(f"grad_accum={grad_accum!r}: must be a positive integer (micro-batches per step)")
-        if clip_norm is not None and not clip_norm > 0:
-            raise ValueError(f"clip_norm={clip_norm!r}: must be a positive number (or None for no clipping)")
+        if clip_norm is not None and (
+            isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real) or not clip_norm > 0 or not np.isfinite(clip_norm)
+        ):
+            raise ValueError(f"clip_norm={clip_norm!r}: must be a positive finite number (or None for no clipping)")
+        grad_accum = int(grad_accum)
         self.loss_fn = loss_fn
         self.grad_accum = grad_accum
         self.clip_norm = clip_norm

@@ -29,12 +29,13 @@ def _modules(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
 def stacked_layers(module: nnx.Module) -> int | None:
     """``L`` when ``module`` holds ``L`` stacked layers (built with ``nnx.vmap``), else ``None``.
 
-    Stacked means: every parameter has a leading dimension of the same size ``L >= 2`` and at
-    least one parameter has 3 or more dimensions (a stacked matrix ``[L, d_in, d_out]``);
-    plain modules have differing leading dimensions or only matrices and vectors.
+    Stacked means: at least two parameters, every one with a leading dimension of the same
+    size ``L >= 2`` and at least 2 dimensions (a stacked vector ``[L, d]``), and at least one
+    with 3 or more (a stacked matrix ``[L, d_in, d_out]``). Plain modules have differing
+    leading dimensions, plain vectors, or a single kernel (a bias-free Conv or LinearGeneral).
     """
     shapes = [v.get_value().shape for _, v in nnx.to_flat_state(nnx.state(module, nnx.Param))]
-    if not shapes or min(len(s) for s in shapes) < 1 or max(len(s) for s in shapes) < 3:
+    if len(shapes) < 2 or min(len(s) for s in shapes) < 2 or max(len(s) for s in shapes) < 3:
         return None
     layers = shapes[0][0]
     return layers if layers >= 2 and all(s[0] == layers for s in shapes) else None
