@@ -88,12 +88,15 @@ def _gather_all(flats, bufs, shard_axes, replica_axes, mp):
     return [p for f, b in zip(flats, bufs) for p in f.unflatten(all_gather_flat(b, shard_axes))]
 
 
-def _scatter_all(flats, grads, shard_axes, replica_axes, mp):
+def _scatter_all(flats, bufs, grads, shard_axes, replica_axes, mp):
     out, i = [], 0
-    for f in flats:
+    for f, b in zip(flats, bufs):
         n = len(f.slots)
-        full = f.flatten(grads[i : i + n], mp.grad_dtype(f.dtype))  # [N, L/N] in the reduce dtype
-        out.append(reduce_scatter_flat(full, shard_axes, replica_axes).astype(f.dtype))
+        if not f.trainable:  # frozen: no gradient, no reduce-scatter
+            out.append(jnp.zeros_like(b))
+        else:
+            full = f.flatten(grads[i : i + n], mp.grad_dtype(f.dtype))  # [N, L/N] in the reduce dtype
+            out.append(reduce_scatter_flat(full, shard_axes, replica_axes).astype(f.dtype))
         i += n
     return tuple(out)
 
@@ -117,10 +120,10 @@ def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], shard_axes
         return _gather_all(flats, bufs, shard_axes, replica_axes, mp)
 
     def fwd(bufs):
-        return _gather_all(flats, bufs, shard_axes, replica_axes, mp), None
+        return _gather_all(flats, bufs, shard_axes, replica_axes, mp), bufs
 
-    def bwd(_, grads):
-        return (_scatter_all(flats, grads, shard_axes, replica_axes, mp),)
+    def bwd(bufs, grads):
+        return (_scatter_all(flats, bufs, grads, shard_axes, replica_axes, mp),)
 
     _gather.defvjp(fwd, bwd)
     return _gather(tuple(bufs))
@@ -157,18 +160,16 @@ def run_unit(
     def fwd(bufs, inputs):
         # The gather may not start before the unit's input exists (prefetch is a later,
         # deliberate choice), so the gathered copy is alive only around this unit.
-        bufs = _after(bufs, inputs)
-        out = apply(_gather_all(flats, bufs, shard_axes, replica_axes, mp), inputs)
+        out = apply(_gather_all(flats, _after(bufs, inputs), shard_axes, replica_axes, mp), inputs)
         return out, (bufs, inputs)
 
     def bwd(res, g):
         bufs, inputs = res
         # The re-gather depends on the cotangent: it cannot be merged with the forward one.
-        bufs = _after(bufs, g)
-        params = _gather_all(flats, bufs, shard_axes, replica_axes, mp)
+        params = _gather_all(flats, _after(bufs, g), shard_axes, replica_axes, mp)
         _, vjp = jax.vjp(apply, params, inputs)
         d_params, d_inputs = vjp(g)
-        return _scatter_all(flats, d_params, shard_axes, replica_axes, mp), d_inputs
+        return _scatter_all(flats, bufs, d_params, shard_axes, replica_axes, mp), d_inputs
 
     _unit.defvjp(fwd, bwd)
     return _unit(tuple(bufs), inputs)

@@ -74,12 +74,14 @@ class FlatParameter:
       dtype: the dtype shared by every slot.
       num_shards: ``N``, devices in one shard group.
       slots: the parameters, in buffer order.
+      trainable: ``False`` for frozen parameters: gathered, never reduce-scattered.
     """
 
     unit: str
     dtype: np.dtype
     num_shards: int
     slots: tuple[ParamSlot, ...]
+    trainable: bool = True
 
     @classmethod
     def build(
@@ -88,6 +90,7 @@ class FlatParameter:
         params: Sequence[tuple[tuple, tuple[int, ...], np.dtype]],
         num_shards: int,
         pad_multiple: int | None = None,
+        trainable: bool = True,
     ):
         """Lay out ``(path, shape, dtype)`` triples (all of one dtype) in the given order.
 
@@ -104,7 +107,7 @@ class FlatParameter:
             padded = padded_size(size, pad_multiple)
             slots.append(ParamSlot(path, tuple(shape), np.dtype(dtype), size, padded, offset))
             offset += padded // num_shards
-        return cls(unit, np.dtype(params[0][2]), num_shards, tuple(slots))
+        return cls(unit, np.dtype(params[0][2]), num_shards, tuple(slots), trainable)
 
     @property
     def shard_size(self) -> int:

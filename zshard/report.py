@@ -226,13 +226,19 @@ def _formula_comm(plan, k: int = 1) -> dict[str, float]:
     W = R * S
     mp = plan.mp
 
-    def total(dtype_of, units):  # sum over parameters of size * itemsize
-        return sum((u.layers or 1) * s.size * np.dtype(dtype_of(s.dtype)).itemsize for u in units for s in u.slots)
+    def total(dtype_of, units, trainable_only=False):  # sum over parameters of size * itemsize
+        return sum(
+            (u.layers or 1) * s.size * np.dtype(dtype_of(s.dtype)).itemsize
+            for u in units
+            for f in u.flats
+            if f.trainable or not trainable_only
+            for s in f.slots
+        )
 
-    master = total(lambda d: d, plan.units)
+    master = total(lambda d: d, plan.units, trainable_only=True)  # SHARD_OPT gathers updated parameters
     ag = total(mp.gather_dtype, plan.units)  # one all-gather of every unit
     ag_root = total(mp.gather_dtype, [u for u in plan.units if not u.path])
-    rs = total(mp.grad_dtype, plan.units)  # one reduction of every gradient
+    rs = total(mp.grad_dtype, plan.units, trainable_only=True)  # one reduction of every trainable gradient
     st = plan.strategy
     ring = lambda n: (n - 1) / n  # noqa: E731
     world, shard, replica = (_axis_name(plan.mesh, a) for a in ((REPLICA, SHARD), (SHARD,), (REPLICA,)))
@@ -328,7 +334,8 @@ def report(step, state, batch) -> Report:
     }
     measured["total"] = measured["params"] + measured["opt_state"]
     logical = traverse_util.unflatten_dict({p: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype) for p, v in plan.template})
-    opt_full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(plan.tx.init, logical)))
+    trainable, _ = plan.split_trainable(logical)
+    opt_full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(plan.tx.init, trainable)))
     param_full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(logical))
     formula = {"params": param_full / plan.num_shards, "opt_state": opt_full / plan.opt_shards}
     formula["total"] = formula["params"] + formula["opt_state"]

@@ -95,6 +95,8 @@ class Plan:
       opt_specs: PartitionSpecs of the Optax state (parameter-like leaves as the parameter,
         scalars such as step counts ``P()``).
       mp: the :class:`~zshard.MixedPrecision` policy.
+      trainable: paths of the trainable parameters (the rest are frozen: gathered, never
+        reduce-scattered, no optimizer state, unchanged by the step).
     """
 
     mesh: Mesh
@@ -106,6 +108,18 @@ class Plan:
     param_specs: dict
     opt_specs: Any = None
     mp: MixedPrecision = FULL_PRECISION
+    trainable: frozenset = frozenset()
+
+    def split_trainable(self, params: dict) -> tuple[dict, dict]:
+        """``params`` -> (trainable, frozen) nested dicts."""
+        flat = traverse_util.flatten_dict(params)
+        train = {p: v for p, v in flat.items() if p in self.trainable}
+        frozen = {p: v for p, v in flat.items() if p not in self.trainable}
+        return traverse_util.unflatten_dict(train), traverse_util.unflatten_dict(frozen)
+
+    @staticmethod
+    def merge_params(train: dict, frozen: dict) -> dict:
+        return traverse_util.unflatten_dict({**traverse_util.flatten_dict(frozen), **traverse_util.flatten_dict(train)})
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
@@ -177,7 +191,7 @@ def _check_mesh(mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {AXES} (use zshard.make_mesh); got axes {names}")
 
 
-def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit) -> tuple[Unit, ...]:
+def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit, trainable=None) -> tuple[Unit, ...]:
     unit_paths = find_units(abstract_model, unit)
     members: dict[tuple, list] = defaultdict(list)
     for path, var in flat_state:
@@ -193,13 +207,14 @@ def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit) -> tup
             sub = sub[key] if isinstance(key, int) else getattr(sub, key)
         layers = stacked_layers(sub) if upath else None
         drop = 0 if layers is None else 1  # stacked: lay out one layer's shape
-        by_dtype: dict = defaultdict(list)
+        groups: dict = defaultdict(list)  # (dtype, trainable) -> parameters: one FlatParameter each
         for path, var in params:
             value = var.get_value()
-            by_dtype[np.dtype(value.dtype)].append((path, value.shape[drop:], value.dtype))
+            train = trainable is None or path in trainable
+            groups[np.dtype(value.dtype), train].append((path, value.shape[drop:], value.dtype))
         name = path_str(upath)
-        flats = tuple(FlatParameter.build(name, g, num_shards, opt_shards) for g in by_dtype.values())
-        opt_flats = tuple(FlatParameter.build(name, g, opt_shards) for g in by_dtype.values())
+        flats = tuple(FlatParameter.build(name, g, num_shards, opt_shards, trainable=t) for (_, t), g in groups.items())
+        opt_flats = tuple(FlatParameter.build(name, g, opt_shards) for (_, t), g in groups.items() if t)
         graphdef, template = None, ()
         if upath:
             graphdef, sub_state = nnx.split(sub)
@@ -218,6 +233,7 @@ def init(
     unit: Any = None,
     zero_stage: int | None = None,
     mixed_precision: MixedPrecision | None = None,
+    trainable: Any = nnx.Param,
     abstract: bool = False,
 ) -> ShardedState:
     """Shard a model and initialise the optimizer on the shards.
@@ -241,6 +257,9 @@ def init(
       mixed_precision: :class:`~zshard.MixedPrecision` (FSDP's meaning): fp32 masters and
         optimizer state in the shards, all-gather and compute in ``param_dtype``, gradient
         reduction in ``reduce_dtype``. Default: everything in the parameters' own dtype.
+      trainable: an ``nnx`` filter selecting the trainable parameters (default ``nnx.Param``:
+        all). The other parameters are frozen: gathered like the rest, but they get no
+        gradient, no reduce-scatter, no optimizer state, and stay bitwise unchanged.
       abstract: allocate nothing: every leaf is a ``jax.ShapeDtypeStruct`` carrying its
         sharding (pass a callable ``model``; it is only traced with ``nnx.eval_shape``), for
         ``step.lower`` / :func:`zshard.report` of models larger than the machine.
@@ -276,7 +295,12 @@ def init(
     template = tuple((p, v.replace(_abstract(v.get_value()))) for p, v in flat_state)
     num_shards = int(np.prod([mesh.shape[a] for a in strategy.shard_axes]))
     opt_shards = int(np.prod([mesh.shape[a] for a in strategy.opt_axes]))
-    units = _plan_units(abstract_model, template, num_shards, opt_shards, unit)
+    train_paths = frozenset(p for p, _ in nnx.to_flat_state(nnx.state(abstract_model, trainable)))
+    for path in sorted(train_paths - {p for p, _ in template}, key=str)[:1]:
+        raise ValueError(f"trainable= selects {path_str(path)!r}, which is not an nnx.Param; the filter must select parameters")
+    if not train_paths:
+        raise ValueError("trainable= selects no parameter: nothing would train; check the filter (default nnx.Param)")
+    units = _plan_units(abstract_model, template, num_shards, opt_shards, unit, train_paths)
 
     layers = {s.path: u.layers for u in units for s in u.slots}
     paths = [p for p, _ in template]
@@ -312,7 +336,7 @@ def init(
     ones = {p: view_rank(len(v.shape) - (layers[p] is not None)) - 1 for p, v in template}
     opt_axes = strategy.opt_axes
     opt_param_specs = traverse_util.unflatten_dict(
-        {p: P(*([None] * ((layers[p] is not None) + ones[p])), opt_axes) if opt_axes else P() for p in paths}
+        {p: P(*([None] * ((layers[p] is not None) + ones[p])), opt_axes) if opt_axes else P() for p in paths if p in train_paths}
     )
     local = traverse_util.unflatten_dict(
         {
@@ -320,6 +344,7 @@ def init(
                 (lambda sh: sh[:-1] + (1,) * ones[p] + sh[-1:])(padded_shape(p, v.shape, opt_shards)), v.get_value().dtype
             )
             for p, v in template
+            if p in train_paths
         }
     )
     masked = optax.MaskedNode
@@ -333,8 +358,10 @@ def init(
     )
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"mixed_precision must be a zshard.MixedPrecision, got {type(mixed_precision).__name__}")
-    plan = Plan(mesh, strategy, tx, graphdef, template, units, param_specs, opt_specs, mixed_precision or FULL_PRECISION)
-    init_opt = jax.shard_map(partial(init_optimizer, plan), mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs)
+    plan = Plan(mesh, strategy, tx, graphdef, template, units, param_specs, opt_specs, mixed_precision or FULL_PRECISION, train_paths)
+    init_opt = jax.shard_map(
+        lambda p: init_optimizer(plan, plan.split_trainable(p)[0]), mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs
+    )
     replicated = NamedSharding(mesh, P())
     if abstract:
         opt_state = jax.tree.map(

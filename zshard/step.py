@@ -181,9 +181,11 @@ def _local_step(plan: Plan, opts: dict, loss_fn: Callable, state: ShardedState, 
     world, k = plan.world, opts["grad_accum"]
     token_weighted = []  # set while tracing: loss_fn returned (sum, count)
 
+    train, frozen = plan.split_trainable(state.params)
+
     def objective(params, batch):
-        """What this device differentiates, and its ``(loss, count)`` contribution."""
-        model = materialize(plan, traverse_util.flatten_dict(params))
+        """What this device differentiates (trainable shards), and its ``(loss, count)``."""
+        model = materialize(plan, traverse_util.flatten_dict(plan.merge_params(params, frozen)))
         out = loss_fn(model, batch)
         if isinstance(out, (tuple, list)) and len(out) == 2:
             # (sum, count): differentiate the sum; divide by the global count afterwards.
@@ -196,9 +198,9 @@ def _local_step(plan: Plan, opts: dict, loss_fn: Callable, state: ShardedState, 
         return loss / (world * k), (loss, jnp.ones((), jnp.float32))
 
     if k == 1:
-        (_, totals), grads = jax.value_and_grad(objective, has_aux=True)(state.params, batch)
+        (_, totals), grads = jax.value_and_grad(objective, has_aux=True)(train, batch)
     else:
-        totals, grads = _accumulate(plan, objective, state.params, batch, k)
+        totals, grads = _accumulate(plan, objective, train, batch, k)
     loss_total, count = (jax.lax.psum(t, AXES) for t in totals)
     if token_weighted:  # global token mean across devices and micro-batches
         loss = loss_total / count
@@ -210,7 +212,8 @@ def _local_step(plan: Plan, opts: dict, loss_fn: Callable, state: ShardedState, 
         # optax.clip_by_global_norm semantics with the norm of the whole (unsharded) gradient
         scale = jnp.where(grad_norm < opts["clip_norm"], 1.0, opts["clip_norm"] / grad_norm)
         grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
-    params, opt_state = apply_optimizer(plan, state.params, grads, state.opt_state)
+    train, opt_state = apply_optimizer(plan, train, grads, state.opt_state)
+    params = plan.merge_params(train, frozen)  # frozen shards pass through untouched
     # loss and grad_norm are psum-ed: every device sees the same verdict.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if opts["skip_nonfinite"]:
