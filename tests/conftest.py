@@ -24,7 +24,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-import pytest  # noqa: E402
 from flax import nnx, traverse_util  # noqa: E402
 
 NUM_DEVICES = 8

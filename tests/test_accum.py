@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ResMLP, mlp_batches, mse_loss, reference_run, zshard_run
+from conftest import ResMLP, mlp_batches, mse_loss, reference_run
 from flax import nnx
 
 import zshard

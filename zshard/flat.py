@@ -19,7 +19,6 @@ shards; the step concatenates them into the FlatParameter just before the collec
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import jax
@@ -31,7 +30,7 @@ __all__ = ["FlatParameter", "ParamSlot", "padded_size", "pad_flat"]
 
 def padded_size(size: int, num_shards: int) -> int:
     """``size`` rounded up to a multiple of ``num_shards`` (elements)."""
-    return max(1, math.ceil(size / num_shards)) * num_shards if size else 0
+    return -(-size // num_shards) * num_shards  # 0 stays 0
 
 
 def pad_flat(value, num_shards: int, layers: int | None = None):

@@ -9,7 +9,6 @@ local shards with the same PartitionSpecs. ``unshard`` goes back to a plain ``nn
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from collections import defaultdict
 from typing import Any, Callable
 
