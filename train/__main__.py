@@ -1,21 +1,32 @@
-"""``python -m train``: train the byte-level GPT with zshard and write metrics and a summary.
+"""``python -m train``: train the byte-level GPT with zshard; metrics, TensorBoard, samples, summary.
 
-Order of work (every check comes before any compile, and nothing is written to ``--out``
+    python -m train                                        # defaults: train/configs/default.toml
+    python -m train --config train/configs/nano.toml --steps 50 --mesh 2x4
+
+Configuration (``train/config.py``): dataclass defaults < ``--config FILE`` (TOML) < flags;
+every field has a flag (``--steps`` or ``--training.steps``; ``python -m train --help``).
+
+Order of work (every check comes before any compile, and nothing is written to ``OUT``
 until the model has compiled and been evaluated once):
 
-1. parse the flags; set ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before
-   jax is imported (``N`` emulated CPU devices; an accelerator, if JAX finds one, is used
-   instead and ``N`` caps how many of its devices are used);
-2. validate: model preset, data file (present, non-empty, long enough for one window per
-   split), mesh shape (``RxS`` or a ``meshes/*.toml`` preset) against the device count,
-   global batch divisible by the device count;
+1. parse the flags and the config file and check their types (no jax yet); set
+   ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` from ``mesh.devices`` before jax
+   is imported (an accelerator, if JAX finds one, is used instead, N capping its devices);
+2. validate (``Config.validate``): model preset, mesh shape against the devices, global
+   batch divisible by devices x micro-batches, ...; then the data file;
 3. build the mesh, the sharded state (``zshard.init``) and the step, compile the step
-   ahead of time for its per-device memory figures;
-4. evaluate, train ``--steps`` steps (evaluating every ``--eval-every`` steps), evaluate;
-5. write ``OUT/metrics.jsonl`` (one JSON object per step) and ``OUT/summary.json``,
-   each atomically (temporary file, then ``os.replace``).
+   ahead of time for its per-device memory figures; evaluate once;
+4. write ``OUT/config.toml`` (the resolved configuration: ``--config OUT/config.toml``
+   repeats the run), then train, reading each step's metrics while the next step runs
+   (no device-to-host sync per step); evaluate every ``eval_every`` steps, sample text
+   every ``sample_every`` steps and at the end;
+5. write ``OUT/metrics.jsonl`` (one JSON object per step; rewritten atomically at every
+   evaluation, sample, 10 s of wall time and at the end), TensorBoard events under
+   ``OUT/tb`` (every step), ``OUT/samples.txt`` (appended) and ``OUT/summary.json``.
 
-Bad input exits with status 2 and a message that names the flag and the fix.
+Ctrl-C (SIGINT) finishes the step in flight, writes metrics and the summary (marked
+``"interrupted": true``) and exits with status 130; a second Ctrl-C aborts at once.
+Bad input exits with status 2 and a message naming the key, its flag and the fix.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -33,64 +45,8 @@ _T_START = time.perf_counter()  # wall time counts from here (includes importing
 
 PROG = "python -m train"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
-
-# Defaults, chosen so that the run with no flags finishes in 55-95 s (wall, compile 3-6 s
-# included; the range is other load) on a 2-core CPU with 8 emulated devices and brings the
-# held-out loss of the stdlib corpus from 5.86 to 2.34 nats/byte (40%; ln(256) = 5.55 is a
-# uniform guess). tinyshakespeare with the same defaults: 5.95 -> 2.43.
-DEFAULTS = dict(
-    devices=8,
-    strategy="FULL_SHARD",
-    model="tiny",
-    steps=300,
-    batch_size=16,
-    seq_len=128,
-    lr=3e-3,
-    warmup=None,
-    weight_decay=0.1,
-    seed=0,
-    eval_every=100,
-    eval_batches=8,
-    out="runs/latest",
-)
-
-
-def _number(text: str, kind: type, ok, what: str):
-    """``kind(text)`` if ``ok`` of it, else an argparse error saying ``what`` was expected."""
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    if value is None or not ok(value):
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    return _number(text, int, lambda v: v >= 1, "a positive integer")
-
-
-def _nonnegative_int(text: str) -> int:
-    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
-
-
-def _nonnegative_float(text: str) -> float:
-    return _number(text, float, lambda v: 0 <= v < float("inf"), "a number >= 0")
-
-
-def _positive_float(text: str) -> float:
-    return _number(text, float, lambda v: v > 0 and v != float("inf"), "a positive number")
-
-
-def _preparse_devices(argv: list[str]) -> int:
-    """``--devices`` alone, before jax exists (a bad value is reported by the full parser)."""
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--devices", type=str, default=str(DEFAULTS["devices"]))
-    ns, _ = pre.parse_known_args(argv)
-    try:
-        return _positive_int(ns.devices)
-    except (ValueError, argparse.ArgumentTypeError):
-        return DEFAULTS["devices"]
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
+METRICS_WRITE_EVERY_S = 10.0  # rewrite metrics.jsonl at least this often (wall seconds)
 
 
 def set_host_device_count(n: int) -> None:
@@ -105,82 +61,21 @@ def set_host_device_count(n: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_FLAG}={n}"])
 
 
-class _HelpFormatter(argparse.HelpFormatter):
-    """Appends ``(default: X)`` to a flag's help where there is a default worth printing."""
+def build_parser() -> argparse.ArgumentParser:
+    """``--config FILE`` and one flag per configuration field (``train.config.add_arguments``)."""
+    from train import config  # noqa: PLC0415
 
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if action.default not in (None, argparse.SUPPRESS) and "%(default)" not in text:
-            text += " (default: %(default)s)"
-        return text
-
-
-def build_parser(model_names: list[str], strategies: list[str]) -> argparse.ArgumentParser:
-    """The full command line.
-
-    Args:
-      model_names: the keys of ``train.model.MODEL_PRESETS``.
-      strategies: the names of ``zshard.Strategy`` (FULL_SHARD, HYBRID_SHARD, ...).
-    """
-    d = DEFAULTS
     p = argparse.ArgumentParser(
         prog=PROG,
         allow_abbrev=False,
-        description="Train a byte-level GPT with zshard (ZeRO-3 / FSDP sharding) and write "
-        "OUT/metrics.jsonl and OUT/summary.json.",
-        formatter_class=_HelpFormatter,
+        description="Train a byte-level GPT with zshard (ZeRO-3 / FSDP sharding). Writes OUT/metrics.jsonl, "
+        "OUT/summary.json, OUT/config.toml, OUT/samples.txt and TensorBoard events in OUT/tb.",
+        epilog="Values: defaults < --config FILE < flags. Optional fields take 'none'. Presets: train/configs/*.toml.",
     )
-    g = p.add_argument_group("devices and sharding")
-    g.add_argument("--devices", metavar="N", type=_positive_int, default=d["devices"],
-                   help="devices: N emulated CPU devices; on an accelerator, the first N (at most) of its devices")
-    g.add_argument("--strategy", type=str.upper, choices=strategies, default=d["strategy"],
-                   help="sharding strategy (DESIGN.md section 3): FULL_SHARD = ZeRO-3 over all devices; "
-                   "HYBRID_SHARD = ZeRO-3 inside each shard group, replicated over replica")
-    g.add_argument("--zero-stage", metavar="K", type=int, choices=[0, 1, 2, 3], default=None,
-                   help="DeepSpeed ZeRO stage, an alias of --strategy: 0 NO_SHARD, 1 SHARD_OPT, 2 SHARD_GRAD_OP, 3 FULL_SHARD")
-    g.add_argument("--report", action="store_true",
-                   help="print zshard.report (memory and collective bytes of the compiled step against the "
-                   "ZeRO/FSDP formulas) and store it in summary.json under 'report'")
-    g.add_argument("--mesh", metavar="RxS|PRESET", default=None,
-                   help="REPLICAxSHARD (e.g. 2x4) or a preset name from meshes/*.toml (e.g. cpu-2x4); "
-                   "default 1xN: all devices on the shard axis (HYBRID_SHARD then equals FULL_SHARD)")
-    g = p.add_argument_group("model and optimisation")
-    g.add_argument("--model", choices=model_names, default=d["model"], help="model preset (train/model.py)")
-    g.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
-                   help="stack the blocks (nnx.vmap) and run them with nnx.scan: compile time flat in depth "
-                   "(default: the preset's choice, on for 'medium')")
-    g.add_argument("--steps", metavar="N", type=_positive_int, default=d["steps"], help="optimizer steps")
-    g.add_argument("--batch-size", metavar="B", type=_positive_int, default=d["batch_size"],
-                   help="GLOBAL batch, sequences per step (split over all devices; must divide by their number)")
-    g.add_argument("--seq-len", metavar="T", type=_positive_int, default=d["seq_len"],
-                   help="tokens (bytes) per sequence; also the model's position-table size")
-    g.add_argument("--lr", metavar="LR", type=_positive_float, default=d["lr"],
-                   help="peak learning rate of AdamW (linear warmup, then cosine decay to lr/10)")
-    g.add_argument("--warmup", metavar="N", type=_nonnegative_int, default=d["warmup"],
-                   help="linear warmup, steps (default: 10%% of --steps; at most --steps - 1)")
-    g.add_argument("--weight-decay", metavar="WD", type=_nonnegative_float, default=d["weight_decay"],
-                   help="AdamW decoupled weight decay on matrices and embeddings (not on norms or biases)")
-    g.add_argument("--param-dtype", choices=["float32", "bfloat16"], default=None,
-                   help="mixed precision: dtype of the all-gather and of the compute (masters stay float32)")
-    g.add_argument("--reduce-dtype", choices=["float32", "bfloat16"], default=None,
-                   help="mixed precision: dtype of the gradient reduce-scatter / all-reduce (default: --param-dtype)")
-    g.add_argument("--grad-accum", metavar="K", type=_positive_int, default=1,
-                   help="gradient accumulation: micro-batches per optimizer step (the batch splits into devices x K)")
-    g.add_argument("--clip-norm", metavar="X", type=_positive_float, default=None,
-                   help="clip the gradient to this global L2 norm (exact over all shards)")
-    g.add_argument("--skip-nonfinite", action="store_true",
-                   help="skip the update of a step whose loss or gradient is NaN/inf (counted in metrics.jsonl "
-                   "as 'skipped'); by default such a step stops the run with an error naming it")
-    g.add_argument("--seed", metavar="SEED", type=_nonnegative_int, default=d["seed"], help="seed of the initial weights and of the batches")
-    g = p.add_argument_group("data, evaluation and output")
-    g.add_argument("--data", metavar="FILE", default=None,
-                   help="a text file to train on (bytes; last 10%% held out); default: the Python stdlib's "
-                   ".py sources, first 8 MiB in sorted path order")
-    g.add_argument("--eval-every", metavar="N", type=_nonnegative_int, default=d["eval_every"],
-                   help="steps between held-out evaluations (0: only before the first and after the last step)")
-    g.add_argument("--eval-batches", metavar="N", type=_positive_int, default=d["eval_batches"],
-                   help="held-out batches (of --batch-size sequences) per evaluation")
-    g.add_argument("--out", metavar="DIR", default=d["out"], help="output directory (created after validation)")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="TOML (or JSON) file with [model] [data] [mesh] [optimizer] [training] [checkpoint] "
+                   "[distributed] [logging] tables; flags override it")
+    config.add_arguments(p)
     return p
 
 
@@ -201,6 +96,35 @@ def write_metrics(out: Path, records: list[dict]) -> None:
     write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
 
 
+class TensorBoard:
+    """Scalars to TensorBoard event files in ``OUT/tb`` (``tensorboardX.SummaryWriter``), or nothing.
+
+    Tags: ``train/loss``, ``train/grad_norm``, ``train/lr``, ``eval/loss`` (nats per byte,
+    per step), ``perf/tokens_per_s``, ``perf/step_time_s``. View with
+    ``tensorboard --logdir OUT/tb``.
+    """
+
+    TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "eval_loss": "eval/loss",
+            "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s"}
+
+    def __init__(self, logdir: Path | None):
+        self.writer = None
+        if logdir is not None:
+            from tensorboardX import SummaryWriter  # noqa: PLC0415
+
+            self.writer = SummaryWriter(str(logdir), flush_secs=10)
+
+    def log(self, rec: dict) -> None:
+        if self.writer is not None:
+            for key, tag in self.TAGS.items():
+                if key in rec:
+                    self.writer.add_scalar(tag, rec[key], rec["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 # ----------------------------------------------------------------------------------------
 # The run. Functions below import jax inside: main() must set XLA_FLAGS first.
 # ----------------------------------------------------------------------------------------
@@ -211,7 +135,7 @@ class Setup:
     """Everything validated, before any compile.
 
     Attributes:
-      cfg: the model shape (the preset, with ``seq_len`` from ``--seq-len``).
+      cfg: the model shape (the preset, with ``seq_len`` and ``scan`` from the config).
       source: one line naming the corpus.
       train_data: uint8 ``[n_train]``, the training bytes.
       eval_data: uint8 ``[n_eval]``, the held-out bytes (last 10% of the corpus).
@@ -220,6 +144,7 @@ class Setup:
       shard: size of the mesh's ``shard`` axis.
       mesh: ``jax.sharding.Mesh`` of shape ``(replica, shard)``.
       out: the output directory (not created yet).
+      strategy: the strategy's name (``zshard.Strategy`` value).
     """
 
     cfg: object
@@ -231,80 +156,88 @@ class Setup:
     shard: int
     mesh: object
     out: Path
+    strategy: str
 
 
-def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Setup:
-    """Check every flag against the data and the devices; ``parser.error`` (exit 2) on the first problem."""
+def validate(parser: argparse.ArgumentParser, run) -> Setup:
+    """Check the configuration against the data and the devices; ``parser.error`` (exit 2) on the first problem.
+
+    Args:
+      run: a type-checked ``train.config.Config``.
+    """
     import jax  # noqa: PLC0415
 
     import zshard  # noqa: PLC0415
     from train import data  # noqa: PLC0415
+    from train.config import ConfigError  # noqa: PLC0415
     from train.model import MODEL_PRESETS  # noqa: PLC0415
-    from zshard.mesh import parse_mesh  # noqa: PLC0415
 
-    cfg = dataclasses.replace(MODEL_PRESETS[args.model], seq_len=args.seq_len)
-    if args.scan is not None:
-        cfg = dataclasses.replace(cfg, scan=args.scan)
-
-    source = data.describe_source(args.data)
     try:
-        train_data, eval_data = data.split_corpus(data.load_corpus(args.data))
-        data.check_split(train_data, eval_data, args.seq_len, source=source)
-    except ValueError as e:
+        run.validate()  # against mesh.devices, before touching the devices
+        devices = jax.devices()[: run.mesh.devices]
+        run.validate(len(devices))  # an accelerator may have fewer
+        replica, shard = run.mesh_shape(len(devices))
+        strategy = run.strategy()
+    except ConfigError as e:
         parser.error(str(e))
+    cfg = dataclasses.replace(MODEL_PRESETS[run.model.preset], seq_len=run.model.seq_len)
+    if run.model.scan is not None:
+        cfg = dataclasses.replace(cfg, scan=run.model.scan)
 
-    devices = jax.devices()[: args.devices]
-    n, platform = len(devices), devices[0].platform
+    source = data.describe_source(run.data.path)
     try:
-        replica, shard = parse_mesh(args.mesh) if args.mesh is not None else (1, n)
+        train_data, eval_data = data.split_corpus(data.load_corpus(run.data.path))
+        data.check_split(train_data, eval_data, run.model.seq_len, source=source)
     except ValueError as e:
-        parser.error(f"--mesh {args.mesh!r}: {e}")
-    if replica * shard != n:
-        shapes = ", ".join(f"{r}x{n // r}" for r in range(1, n + 1) if n % r == 0)
-        have = f"--devices {n}" if n == args.devices else f"{n} {platform} devices (of --devices {args.devices})"
-        parser.error(
-            f"--mesh {args.mesh!r} is {replica}x{shard} = {replica * shard} devices, but there are {have}; "
-            f"use a mesh of {n} devices ({shapes})" + (f" or --devices {replica * shard}" if platform == "cpu" else "")
-        )
+        parser.error(f"data.path: {e}")
     try:
         mesh = zshard.make_mesh(replica, shard, devices=devices)
     except ValueError as e:
-        parser.error(f"--mesh {args.mesh!r}: {e}")
-    unit = n * args.grad_accum  # the global batch splits over devices x micro-batches
-    if args.batch_size % unit:
-        lo = max(unit, args.batch_size // unit * unit)
-        accum = f" x --grad-accum {args.grad_accum}" if args.grad_accum > 1 else ""
-        parser.error(
-            f"--batch-size {args.batch_size} does not divide by the {n} devices of the {replica}x{shard} mesh{accum} "
-            f"(the global batch is split over all devices); use a multiple of {unit}, e.g. {lo} or {lo + unit}"
-        )
+        parser.error(f"mesh.shape (--mesh) {run.mesh.shape!r}: {e}")
 
-    out = Path(args.out)
+    out = Path(run.logging.out)
     if out.exists() and not out.is_dir():
-        parser.error(f"--out {str(out)!r} exists and is not a directory; give a directory path")
-    return Setup(cfg, source, train_data, eval_data, devices, replica, shard, mesh, out)
+        parser.error(f"logging.out (--out) {str(out)!r} exists and is not a directory; give a directory path")
+    _refuse_unwired(parser, run)
+    return Setup(cfg, source, train_data, eval_data, devices, replica, shard, mesh, out, strategy)
 
 
-def make_optimizer(args: argparse.Namespace):
-    """AdamW with linear warmup and cosine decay to ``lr / 10``; returns ``(tx, warmup steps)``.
+def _refuse_unwired(parser: argparse.ArgumentParser, run) -> None:
+    """The [checkpoint] and [distributed] sections are validated and passed on; until the
+    modules that act on them are wired in below (see the marked hooks in :func:`main`),
+    asking for them is an error rather than a silent no-op."""
+    import importlib.util  # noqa: PLC0415
+
+    if (run.checkpoint.ckpt_every or run.checkpoint.resume) and importlib.util.find_spec("train.checkpointing") is None:
+        parser.error("checkpoint.ckpt_every / checkpoint.resume (--ckpt-every / --resume): checkpointing "
+                     "(train/checkpointing.py) is not part of this build; leave them at 0 / false")
+    if run.distributed.coordinator is not None and importlib.util.find_spec("zshard.distributed") is None:
+        parser.error("distributed.coordinator (--coordinator): multi-host (zshard/distributed.py) is not part of "
+                     "this build; leave the [distributed] section unset")
+
+
+def make_optimizer(run):
+    """AdamW with linear warmup and cosine decay to ``lr / 10``; returns ``(tx, warmup steps, schedule)``.
 
     Weight decay applies to kernels and embeddings only. zshard stores each parameter flat
     (``[n_pad]``), so ``ndim`` cannot tell a matrix from a bias: the mask goes by name.
     No ``optax.clip_by_global_norm``: it would run on each device's shards and clip by a
-    per-device norm, not the global one.
+    per-device norm, not the global one (``optimizer.clip_norm`` goes to the step instead).
     """
     import jax  # noqa: PLC0415
     import optax  # noqa: PLC0415
 
-    warmup = min(args.steps // 10 if args.warmup is None else args.warmup, args.steps - 1)
+    o, steps = run.optimizer, run.training.steps
+    warmup = run.warmup_steps()
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=args.lr, warmup_steps=warmup, decay_steps=args.steps, end_value=args.lr / 10
+        init_value=0.0, peak_value=o.lr, warmup_steps=warmup, decay_steps=steps, end_value=o.lr / 10
     )
 
     def decay_mask(params):
         return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in ("kernel", "embedding"), params)
 
-    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay, mask=decay_mask), warmup
+    tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=o.weight_decay, mask=decay_mask)
+    return tx, warmup, schedule
 
 
 def make_evaluator(state, batches: list, device):
@@ -333,16 +266,75 @@ def make_evaluator(state, batches: list, device):
         return cross_entropy_loss(nnx.merge(graphdef, params), batch)
 
     def evaluate(state) -> float:
-        params = nnx.split(zshard.unshard(state))[1]
+        params = jax.device_put(nnx.split(zshard.unshard(state))[1], device)
         return float(jnp.mean(jnp.stack([loss(params, b) for b in batches])))
 
     return evaluate
 
 
+def make_sampler(state, seq_len: int, device):
+    """``sample(state, prompt, n, temperature, seed) -> bytes``: ``n`` bytes generated after ``prompt``.
+
+    The model is gathered whole (``zshard.unshard``) onto ``device``. Each new byte runs one
+    jitted forward pass over a fixed window of ``seq_len`` tokens (int32 ``[1, seq_len]``,
+    the last ``seq_len`` bytes so far, zero-padded after them; causal attention makes the
+    padding invisible), so it compiles once. The next byte is the argmax of the logits when
+    ``temperature == 0``, else drawn from ``softmax(logits / temperature)`` with a numpy
+    Generator seeded by ``seed``.
+    """
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    import zshard  # noqa: PLC0415
+
+    graphdef = nnx.split(zshard.unshard(state))[0]
+
+    @jax.jit
+    def next_logits(params, window, pos):
+        logits = nnx.merge(graphdef, params)(window)  # [1, T, vocab]
+        return logits[0, pos].astype(np.float32)  # [vocab]
+
+    def sample(state, prompt: bytes, n: int, temperature: float, seed: int) -> bytes:
+        params = jax.device_put(nnx.split(zshard.unshard(state))[1], device)
+        rng = np.random.default_rng(seed)
+        tokens = list(prompt)
+        for _ in range(n):
+            ctx = tokens[-seq_len:]
+            window = np.zeros((1, seq_len), np.int32)
+            window[0, : len(ctx)] = ctx
+            logits = np.asarray(next_logits(params, window, len(ctx) - 1), np.float64)
+            if temperature == 0:
+                nxt = int(np.argmax(logits))
+            else:
+                z = logits / temperature
+                p = np.exp(z - z.max())
+                nxt = int(rng.choice(len(p), p=p / p.sum()))
+            tokens.append(nxt)
+        return bytes(tokens[len(prompt):])
+
+    return sample
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m train`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    set_host_device_count(_preparse_devices(argv))
+    from train import config as config_mod  # noqa: PLC0415  (no jax)
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        raw = config_mod.load_file(args.config) if args.config else {}
+        run = config_mod.from_args(args, raw, source=args.config or "config")
+    except config_mod.ConfigError as e:
+        parser.error(str(e))
+    set_host_device_count(run.mesh.devices if run.mesh.devices >= 1 else 1)
+
+    # ---- multi-host hook (zshard/distributed.py) ----------------------------------------
+    # run.distributed (coordinator, num_processes, process_id) is type-checked here and
+    # validated in validate(); jax.distributed must be initialised before jax.devices(),
+    # so the multi-host module is called here, between XLA_FLAGS and validate().
+    # -------------------------------------------------------------------------------------
 
     import numpy as np  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415  (imports jax, after XLA_FLAGS)
@@ -350,31 +342,29 @@ def main(argv: list[str] | None = None) -> int:
 
     import zshard  # noqa: PLC0415
     from train import data  # noqa: PLC0415
-    from train.model import GPT, MODEL_PRESETS, cross_entropy_loss  # noqa: PLC0415
+    from train.model import GPT, cross_entropy_loss  # noqa: PLC0415
 
-    parser = build_parser(list(MODEL_PRESETS), [s.value for s in zshard.Strategy])
-    args = parser.parse_args(argv)
-    if args.zero_stage is not None:
-        args.strategy = zshard.Strategy.parse(zero_stage=args.zero_stage).value
-    setup = validate(parser, args)
-    out, n, platform = setup.out, len(setup.devices), setup.devices[0].platform
+    setup = validate(parser, run)
+    resolved = run.resolved(len(setup.devices))
+    out, n, platform, strategy = setup.out, len(setup.devices), setup.devices[0].platform, setup.strategy
+    t_cfg, lg = run.training, run.logging
     print(
-        f"{PROG}: {args.model} GPT, {args.strategy} on a {setup.replica}x{setup.shard} (replica x shard) mesh of "
+        f"{PROG}: {run.model.preset} GPT, {strategy} on a {setup.replica}x{setup.shard} (replica x shard) mesh of "
         f"{n} {platform} devices; data: {setup.source}: {len(setup.train_data):,} train / "
         f"{len(setup.eval_data):,} held-out bytes",
         file=sys.stderr,
     )
 
     # ---- build and compile ------------------------------------------------------------
-    tx, warmup = make_optimizer(args)
+    tx, warmup, schedule = make_optimizer(run)
     mp = None
-    if args.param_dtype or args.reduce_dtype:
-        mp = zshard.MixedPrecision(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
-    state = zshard.init(lambda: GPT(setup.cfg, rngs=nnx.Rngs(args.seed)), tx, setup.mesh, strategy=args.strategy, mixed_precision=mp)
+    if t_cfg.param_dtype or t_cfg.reduce_dtype:
+        mp = zshard.MixedPrecision(param_dtype=t_cfg.param_dtype, reduce_dtype=t_cfg.reduce_dtype)
+    state = zshard.init(lambda: GPT(setup.cfg, rngs=nnx.Rngs(t_cfg.seed)), tx, setup.mesh, strategy=strategy, mixed_precision=mp)
     step = zshard.make_train_step(
-        cross_entropy_loss, grad_accum=args.grad_accum, clip_norm=args.clip_norm, skip_nonfinite=args.skip_nonfinite
+        cross_entropy_loss, grad_accum=t_cfg.grad_accum, clip_norm=run.optimizer.clip_norm, skip_nonfinite=t_cfg.skip_nonfinite
     )
-    batches = data.train_batches(setup.train_data, args.batch_size, args.seq_len, args.seed)
+    batches = data.train_batches(setup.train_data, t_cfg.batch_size, run.model.seq_len, t_cfg.seed)
     batch = next(batches)
 
     t0 = time.perf_counter()
@@ -388,115 +378,176 @@ def main(argv: list[str] | None = None) -> int:
         per_device_bytes = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
 
     report = None
-    if args.report:
+    if lg.report:
         report = zshard.report(step, state, batch)
         print(report.table(), file=sys.stderr)
 
-    eval_set = data.eval_batches(setup.eval_data, args.batch_size, args.seq_len, args.eval_batches)
+    eval_set = data.eval_batches(setup.eval_data, t_cfg.batch_size, run.model.seq_len, run.data.eval_batches)
     evaluate = make_evaluator(state, eval_set, setup.devices[0])
     eval_loss0 = evaluate(state)
+    sample = make_sampler(state, run.model.seq_len, setup.devices[0])
+    prompt = lg.prompt.encode() if lg.prompt is not None else bytes(setup.eval_data[: min(64, run.model.seq_len // 2)])
 
-    # ---- train ------------------------------------------------------------------------
+    # ---- checkpoint hook (train/checkpointing.py) ---------------------------------------
+    # run.checkpoint (ckpt_every, keep, resume) is validated; with resume, the checkpoint
+    # module restores `state`, the step and the data position here, before training.
+    # -------------------------------------------------------------------------------------
+    first_step = 1
+
+    # ---- output -----------------------------------------------------------------------
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").unlink(missing_ok=True)  # never leave a previous run's summary beside new metrics
+    (out / "samples.txt").unlink(missing_ok=True)
+    for old in (out / "tb").glob("events.out.tfevents.*"):
+        old.unlink()  # a fresh run's curves only
+    header = (f"Resolved configuration of the run in {out}, written by {PROG}.\n"
+              f"Repeat it with: {PROG} --config {out / 'config.toml'} [--out ANOTHER_DIR]")
+    write_atomic(out / "config.toml", config_mod.dumps_toml(resolved, header))
+    tb = TensorBoard(out / "tb" if lg.tensorboard else None)
     records = [{"step": 0, "eval_loss": eval_loss0}]
+    tb.log(records[0])
     write_metrics(out, records)
-    tokens_per_step = args.batch_size * args.seq_len  # tokens = bytes
+    tokens_per_step = t_cfg.batch_size * run.model.seq_len  # tokens = bytes
+    lrs = np.asarray(schedule(np.arange(t_cfg.steps)))  # lr of step i is lrs[i - 1] (optax count before the update)
 
-    bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(total=t_cfg.steps, initial=first_step - 1, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
     bar.write(f"compiled in {compile_s:.1f} s; {state.plan.num_params():,} parameters; eval loss {eval_loss0:.4f} before training")
-    t_train = t_last = time.perf_counter()
-    eval_s = 0.0  # time spent evaluating inside the training loop, s
+    t_train = t_last = t_written = time.perf_counter()
+    eval_s = 0.0  # time spent evaluating and sampling inside the training loop, s
+
+    def write_sample(i: int) -> None:
+        text = sample(state, prompt, lg.sample_tokens, lg.temperature, t_cfg.seed + i)
+        head = f"=== step {i}: {lg.sample_tokens} bytes after a {len(prompt)}-byte prompt, temperature {lg.temperature} ==="
+        body = (prompt + text).decode("utf-8", errors="replace")
+        print(f"{head}\n{body}\n", flush=True)
+        with open(out / "samples.txt", "a", encoding="utf-8") as f:
+            f.write(f"{head}\n{body}\n\n")
 
     def record(i: int, metrics) -> dict:
         """Read step ``i``'s metrics (waits for that step only), log them, stop on a non-finite loss."""
         nonlocal t_last
         loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
         now = time.perf_counter()
-        rec = {"step": i, "loss": loss, "grad_norm": grad_norm, "tokens_per_s": tokens_per_step / (now - t_last)}
+        rec = {"step": i, "loss": loss, "grad_norm": grad_norm, "lr": float(lrs[i - 1]),
+               "tokens_per_s": tokens_per_step / (now - t_last), "step_time_s": now - t_last}
         nonfinite = int(metrics["nonfinite"])  # the same on every device (reduced over the mesh)
         if nonfinite:
-            rec["skipped"] = int(args.skip_nonfinite)
+            rec["skipped"] = int(t_cfg.skip_nonfinite)
         t_last = now
         records.append(rec)
+        tb.log(rec)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}", refresh=False)
         bar.update(1)
-        if nonfinite and not args.skip_nonfinite:
+        if nonfinite and not t_cfg.skip_nonfinite:
             bar.close()
             write_metrics(out, records)
+            tb.close()
             raise SystemExit(
                 f"{PROG}: error: non-finite loss {loss} / grad norm {grad_norm} at step {i}; lower --lr "
-                f"(now {args.lr}), add --clip-norm, or pass --skip-nonfinite to skip such steps"
+                f"(now {run.optimizer.lr}), add --clip-norm, or pass --skip-nonfinite to skip such steps"
             )
         return rec
 
+    interrupted = []  # the signal number, once Ctrl-C arrives
+
+    def on_sigint(signum, frame):
+        interrupted.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
+        bar.write(f"{PROG}: interrupted: finishing step in flight, then writing the summary (Ctrl-C again to abort)")
+
+    previous_handler = signal.signal(signal.SIGINT, on_sigint)
     pending = None  # (step number, metrics) dispatched but not yet read
-    for i in range(1, args.steps + 1):
-        state, metrics = step(state, batch)  # donates the old `state`
-        if pending is not None:
-            record(*pending)  # step i-1 finishes while step i is queued: no per-step sync
-        pending = (i, metrics)
-        if i < args.steps:
-            batch = next(batches)
-        if i == args.steps or (args.eval_every and i % args.eval_every == 0):
-            rec = record(*pending)
-            pending = None
-            t_eval = time.perf_counter()
-            rec["eval_loss"] = evaluate(state)
-            eval_s += time.perf_counter() - t_eval
-            bar.write(f"step {i}: train loss {rec['loss']:.4f}, eval loss {rec['eval_loss']:.4f}")
-            write_metrics(out, records)
-            t_last = time.perf_counter()  # evaluation time is not training throughput
-    bar.close()
+    last = first_step - 1  # the last step whose metrics were read
+    try:
+        for i in range(first_step, t_cfg.steps + 1):
+            state, metrics = step(state, batch)  # donates the old `state`
+            if pending is not None:
+                last = record(*pending)["step"]  # step i-1 finishes while step i is queued: no per-step sync
+            pending = (i, metrics)
+            if i < t_cfg.steps:
+                batch = next(batches)
+            is_eval = i == t_cfg.steps or (t_cfg.eval_every and i % t_cfg.eval_every == 0)
+            is_sample = i == t_cfg.steps or (lg.sample_every and i % lg.sample_every == 0)
+            if is_eval or is_sample or interrupted:
+                rec = record(*pending)
+                pending, last = None, i
+                t_eval = time.perf_counter()
+                if is_eval and not interrupted:
+                    rec["eval_loss"] = evaluate(state)
+                    tb.log({"step": i, "eval_loss": rec["eval_loss"]})
+                    bar.write(f"step {i}: train loss {rec['loss']:.4f}, eval loss {rec['eval_loss']:.4f}")
+                if is_sample and not interrupted:
+                    write_sample(i)
+                eval_s += time.perf_counter() - t_eval
+                t_last = time.perf_counter()  # evaluation time is not training throughput
+            # ---- checkpoint hook: save every run.checkpoint.ckpt_every steps (keep run.checkpoint.keep) here.
+            if interrupted or is_eval or is_sample or time.perf_counter() - t_written > METRICS_WRITE_EVERY_S:
+                write_metrics(out, records)
+                t_written = time.perf_counter()
+            if interrupted:
+                # ---- checkpoint hook: save the state of step `last` here when checkpointing is on.
+                break
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+        bar.close()
+        tb.close()
     train_s = time.perf_counter() - t_train
 
     # ---- summary ----------------------------------------------------------------------
     losses = [r["loss"] for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    steps_done = last - first_step + 1
     summary = {
-        "strategy": args.strategy,
+        "strategy": strategy,
         "mesh": {"replica": setup.replica, "shard": setup.shard},
         "devices": n,
         "platform": platform,
-        "model": {"preset": args.model, "config": dataclasses.asdict(setup.cfg)},
+        "model": {"preset": run.model.preset, "config": dataclasses.asdict(setup.cfg)},
         "num_params": state.plan.num_params(),
-        "steps": args.steps,
-        "batch_size": args.batch_size,  # global, sequences
-        "seq_len": args.seq_len,  # tokens
+        "steps": t_cfg.steps,
+        "steps_done": last,  # the last step trained (== steps unless interrupted)
+        "interrupted": bool(interrupted),
+        "batch_size": t_cfg.batch_size,  # global, sequences
+        "seq_len": run.model.seq_len,  # tokens
         "tokens_per_step": tokens_per_step,
-        "lr": args.lr,
-        "param_dtype": args.param_dtype or "float32",
-        "reduce_dtype": args.reduce_dtype or args.param_dtype or "float32",
-        "grad_accum": args.grad_accum,  # micro-batches per step
-        "clip_norm": args.clip_norm,
+        "lr": run.optimizer.lr,
+        "param_dtype": t_cfg.param_dtype or "float32",
+        "reduce_dtype": t_cfg.reduce_dtype or t_cfg.param_dtype or "float32",
+        "grad_accum": t_cfg.grad_accum,  # micro-batches per step
+        "clip_norm": run.optimizer.clip_norm,
         "scan": setup.cfg.scan,
         "warmup": warmup,  # steps
-        "weight_decay": args.weight_decay,
-        "seed": args.seed,
+        "weight_decay": run.optimizer.weight_decay,
+        "seed": t_cfg.seed,
         "data": {
             "source": setup.source,
             "train_bytes": len(setup.train_data),
             "eval_bytes": len(setup.eval_data),
-            "eval_sequences": args.eval_batches * args.batch_size,
+            "eval_sequences": run.data.eval_batches * t_cfg.batch_size,
         },
-        "final_train_loss": losses[-1],  # nats per byte, last step
-        "final_train_loss_mean10": float(np.mean(losses[-10:])),  # mean of the last 10 steps
+        "final_train_loss": losses[-1] if losses else None,  # nats per byte, last step
+        "final_train_loss_mean10": float(np.mean(losses[-10:])) if losses else None,  # mean of the last 10 steps
         "initial_eval_loss": eval_loss0,
-        "final_eval_loss": records[-1]["eval_loss"],
+        "final_eval_loss": evals[-1]["eval_loss"],  # at step final_eval_step
+        "final_eval_step": evals[-1]["step"],
         "per_device_bytes": per_device_bytes,  # from the compiled step's memory_analysis()
         **({"report": report.to_dict()} if report is not None else {}),
         "compile_s": compile_s,
         "train_s": train_s,  # the training loop, evaluations included
-        "eval_s": eval_s,  # evaluations inside the loop
-        "tokens_per_s": tokens_per_step * args.steps / (train_s - eval_s),
+        "eval_s": eval_s,  # evaluations and samples inside the loop
+        "tokens_per_s": tokens_per_step * steps_done / max(train_s - eval_s, 1e-9),
         "wall_s": time.perf_counter() - _T_START,  # whole program, imports included
+        "config": resolved.to_dict(),
     }
     write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    what = f"interrupted after step {last} of {t_cfg.steps}" if interrupted else f"in {t_cfg.steps} steps"
     print(
-        f"{PROG}: eval loss {eval_loss0:.4f} -> {summary['final_eval_loss']:.4f} nats/byte in {args.steps} steps; "
-        f"{summary['wall_s']:.0f} s wall; wrote {out / 'metrics.jsonl'} and {out / 'summary.json'}",
+        f"{PROG}: eval loss {eval_loss0:.4f} -> {summary['final_eval_loss']:.4f} nats/byte (step {summary['final_eval_step']}) "
+        f"{what}; {summary['wall_s']:.0f} s wall; wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, "
+        f"{out / 'config.toml'}",
         file=sys.stderr,
     )
-    return 0
+    return EXIT_INTERRUPTED if interrupted else 0
 
 
 if __name__ == "__main__":
