@@ -1,0 +1,317 @@
+"""``python -m zshard.verify MODULE:FUNCTION --strategy S --mesh RxS [--steps K]``: check a
+model's sharded training against a plain single-device Optax step.
+
+``MODULE:FUNCTION`` names a zero-argument function (``MODULE`` is a dotted module path,
+importable from the current directory, or a ``.py`` file) returning
+``(model_or_builder, tx, loss_fn, batch)``:
+
+- ``model_or_builder``: an ``nnx.Module``, or a zero-argument callable building one;
+- ``tx``: an ``optax.GradientTransformation``;
+- ``loss_fn(model, batch)``: written for one device, returns the scalar mean loss (or
+  ``(sum, count)``, as ``zshard.make_train_step`` accepts);
+- ``batch``: a pytree of arrays whose leading dimension is the global batch (divisible by
+  the device count), used for every step.
+
+Both runs start from the same parameters and take the same ``K`` steps on the same batch:
+zshard (``zshard.init`` + ``zshard.make_train_step`` on the mesh) and the reference
+(``nnx.Optimizer`` with the same ``tx``, ``loss_fn`` on the whole batch, one device). The
+report prints each step's loss from both, the largest loss difference (relative,
+``|a - b| / |b|``) and the largest parameter difference (relative L2 norm
+``||a - b|| / ||b||`` per parameter, the worst one named), initial parameters included,
+against a tolerance set by the dtype: float32 1e-5 (DESIGN.md section 6), float16 1e-3,
+bfloat16 2e-2 (the parameters' lowest-precision float dtype, or ``--param-dtype`` with
+mixed precision; ``--tolerance`` overrides).
+
+Exit status: 0 when both differences are within the tolerance, 1 when not, 2 on bad input
+(an unimportable module, a function that does not return the 4-tuple, a mesh that does not
+fit the devices, ...). A typical failure: a ``loss_fn`` that reads a statistic of the whole
+batch (a batch mean, a batch norm) sees only the device's slice under zshard.
+
+Example (the reference GPT)::
+
+    # mycheck.py
+    def gpt():
+        cfg = GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2)
+        tokens = np.random.default_rng(0).integers(0, 256, (8, 17), dtype=np.int32)
+        return (lambda: GPT(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3), cross_entropy_loss,
+                (tokens[:, :-1], tokens[:, 1:]))
+
+    python -m zshard.verify mycheck:gpt --strategy HYBRID_SHARD --mesh 2x4 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, traverse_util
+
+__all__ = ["TOLERANCE", "VerifyResult", "load_function", "main", "verify"]
+
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 1e-3, "bfloat16": 2e-2}
+"""Largest relative difference that passes, by dtype (loss: ``|a-b|/|b|``; parameters:
+relative L2). float32: DESIGN.md section 6; the 16-bit ones allow for the rounding of
+mixed-precision compute over a few steps (the project's bf16 tests use 2e-2)."""
+
+
+@dataclasses.dataclass
+class VerifyResult:
+    """The comparison.
+
+    Attributes:
+      strategy: the zshard strategy's name.
+      mesh: ``(replica, shard)``.
+      dtype: the dtype that set the tolerance.
+      tolerance: the largest relative difference that passes.
+      losses: ``[(sharded, reference)]`` per step, the global mean loss of each.
+      loss_diffs: ``|sharded - reference| / |reference|`` per step.
+      param_diffs: ``{path: relative L2 difference}`` after the last step.
+      initial_diffs: ``{path: relative L2 difference}`` before the first step.
+    """
+
+    strategy: str
+    mesh: tuple[int, int]
+    dtype: str
+    tolerance: float
+    losses: list[tuple[float, float]]
+    loss_diffs: list[float]
+    param_diffs: dict[str, float]
+    initial_diffs: dict[str, float]
+
+    @property
+    def max_loss_diff(self) -> float:
+        return float(np.max(self.loss_diffs))  # NaN if any step's is
+
+    @property
+    def worst_param(self) -> tuple[str, float]:
+        """``(path, difference)`` of the parameter furthest from the reference (initial or final)."""
+        both = {**{f"{p} (initial)": d for p, d in self.initial_diffs.items()}, **self.param_diffs}
+        path = max(both, key=lambda p: (bool(np.isnan(both[p])), both[p]))  # NaN counts as worst
+        return path, both[path]
+
+    @property
+    def passed(self) -> bool:
+        return self.max_loss_diff <= self.tolerance and self.worst_param[1] <= self.tolerance
+
+    def table(self) -> str:
+        """The report printed by ``python -m zshard.verify``."""
+        r, s = self.mesh
+        lines = [f"{self.strategy} on {r}x{s} (replica x shard) against one device, {len(self.losses)} steps, "
+                 f"{self.dtype}: tolerance {self.tolerance:g}",
+                 f"{'step':>4}  {'loss zshard':>14}  {'loss reference':>14}  {'rel. diff':>9}"]
+        for i, ((a, b), d) in enumerate(zip(self.losses, self.loss_diffs), 1):
+            lines.append(f"{i:>4}  {a:>14.8f}  {b:>14.8f}  {d:>9.2e}")
+        step = int(np.argmax(self.loss_diffs)) + 1
+        path, pd = self.worst_param
+        ok = lambda d: "ok" if d <= self.tolerance else "MISMATCH"  # noqa: E731
+        lines += [
+            f"largest loss difference:      {self.max_loss_diff:.3e} (step {step}, relative)  {ok(self.max_loss_diff)}",
+            f"largest parameter difference: {pd:.3e} ({path}, relative L2)  {ok(pd)}",
+            "PASS" if self.passed else f"FAIL: zshard's {self.strategy} training differs from the single-device "
+            "reference by more than the tolerance (a loss_fn reading whole-batch statistics sees only the "
+            "device's slice under zshard)",
+        ]
+        return "\n".join(lines)
+
+
+def _rel_l2(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    nb = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / nb) if nb else float(np.linalg.norm(a - b))
+
+
+def _flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
+    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return {"/".join(map(str, p)): np.asarray(v) for p, v in traverse_util.flatten_dict(state).items()}
+
+
+def _mean_loss(loss_fn: Callable) -> Callable:
+    """``loss_fn`` as a scalar mean: ``(sum, count)`` -> ``sum / count``."""
+
+    def loss(model, batch):
+        out = loss_fn(model, batch)
+        if isinstance(out, tuple) and len(out) == 2:
+            return out[0] / out[1]
+        return out
+
+    return loss
+
+
+def _dtype(params: dict[str, np.ndarray], param_dtype: str | None) -> str:
+    if param_dtype is not None:
+        return str(jnp.dtype(param_dtype))
+    floats = [jnp.dtype(v.dtype) for v in params.values() if jnp.issubdtype(v.dtype, jnp.floating)]
+    return str(max(floats, key=lambda d: jnp.finfo(d).eps)) if floats else "float32"  # the least precise
+
+
+def verify(model_or_builder, tx: optax.GradientTransformation, loss_fn: Callable, batch: Any, *,
+           strategy: str = "FULL_SHARD", mesh=None, steps: int = 5, param_dtype: str | None = None,
+           tolerance: float | None = None) -> VerifyResult:
+    """Train ``steps`` steps with zshard on ``mesh`` and with plain Optax on one device; compare.
+
+    Args:
+      model_or_builder: an ``nnx.Module`` (not modified) or a zero-argument callable building one.
+      tx: the optimizer (used, unchanged, by both runs).
+      loss_fn: ``loss_fn(model, batch) -> scalar`` mean loss (or ``(sum, count)``).
+      batch: pytree of arrays, leading dimension = global batch, divisible by the mesh's devices.
+      strategy: a ``zshard.Strategy`` name.
+      mesh: a ``(replica, shard)`` ``jax.sharding.Mesh`` (``zshard.make_mesh``), or ``(R, S)``.
+      steps: optimizer steps, >= 1.
+      param_dtype: mixed precision (``zshard.MixedPrecision(param_dtype=...)``, reduce in
+        float32) on the zshard side; also sets the tolerance.
+      tolerance: overrides :data:`TOLERANCE`.
+
+    Raises:
+      ValueError: bad ``steps``, strategy, mesh or batch (from ``zshard.init`` /
+        the step, before compiling).
+    """
+    import zshard  # noqa: PLC0415
+
+    if steps < 1:
+        raise ValueError(f"steps={steps}; give at least 1")
+    if mesh is None or isinstance(mesh, tuple):
+        mesh = zshard.make_mesh(*(mesh or ()))
+    strategy = zshard.Strategy.parse(strategy).value
+    mp = zshard.MixedPrecision(param_dtype=param_dtype, reduce_dtype="float32") if param_dtype else None
+
+    # Reference model, built first: a module is copied (zshard.init leaves it alone, and the
+    # reference's nnx.Optimizer updates its own copy in place).
+    ref = nnx.clone(model_or_builder) if isinstance(model_or_builder, nnx.Module) else model_or_builder()
+    if not isinstance(ref, nnx.Module):
+        raise ValueError(f"the model builder returned {type(ref).__name__}, not an nnx.Module")
+    init_ref = _flat_params(ref)
+
+    state = zshard.init(model_or_builder, tx, mesh, strategy=strategy, mixed_precision=mp)
+    init_got = _flat_params(zshard.unshard(state))
+    step = zshard.make_train_step(loss_fn)
+    got_losses = []
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        got_losses.append(float(metrics["loss"]))
+    got = _flat_params(zshard.unshard(state))
+
+    opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
+    mean_loss = _mean_loss(loss_fn)
+
+    @nnx.jit
+    def ref_step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(mean_loss)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    ref_batch = jax.tree.map(jnp.asarray, batch)
+    ref_losses = [float(ref_step(ref, opt, ref_batch)) for _ in range(steps)]
+    want = _flat_params(ref)
+
+    dtype = _dtype(init_ref, param_dtype)
+    tol = TOLERANCE.get(dtype, 1e-5) if tolerance is None else tolerance
+    return VerifyResult(
+        strategy=strategy,
+        mesh=(int(mesh.shape["replica"]), int(mesh.shape["shard"])),
+        dtype=dtype,
+        tolerance=tol,
+        losses=list(zip(got_losses, ref_losses)),
+        loss_diffs=[abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got_losses, ref_losses)],
+        param_diffs={p: _rel_l2(got[p], b) for p, b in want.items()},
+        initial_diffs={p: _rel_l2(init_got[p], b) for p, b in init_ref.items()},
+    )
+
+
+def load_function(spec: str) -> Callable:
+    """``"pkg.module:function"`` or ``"path/file.py:function"`` -> the function.
+
+    Raises:
+      ValueError: no ``:``, the module cannot be imported (its error quoted), or it has no
+        such callable.
+    """
+    if spec.count(":") != 1 or not all(spec.split(":")):
+        raise ValueError(f"{spec!r}: expected MODULE:FUNCTION, e.g. mypkg.checks:gpt or checks.py:gpt")
+    module_name, fn_name = spec.split(":")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise FileNotFoundError(f"no such file {str(path)!r}")
+            loader = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.insert(0, str(Path.cwd()))
+            module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001  (any import-time error is the user's to see)
+        raise ValueError(f"{spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        names = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
+        raise ValueError(f"{spec!r}: {module_name!r} has no function {fn_name!r}; callables there: {', '.join(names)}")
+    return fn
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns 0 (pass), 1 (mismatch) or 2 (bad input)."""
+    from zshard.mesh import parse_mesh  # noqa: PLC0415
+    from zshard.strategy import Strategy  # noqa: PLC0415
+
+    p = argparse.ArgumentParser(
+        prog="python -m zshard.verify", allow_abbrev=False,
+        description="Train K steps with zshard and with a plain single-device Optax step; compare losses and parameters.",
+    )
+    p.add_argument("function", metavar="MODULE:FUNCTION",
+                   help="a function returning (model_or_builder, tx, loss_fn, batch); MODULE dotted or a .py file")
+    p.add_argument("--strategy", default="FULL_SHARD", help=f"one of {', '.join(s.value for s in Strategy)} (default FULL_SHARD)")
+    p.add_argument("--mesh", default="1x8", metavar="RxS", help="replica x shard, or a meshes/*.toml preset (default 1x8)")
+    p.add_argument("--steps", type=int, default=5, metavar="K", help="optimizer steps (default 5)")
+    p.add_argument("--param-dtype", choices=["bfloat16", "float16"], default=None,
+                   help="mixed precision on the zshard side (reduce in float32); sets the tolerance")
+    p.add_argument("--tolerance", type=float, default=None, help="largest relative difference that passes (default: by dtype)")
+    args = p.parse_args(argv)
+    try:
+        strategy = Strategy.parse(args.strategy).value
+        r, s = parse_mesh(args.mesh)
+    except ValueError as e:
+        p.error(str(e))
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: give at least 1")
+    try:
+        jax.config.update("jax_num_cpu_devices", r * s)  # emulated CPU devices; only before jax starts
+    except RuntimeError:
+        pass  # the backend is up already (in-process use): keep its devices
+    n = len(jax.devices())
+    if r * s > n:
+        p.error(f"--mesh {args.mesh} needs {r * s} devices, {jax.devices()[0].platform} has {n}")
+    fn = None
+    try:
+        fn = load_function(args.function)
+        out = fn()
+        if not (isinstance(out, tuple) and len(out) == 4):
+            raise ValueError(f"{args.function!r} returned {type(out).__name__}"
+                             f"{f' of length {len(out)}' if isinstance(out, tuple) else ''}; "
+                             "expected the 4-tuple (model_or_builder, tx, loss_fn, batch)")
+        import zshard  # noqa: PLC0415
+
+        mesh = zshard.make_mesh(r, s, devices=jax.devices()[: r * s])
+        result = verify(*out, strategy=strategy, mesh=mesh, steps=args.steps, param_dtype=args.param_dtype,
+                        tolerance=args.tolerance)
+    except ValueError as e:
+        p.error(str(e))
+    except Exception as e:  # noqa: BLE001  (the user's model or loss failed: show where, exit 2, not 1)
+        import traceback  # noqa: PLC0415
+
+        traceback.print_exc()
+        p.error(f"{args.function}: {type(e).__name__}: {e}")
+    print(f"python -m zshard.verify {args.function}: {result.table()}")
+    return 0 if result.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
