@@ -53,8 +53,8 @@ def test_train_writes_metrics_summary_and_report(tmp_path, corpus):
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--mesh", "3x3"], "--mesh '3x3' is 3x3 = 9 devices"),
-        (["--batch-size", "12"], "--batch-size 12 does not divide by the 8 devices"),
+        (["--mesh", "3x3"], "(--mesh): '3x3' is 3x3 = 9 devices"),
+        (["--batch-size", "12"], "(--batch-size): 12 does not divide by the 8 devices"),
         (["--strategy", "foo"], "invalid choice: 'FOO'"),
         (["--zero-stage", "5"], "invalid choice: 5"),
         (["--data", "/nonexistent/file.txt"], "/nonexistent/file.txt"),

@@ -410,8 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_step = t_cfg.batch_size * run.model.seq_len  # tokens = bytes
     lrs = np.asarray(schedule(np.arange(t_cfg.steps)))  # lr of step i is lrs[i - 1] (optax count before the update)
 
+    def say(msg: str) -> None:
+        tqdm.write(msg, file=sys.stderr)  # above the progress bar (tqdm.write alone goes to stdout)
+
     bar = tqdm(total=t_cfg.steps, initial=first_step - 1, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
-    bar.write(f"compiled in {compile_s:.1f} s; {state.plan.num_params():,} parameters; eval loss {eval_loss0:.4f} before training")
     t_train = t_last = t_written = time.perf_counter()
     eval_s = 0.0  # time spent evaluating and sampling inside the training loop, s
 
@@ -453,9 +455,11 @@ def main(argv: list[str] | None = None) -> int:
     def on_sigint(signum, frame):
         interrupted.append(signum)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
-        bar.write(f"{PROG}: interrupted: finishing step in flight, then writing the summary (Ctrl-C again to abort)")
+        say(f"{PROG}: interrupted: finishing step in flight, then writing the summary (Ctrl-C again to abort)")
 
     previous_handler = signal.signal(signal.SIGINT, on_sigint)
+    # "compiled in" is printed once Ctrl-C is handled: from here on it finishes the step in flight.
+    say(f"compiled in {compile_s:.1f} s; {state.plan.num_params():,} parameters; eval loss {eval_loss0:.4f} before training")
     pending = None  # (step number, metrics) dispatched but not yet read
     last = first_step - 1  # the last step whose metrics were read
     try:
@@ -475,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                 if is_eval and not interrupted:
                     rec["eval_loss"] = evaluate(state)
                     tb.log({"step": i, "eval_loss": rec["eval_loss"]})
-                    bar.write(f"step {i}: train loss {rec['loss']:.4f}, eval loss {rec['eval_loss']:.4f}")
+                    say(f"step {i}: train loss {rec['loss']:.4f}, eval loss {rec['eval_loss']:.4f}")
                 if is_sample and not interrupted:
                     write_sample(i)
                 eval_s += time.perf_counter() - t_eval

@@ -1,0 +1,81 @@
+"""``python -m zshard.verify``: passes on the reference GPT, reports the mismatch of a loss that
+reads a whole-batch statistic, refuses bad input with status 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import optax
+import pytest
+from flax import nnx
+
+import zshard
+from verify_cases import CFG, _batch
+from zshard.verify import TOLERANCE, load_function, main, verify
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_reference_gpt_passes_from_the_command_line():
+    """The real entry point in a fresh process (it sets up its own 2x4 = 8 CPU devices)."""
+    res = subprocess.run([sys.executable, "-m", "zshard.verify", "tests.verify_cases:gpt", "--strategy", "HYBRID_SHARD",
+                          "--mesh", "2x4", "--steps", "3"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "HYBRID_SHARD on 2x4" in res.stdout and "float32: tolerance 1e-05" in res.stdout
+    assert res.stdout.rstrip().endswith("PASS") and "MISMATCH" not in res.stdout
+
+
+def test_whole_batch_statistic_is_reported_as_a_mismatch(capsys):
+    assert main(["tests.verify_cases:gpt_batch_statistic", "--strategy", "FULL_SHARD", "--mesh", "1x8", "--steps", "2"]) == 1
+    text = capsys.readouterr().out
+    assert "largest loss difference:" in text and "MISMATCH" in text and "FAIL" in text
+
+
+def test_result_numbers():
+    from verify_cases import batch_centered_loss
+    from train.model import GPT, cross_entropy_loss
+
+    good = verify(lambda: GPT(CFG, rngs=nnx.Rngs(0)), optax.sgd(0.1), cross_entropy_loss, _batch(),
+                  strategy="SHARD_GRAD_OP", mesh=zshard.make_mesh(4, 2), steps=2)
+    assert good.passed and good.dtype == "float32" and good.tolerance == TOLERANCE["float32"] == 1e-5
+    assert len(good.losses) == 2 and good.max_loss_diff <= 1e-5 and good.worst_param[1] <= 1e-5
+    assert set(good.param_diffs) == set(good.initial_diffs) and max(good.initial_diffs.values()) <= 1e-6
+    assert good.losses[1][1] < good.losses[0][1]  # the reference trains
+
+    bad = verify(GPT(CFG, rngs=nnx.Rngs(0)), optax.sgd(0.1), batch_centered_loss, _batch(),
+                 strategy="NO_SHARD", mesh=zshard.make_mesh(1, 8), steps=1)
+    assert not bad.passed and bad.max_loss_diff > 1e-3  # 1 sequence per device: logits minus their own mean
+    assert max(bad.initial_diffs.values()) == 0.0  # same start: the difference is the loss, not the weights
+
+
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("no_colon", "expected MODULE:FUNCTION"),
+        ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz': ModuleNotFoundError"),
+        ("tests.verify_cases:nothing", "has no function 'nothing'; callables there:"),
+        (f"{ROOT / 'tests' / 'verify_cases.py'}:gpt_missing", "has no function 'gpt_missing'"),
+        ("tests.verify_cases:batch_centered_loss", "batch_centered_loss"),  # called with no arguments: TypeError
+        ("tests.verify_cases:_batch", "expected the 4-tuple (model_or_builder, tx, loss_fn, batch)"),
+    ],
+)
+def test_bad_input_exits_2(spec, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([spec, "--mesh", "1x8", "--steps", "1"])
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_bad_mesh_and_strategy_exit_2(capsys):
+    for argv, needle in ((["--mesh", "4x4"], "needs 16 devices"), (["--strategy", "ZERO9"], "unknown strategy 'ZERO9'"),
+                         (["--steps", "0"], "--steps 0")):
+        with pytest.raises(SystemExit) as e:
+            main(["tests.verify_cases:gpt", *argv])
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_load_function_from_a_file():
+    fn = load_function(str(ROOT / "tests" / "verify_cases.py") + ":gpt")
+    assert len(fn()) == 4
