@@ -20,7 +20,10 @@ until the model has compiled and been evaluated once):
    repeats the run), then train, reading each step's metrics while the next step runs
    (no device-to-host sync per step); evaluate every ``eval_every`` steps, sample text
    every ``sample_every`` steps and at the end;
-5. write ``OUT/metrics.jsonl`` (one JSON object per step; rewritten atomically at every
+5. write ``OUT/metrics.jsonl`` (one JSON object per step: ``loss``, ``grad_norm`` (nats per
+   byte, its gradient's global L2 norm), ``lr``, ``step_time_s`` (s, between the reads of
+   consecutive steps' metrics), ``tokens_per_s`` (over the last 10 steps), ``eval_loss`` at
+   evaluations; rewritten atomically at every
    evaluation, sample, 10 s of wall time and at the end), TensorBoard events under
    ``OUT/tb`` (every step), ``OUT/samples.txt`` (appended) and ``OUT/summary.json``.
 
@@ -47,6 +50,7 @@ PROG = "python -m train"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 METRICS_WRITE_EVERY_S = 10.0  # rewrite metrics.jsonl at least this often (wall seconds)
+THROUGHPUT_WINDOW = 10  # steps: metrics' tokens_per_s is measured over this many steps
 
 
 def set_host_device_count(n: int) -> None:
@@ -415,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bar = tqdm(total=t_cfg.steps, initial=first_step - 1, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
     t_train = t_last = t_written = time.perf_counter()
+    recent_times: list[float] = []  # seconds per step, the last THROUGHPUT_WINDOW steps
     eval_s = 0.0  # time spent evaluating and sampling inside the training loop, s
 
     def write_sample(i: int) -> None:
@@ -430,8 +435,13 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal t_last
         loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
         now = time.perf_counter()
+        # Step time = between the reads of consecutive steps' metrics. With asynchronous
+        # dispatch one step's time can land on its neighbour, so tokens/s is taken over the
+        # last THROUGHPUT_WINDOW steps (evaluation and sampling time left out).
+        recent_times.append(now - t_last)
+        del recent_times[:-THROUGHPUT_WINDOW]
         rec = {"step": i, "loss": loss, "grad_norm": grad_norm, "lr": float(lrs[i - 1]),
-               "tokens_per_s": tokens_per_step / (now - t_last), "step_time_s": now - t_last}
+               "tokens_per_s": tokens_per_step * len(recent_times) / sum(recent_times), "step_time_s": now - t_last}
         nonfinite = int(metrics["nonfinite"])  # the same on every device (reduced over the mesh)
         if nonfinite:
             rec["skipped"] = int(t_cfg.skip_nonfinite)
