@@ -26,7 +26,7 @@ from flax import nnx, traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.collectives import _vary, gather, run_unit
+from zshard.collectives import _vary, gather, remat_policy, run_unit
 from zshard.mesh import AXES
 from zshard.optim import apply_optimizer, global_norm
 from zshard.state import Plan, ShardedState, Unit, _fill
@@ -38,6 +38,8 @@ _INTERCEPTORS: dict[type, type] = {}
 # While tracing a step with gradient accumulation, units reduce-scatter over the shard axes
 # only; the cross-replica all-reduce of the accumulated shard happens once per step.
 _DEFER_REPLICA_REDUCE = contextvars.ContextVar("zshard_defer_replica_reduce", default=False)
+# The step's activation-checkpointing policy, read by every unit call while tracing.
+_REMAT = contextvars.ContextVar("zshard_remat", default="block")
 
 
 def _replica_axes(plan: Plan) -> tuple[str, ...]:
@@ -78,9 +80,13 @@ def _unit_bufs(unit: Unit, shards: dict) -> list[jax.Array]:
     return [f.concat_shards([shards[s.path] for s in f.slots]) for f in unit.flats]
 
 
-def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable) -> Callable:
-    """``module(*args, **kwargs)`` for a block unit, with its parameters gathered just in time."""
-    rel = [s.path[len(unit.path) :] for s in unit.slots]
+def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable, tied: list = ()) -> Callable:
+    """``module(*args, **kwargs)`` for a block unit, with its parameters gathered just in time.
+
+    ``tied``: the root unit's gathered values of ``unit.shared`` (weights the unit reads but
+    the root owns); they enter the unit call as inputs, so their gradient flows to the root.
+    """
+    rel = [s.path[len(unit.path) :] for s in unit.slots] + [r for r, _ in unit.shared]
 
     def unit_call(*args, **kwargs):
         leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -88,6 +94,8 @@ def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable) -> Callable:
         static = [None if i in dynamic else x for i, x in enumerate(leaves)]
 
         def apply(params, inputs):
+            inputs, tied_values = inputs[: len(dynamic)], inputs[len(dynamic) :]
+            params = list(params) + list(tied_values)
             inputs = plan.mp.cast_inputs(inputs)  # compute in param_dtype (FSDP cast_forward_inputs)
             full = list(static)
             for i, x in zip(dynamic, inputs):
@@ -103,10 +111,11 @@ def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable) -> Callable:
 
         inputs = [leaves[i] for i in dynamic]
         in_dtypes = [x.dtype for x in inputs if jnp.issubdtype(x.dtype, jnp.floating)]
-        if plan.strategy.reshard_after_forward:
-            return run_unit(apply, unit.flats, bufs, inputs, plan.shard_axes, _replica_axes(plan), plan.mp)
-        # SHARD_GRAD_OP and friends: gather once, keep the gathered copy through backward.
-        return apply(gather(unit.flats, bufs, plan.shard_axes, _replica_axes(plan), plan.mp), inputs)
+        inputs += list(tied)
+        # FULL_SHARD / HYBRID_SHARD gather again in backward; SHARD_GRAD_OP and friends keep
+        # the gathered copy from forward to backward.
+        reshard = plan.strategy.reshard_after_forward
+        return run_unit(apply, unit.flats, bufs, inputs, plan.shard_axes, _replica_axes(plan), plan.mp, _REMAT.get(), reshard)
 
     return unit_call
 
@@ -139,7 +148,8 @@ def materialize(plan: Plan, shards: dict) -> nnx.Module:
         if unit.layers is not None:
             object.__setattr__(sub, "__class__", _stacked_class(cls, plan, unit))
             continue
-        object.__setattr__(sub, "_zshard_unit_call", _unit_call(plan, unit, _unit_bufs(unit, shards), cls.__call__))
+        tied = [values[c] for _, c in unit.shared]  # gathered with the root unit
+        object.__setattr__(sub, "_zshard_unit_call", _unit_call(plan, unit, _unit_bufs(unit, shards), cls.__call__, tied))
         object.__setattr__(sub, "__class__", _intercepting_class(cls))
     return model
 
@@ -178,6 +188,14 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, batch, k: int):
 
 
 def _local_step(plan: Plan, opts: dict, loss_fn: Callable, state: ShardedState, batch):
+    token = _REMAT.set(opts["remat"])
+    try:
+        return _local_step_body(plan, opts, loss_fn, state, batch)
+    finally:
+        _REMAT.reset(token)
+
+
+def _local_step_body(plan: Plan, opts: dict, loss_fn: Callable, state: ShardedState, batch):
     world, k = plan.world, opts["grad_accum"]
     token_weighted = []  # set while tracing: loss_fn returned (sum, count)
 
@@ -246,7 +264,9 @@ class TrainStep:
         grad_accum: int = 1,
         clip_norm: float | None = None,
         skip_nonfinite: bool = False,
+        remat="block",
     ):
+        self.remat = remat_policy(remat)
         if isinstance(grad_accum, bool) or not isinstance(grad_accum, numbers.Integral) or grad_accum < 1:
             raise ValueError(f"grad_accum={grad_accum!r}: must be a positive integer (micro-batches per step)")
         if clip_norm is not None and (
@@ -270,7 +290,7 @@ class TrainStep:
         return fn(state, batch)
 
     def _opts(self) -> dict:
-        return {"grad_accum": self.grad_accum, "clip_norm": self.clip_norm, "skip_nonfinite": self.skip_nonfinite}
+        return {"grad_accum": self.grad_accum, "clip_norm": self.clip_norm, "skip_nonfinite": self.skip_nonfinite, "remat": self.remat}
 
     def put_batch(self, state: ShardedState, batch):
         """Validate ``batch`` and place it with its leading dimension split over all devices."""
@@ -320,6 +340,7 @@ def make_train_step(
     grad_accum: int = 1,
     clip_norm: float | None = None,
     skip_nonfinite: bool = False,
+    remat="block",
 ) -> TrainStep:
     """Build the sharded step for ``loss_fn(model, batch) -> scalar mean loss``.
 
@@ -338,8 +359,16 @@ def make_train_step(
         are reduced over the mesh, so every device agrees), keep the parameters and the
         optimizer state of the previous step. ``metrics["nonfinite"]`` is 1 for such a step
         either way; without skipping, the caller decides (``python -m train`` stops).
+      remat: activation checkpointing inside each block unit (gathered weights are never
+        saved for backward under FULL_SHARD / HYBRID_SHARD, whatever the policy):
+        ``"block"`` (default; save the block's inputs, recompute the block in backward),
+        ``"none"`` (save every activation), ``"dots"`` (save matmul outputs only,
+        ``jax.checkpoint_policies.dots_saveable``), or any ``jax.checkpoint`` policy callable.
+        The root unit (embeddings, head) is never recomputed. ``zshard.report`` shows the
+        temp bytes each policy costs.
 
     Raises:
-      ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive.
+      ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive,
+        ``remat`` not a known policy.
     """
-    return TrainStep(loss_fn, grad_accum=grad_accum, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite)
+    return TrainStep(loss_fn, grad_accum=grad_accum, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, remat=remat)
