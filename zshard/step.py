@@ -40,6 +40,8 @@ _INTERCEPTORS: dict[type, type] = {}
 _DEFER_REPLICA_REDUCE = contextvars.ContextVar("zshard_defer_replica_reduce", default=False)
 # The step's activation-checkpointing policy, read by every unit call while tracing.
 _REMAT = contextvars.ContextVar("zshard_remat", default="block")
+# Prefetch depth: a unit's forward gather may be issued this many unit calls early.
+_PREFETCH = contextvars.ContextVar("zshard_prefetch", default=1)
 
 
 def _replica_axes(plan: Plan) -> tuple[str, ...]:
@@ -80,11 +82,15 @@ def _unit_bufs(unit: Unit, shards: dict) -> list[jax.Array]:
     return [f.concat_shards([shards[s.path] for s in f.slots]) for f in unit.flats]
 
 
-def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable, tied: list = ()) -> Callable:
+def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable, tied: list = (), chain: list | None = None) -> Callable:
     """``module(*args, **kwargs)`` for a block unit, with its parameters gathered just in time.
 
     ``tied``: the root unit's gathered values of ``unit.shared`` (weights the unit reads but
     the root owns); they enter the unit call as inputs, so their gradient flows to the root.
+    ``chain``: the unit calls of this forward pass so far, in call order (prefetch: this
+    call's gather may be issued as soon as the input of the call ``prefetch`` places
+    earlier exists, and in backward as soon as this call's backward begins, the gather of
+    that earlier call may be issued). ``None``: no prefetch (stacked units).
     """
     rel = [s.path[len(unit.path) :] for s in unit.slots] + [r for r, _ in unit.shared]
 
@@ -115,7 +121,17 @@ def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable, tied: list = 
         # FULL_SHARD / HYBRID_SHARD gather again in backward; SHARD_GRAD_OP and friends keep
         # the gathered copy from forward to backward.
         reshard = plan.strategy.reshard_after_forward
-        return run_unit(apply, unit.flats, bufs, inputs, plan.shard_axes, _replica_axes(plan), plan.mp, _REMAT.get(), reshard)
+        depth, after, record = _PREFETCH.get(), None, {"consumed": False}
+        if chain is not None and depth and len(chain) >= depth:
+            earlier = chain[-depth]
+            after, earlier["consumed"] = earlier["token"], True
+        out, record["token"] = run_unit(
+            apply, unit.flats, bufs, inputs, plan.shard_axes, _replica_axes(plan), plan.mp, _REMAT.get(), reshard,
+            prefetch_after=after, consumed=lambda: record["consumed"],
+        )
+        if chain is not None:
+            chain.append(record)
+        return out
 
     return unit_call
 
@@ -140,6 +156,7 @@ def materialize(plan: Plan, shards: dict) -> nnx.Module:
         if unit.layers is not None:  # stacked: the module holds its local shards [L, n_pad/N]
             values.update({s.path: shards[s.path] for s in unit.slots})
     model = nnx.merge(plan.graphdef, _fill(plan.template, values))
+    chain: list = []  # the block-unit calls of this forward pass, in call order (prefetch)
     for unit in blocks:
         sub = model
         for key in unit.path:
@@ -149,7 +166,8 @@ def materialize(plan: Plan, shards: dict) -> nnx.Module:
             object.__setattr__(sub, "__class__", _stacked_class(cls, plan, unit))
             continue
         tied = [values[c] for _, c in unit.shared]  # gathered with the root unit
-        object.__setattr__(sub, "_zshard_unit_call", _unit_call(plan, unit, _unit_bufs(unit, shards), cls.__call__, tied))
+        call = _unit_call(plan, unit, _unit_bufs(unit, shards), cls.__call__, tied, chain)
+        object.__setattr__(sub, "_zshard_unit_call", call)
         object.__setattr__(sub, "__class__", _intercepting_class(cls))
     return model
 
@@ -188,11 +206,12 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, batch, k: int):
 
 
 def _local_step(plan: Plan, opts: dict, loss_fn: Callable, state: ShardedState, batch):
-    token = _REMAT.set(opts["remat"])
+    tokens = _REMAT.set(opts["remat"]), _PREFETCH.set(opts["prefetch"])
     try:
         return _local_step_body(plan, opts, loss_fn, state, batch)
     finally:
-        _REMAT.reset(token)
+        _REMAT.reset(tokens[0])
+        _PREFETCH.reset(tokens[1])
 
 
 def _local_step_body(plan: Plan, opts: dict, loss_fn: Callable, state: ShardedState, batch):
@@ -265,8 +284,12 @@ class TrainStep:
         clip_norm: float | None = None,
         skip_nonfinite: bool = False,
         remat="block",
+        prefetch: int = 1,
     ):
         self.remat = remat_policy(remat)
+        if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
+            raise ValueError(f"prefetch={prefetch!r}: must be a non-negative integer (units gathered ahead; 0 turns prefetch off)")
+        self.prefetch = int(prefetch)
         if isinstance(grad_accum, bool) or not isinstance(grad_accum, numbers.Integral) or grad_accum < 1:
             raise ValueError(f"grad_accum={grad_accum!r}: must be a positive integer (micro-batches per step)")
         if clip_norm is not None and (
@@ -290,7 +313,8 @@ class TrainStep:
         return fn(state, batch)
 
     def _opts(self) -> dict:
-        return {"grad_accum": self.grad_accum, "clip_norm": self.clip_norm, "skip_nonfinite": self.skip_nonfinite, "remat": self.remat}
+        return {"grad_accum": self.grad_accum, "clip_norm": self.clip_norm, "skip_nonfinite": self.skip_nonfinite, "remat": self.remat,
+                "prefetch": self.prefetch}
 
     def put_batch(self, state: ShardedState, batch):
         """Validate ``batch`` and place it with its leading dimension split over all devices."""
@@ -341,6 +365,7 @@ def make_train_step(
     clip_norm: float | None = None,
     skip_nonfinite: bool = False,
     remat="block",
+    prefetch: int = 1,
 ) -> TrainStep:
     """Build the sharded step for ``loss_fn(model, batch) -> scalar mean loss``.
 
@@ -366,9 +391,19 @@ def make_train_step(
         ``jax.checkpoint_policies.dots_saveable``), or any ``jax.checkpoint`` policy callable.
         The root unit (embeddings, head) is never recomputed. ``zshard.report`` shows the
         temp bytes each policy costs.
+      prefetch: how many unit calls ahead a block unit's all-gather may be issued (FSDP's
+        ``forward_prefetch`` / ``BackwardPrefetch.BACKWARD_PRE``): with ``1`` (default) the
+        gather of unit ``i+1`` depends only on unit ``i``'s input, so XLA's latency-hiding
+        scheduler can run it during unit ``i``'s compute; in backward, unit ``i-1``'s
+        re-gather may start when unit ``i``'s backward starts. Costs up to ``prefetch``
+        more gathered units in temp memory. ``0``: each unit gathers only once its own input
+        (forward) or output cotangent (backward) exists. Units stacked under ``nnx.scan``
+        gather inside the loop and are not prefetched.
 
     Raises:
       ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive,
-        ``remat`` not a known policy.
+        ``remat`` not a known policy, ``prefetch`` negative.
     """
-    return TrainStep(loss_fn, grad_accum=grad_accum, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, remat=remat)
+    return TrainStep(
+        loss_fn, grad_accum=grad_accum, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, remat=remat, prefetch=prefetch
+    )
