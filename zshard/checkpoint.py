@@ -215,6 +215,37 @@ def _on(mesh: Mesh, x):
     return jax.device_put(x, NamedSharding(mesh, x.sharding.spec))
 
 
+def _checksum(x) -> jax.Array:
+    """uint32 ``[2]``: the sum of ``x``'s bit patterns and their position-weighted sum, mod 2**32.
+
+    Integer sums wrap the same in any reduction order, so the value does not depend on the
+    mesh. Orbax's compressed chunks carry no checksum (a flipped byte in a data file
+    restores silently as other numbers); this one is stored in the checkpoint's JSON and
+    compared on every restore.
+    """
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)  # 8-byte: [..., 2]
+    flat = bits.reshape(-1)
+    weights = jnp.arange(1, flat.size + 1, dtype=jnp.uint32)
+    return jnp.stack([jnp.sum(flat, dtype=jnp.uint32), jnp.sum(flat * weights, dtype=jnp.uint32)])
+
+
+def _checksums(values: list) -> list[list[int]]:
+    return np.asarray(jax.device_get(_checksums_jit(values))).tolist()
+
+
+_checksums_jit = jax.jit(lambda xs: jnp.stack([_checksum(x) for x in xs]) if xs else jnp.zeros((0, 2), jnp.uint32))
+
+
+def _short(e: Exception) -> str:
+    """An exception in one line of at most 240 characters (TensorStore prints whole specs)."""
+    text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
 _TO_LOGICAL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -345,6 +376,7 @@ class Checkpointer:
             )
         entries, _ = _layout(state)
         logical = _to_logical_fn(state)(jax.tree.leaves(_tree(state)))
+        sums = _checksums(logical)
         plan = state.plan
         meta = {
             "zshard": {
@@ -353,6 +385,7 @@ class Checkpointer:
                 "strategy": plan.strategy.value,
                 "mesh": dict(plan.mesh.shape),
                 "params": {path_str(p): list(v.get_value().shape) for p, v in plan.template},
+                "checksums": {".".join(e.key): c for e, c in zip(entries, sums)},
             },
             "extra": extra,
         }
@@ -446,7 +479,7 @@ class Checkpointer:
             stored = mngr.item_metadata(step)["state"]
             stored = traverse_util.flatten_dict(dict(stored.tree))
         except Exception as e:  # orbax/tensorstore raise many types for a damaged file
-            raise ValueError(f"checkpoint {where!r} cannot be read ({type(e).__name__}: {e}); its files are truncated or corrupt") from e
+            raise ValueError(f"checkpoint {where!r} cannot be read ({_short(e)}); its files are truncated or corrupt") from e
         entries, treedef = _layout(target)
         self._check_match(entries, stored, where)
         auto = _auto(target.plan.mesh)
@@ -457,8 +490,15 @@ class Checkpointer:
         try:
             restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
         except Exception as e:
-            raise ValueError(f"checkpoint {where!r} cannot be read ({type(e).__name__}: {e}); its files are truncated or corrupt") from e
-        logical = [restored for restored in (traverse_util.flatten_dict(restored)[e.key] for e in entries)]
+            raise ValueError(f"checkpoint {where!r} cannot be read ({_short(e)}); its files are truncated or corrupt") from e
+        logical = [traverse_util.flatten_dict(restored)[e.key] for e in entries]
+        want = meta["zshard"].get("checksums", {})
+        bad = [".".join(e.key) for e, c in zip(entries, _checksums(logical)) if want.get(".".join(e.key)) != c]
+        if bad:
+            raise ValueError(
+                f"checkpoint {where!r} is corrupt: {len(bad)} array(s) read back with other contents than were saved "
+                f"(checksum mismatch): {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}; restore an earlier step"
+            )
         leaves = jax.tree.leaves(_tree(target))
         to_state = jax.jit(
             lambda xs: [_pad(x, e, leaf.shape) for x, e, leaf in zip(xs, entries, leaves)],
@@ -473,7 +513,7 @@ class Checkpointer:
         want = {".".join(e.key): (tuple(e.shape), np.dtype(e.dtype)) for e in entries}
         have = {".".join(k): (tuple(m.shape), np.dtype(m.dtype)) for k, m in stored.items()}
         problems = []
-        for name in sorted(set(want) | set(have)):
+        for name in sorted(set(want) | set(have), key=lambda n: (not n.startswith("params."), n)):  # parameters first
             if name not in have:
                 problems.append(f"  {name}: missing in the checkpoint; the model/optimizer has {_fmt(*want[name])}")
             elif name not in want:
@@ -591,7 +631,7 @@ def _export_tensors(source):
     try:
         stored = traverse_util.flatten_dict(dict(ckpt._mngr(create=False).item_metadata(step)["state"].tree))
     except Exception as e:
-        raise ValueError(f"checkpoint {str(where)!r} cannot be read ({type(e).__name__}: {e}); truncated or corrupt") from e
+        raise ValueError(f"checkpoint {str(where)!r} cannot be read ({_short(e)}); truncated or corrupt") from e
     reader = ocp.PyTreeCheckpointer()
     for key, m in stored.items():
         if key[0] != "params":
@@ -603,7 +643,7 @@ def _export_tensors(source):
             try:
                 out = reader.restore(where, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
             except Exception as e:
-                raise ValueError(f"checkpoint {str(where)!r}: {'.'.join(key)} cannot be read ({type(e).__name__}: {e})") from e
+                raise ValueError(f"checkpoint {str(where)!r}: {'.'.join(key)} cannot be read ({_short(e)})") from e
             return np.asarray(traverse_util.flatten_dict(out)[key])
 
         yield ".".join(key[1:]), tuple(m.shape), np.dtype(m.dtype), fetch
@@ -649,7 +689,7 @@ def export(source: ShardedState | str | os.PathLike, file: str | os.PathLike) ->
             staged.flush()
             del value
             maps.append(staged)
-            specs[name] = TensorSpec(dtype=_ST_DTYPES[dtype.name], shape=list(shape), data_ptr=staged.ctypes.data, data_len=staged.nbytes if shape else dtype.itemsize)
+            specs[name] = TensorSpec(dtype=dtype.name, shape=list(shape), data_ptr=staged.ctypes.data, data_len=staged.nbytes if shape else dtype.itemsize)
         partial = os.path.join(tmp, "out.safetensors")
         serialize_file(specs, partial, metadata={"format": "zshard", "zshard_format": str(FORMAT)})
         del maps
@@ -699,7 +739,7 @@ def load_params(file: str | os.PathLike, model: nnx.Module) -> nnx.Module:
     except ValueError:
         raise
     except Exception as e:  # safetensors raises SafetensorError / OSError on a damaged file
-        raise ValueError(f"load_params: {str(file)!r} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+        raise ValueError(f"load_params: {str(file)!r} is not a readable safetensors file ({_short(e)})") from e
     nnx.update(model, nnx.from_flat_state([(p, v.replace(values[p])) for p, v in flat]))
     return model
 
