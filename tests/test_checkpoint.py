@@ -3,7 +3,7 @@
 
 import hashlib
 import json
-import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,7 +145,7 @@ def test_stacked_layers_round_trip(tmp_path):
 # ----------------------------------------------------------------------------------------
 
 
-def test_missing_directory_and_half_written_only(tmp_path):
+def test_missing_directory_and_half_written_only(tmp_path, one):
     with pytest.raises(FileNotFoundError, match="no checkpoint directory .*nowhere"):
         zshard.restore(tmp_path / "nowhere", mesh(1, 8), model=make_model, tx=TX)
     assert not (tmp_path / "nowhere").exists()
@@ -153,19 +153,25 @@ def test_missing_directory_and_half_written_only(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no complete checkpoint .*half-written: 7\.orbax-checkpoint-tmp"):
         zshard.restore(tmp_path / "half", mesh(1, 8), model=make_model, tx=TX)
     with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 9 .*complete steps: \[3\]"):
-        zshard.restore(saved_dir(tmp_path), mesh(1, 8), model=make_model, tx=TX, step=9)
+        zshard.restore(one, mesh(1, 8), model=make_model, tx=TX, step=9)
 
 
-def saved_dir(tmp_path):
-    directory = tmp_path / "one"
-    if not directory.exists():
-        state = zshard.init(make_model, TX, mesh(1, 8))
-        zshard.save(state, directory, step=3)
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """A checkpoint of step 3 (initial ResMLP, AdamW, 1x8 FULL_SHARD), written once."""
+    directory = tmp_path_factory.mktemp("one") / "ckpt"
+    zshard.save(zshard.init(make_model, TX, mesh(1, 8)), directory, step=3)
     return directory
 
 
-def test_different_model_or_optimizer_is_refused_naming_paths_and_shapes(tmp_path):
-    directory = saved_dir(tmp_path)
+def saved_dir(tmp_path, one):
+    """A private copy of ``one`` that a test may damage."""
+    shutil.copytree(one, tmp_path / "one")
+    return tmp_path / "one"
+
+
+def test_different_model_or_optimizer_is_refused_naming_paths_and_shapes(one):
+    directory = one
     before = files(directory)
     with pytest.raises(ValueError, match=r"(?s)different model.*params\.inp\.kernel: checkpoint \[13, 19\] float32, model/optimizer \[13, 20\]"):
         zshard.restore(directory, mesh(1, 8), model=lambda: ResMLP(d=20, rngs=nnx.Rngs(0)), tx=TX)
@@ -176,10 +182,10 @@ def test_different_model_or_optimizer_is_refused_naming_paths_and_shapes(tmp_pat
     assert files(directory) == before
 
 
-def test_existing_step_and_bad_extra_write_nothing(tmp_path):
-    directory = saved_dir(tmp_path)
+def test_existing_step_and_bad_extra_write_nothing(saved, tmp_path, one):
+    directory = one
     before = files(directory)
-    state = zshard.init(make_model, TX, mesh(1, 8))
+    state, _ = zshard.restore(saved[0], mesh(1, 8), model=make_model, tx=TX)
     with pytest.raises(ValueError, match="step 3 exists already"):
         zshard.save(state, directory, step=3)
     with pytest.raises(ValueError, match="extra must hold only JSON"):
@@ -199,13 +205,16 @@ def _damage(directory, how):
 
 
 @pytest.mark.parametrize("how,needle", [("flip", "is corrupt: 1 array"), ("truncate", "truncated or corrupt"), ("meta", "truncated or corrupt")])
-def test_corrupt_or_truncated_files_are_refused(tmp_path, how, needle):
-    directory = saved_dir(tmp_path)
+def test_corrupt_or_truncated_files_are_refused(tmp_path, one, how, needle):
+    directory = saved_dir(tmp_path, one)
     _damage(directory, how)
     before = files(directory)
     with pytest.raises(ValueError, match=needle) as err:
         zshard.restore(directory, mesh(2, 4), model=make_model, tx=TX, strategy="HYBRID_SHARD")
     assert str(directory) in str(err.value)
+    with pytest.raises(ValueError, match="corrupt"):
+        zshard.export(directory, tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
     assert files(directory) == before
 
 

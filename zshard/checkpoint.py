@@ -33,6 +33,7 @@ process killed while saving leaves only a temporary folder that is never restore
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -186,11 +187,19 @@ def _logical_spec(mesh, shape: tuple[int, ...], axes: tuple[str, ...]) -> P:
 
 def _unpad(x, e: _Entry):
     """State leaf -> logical array: ``[n_pad]`` / ``[L, n_pad]`` / ``[.., 1, n_pad]`` -> ``shape``."""
-    if e.param is None:
-        return x
-    lead = () if e.layers is None else (e.layers,)
-    n = int(np.prod(e.shape[len(lead) :], dtype=np.int64))
-    return x.reshape(lead + (-1,))[..., :n].reshape(e.shape)  # [.., n_pad] -> [.., n] -> shape
+    return x if e.param is None else _unpad_to(x, e.shape, e.layers)
+
+
+def _unpad_to(x, shape: tuple, layers: int | None):
+    lead = () if layers is None else (layers,)
+    n = int(np.prod(shape[len(lead) :], dtype=np.int64))
+    return x.reshape(lead + (-1,))[..., :n].reshape(shape)  # [.., n_pad] -> [.., n] -> shape
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _unpad_replicated(x, shape: tuple, layers: int | None, mesh: Mesh):
+    """One parameter's logical array, replicated on ``mesh`` (compiled once per shape)."""
+    return jax.lax.with_sharding_constraint(_unpad_to(x, shape, layers), NamedSharding(mesh, P()))
 
 
 def _pad(x, e: _Entry, stored_shape):
@@ -614,25 +623,25 @@ def _export_tensors(source):
         entries, _ = _layout(source)
         flat = traverse_util.flatten_dict(source.params)
         auto = _auto(plan.mesh)
-        replicated = NamedSharding(auto, P())
         for e in entries:
             if e.key[0] != "params":
                 continue
             # One parameter at a time: [n_pad] shards -> logical array, replicated, then host.
             fetch = lambda e=e: np.asarray(  # noqa: E731
-                jax.jit(lambda x: _unpad(x, e), out_shardings=replicated)(_on(auto, flat[e.param])).addressable_data(0)
+                _unpad_replicated(_on(auto, flat[e.param]), e.shape, e.layers, auto).addressable_data(0)
             )
             yield path_str(e.param), e.shape, e.dtype, fetch
         return
     ckpt = Checkpointer(source)
     step = ckpt._check_step(None)
-    ckpt._read_meta(step)
+    sums = ckpt._read_meta(step)["zshard"].get("checksums", {})
     where = ckpt.directory / str(step) / "state"
     try:
         stored = traverse_util.flatten_dict(dict(ckpt._mngr(create=False).item_metadata(step)["state"].tree))
     except Exception as e:
         raise ValueError(f"checkpoint {str(where)!r} cannot be read ({_short(e)}); truncated or corrupt") from e
     reader = ocp.PyTreeCheckpointer()
+    ckpt.close()
     for key, m in stored.items():
         if key[0] != "params":
             continue
@@ -644,10 +653,12 @@ def _export_tensors(source):
                 out = reader.restore(where, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
             except Exception as e:
                 raise ValueError(f"checkpoint {str(where)!r}: {'.'.join(key)} cannot be read ({_short(e)})") from e
-            return np.asarray(traverse_util.flatten_dict(out)[key])
+            value = np.asarray(traverse_util.flatten_dict(out)[key])
+            if _checksums([jnp.asarray(value)])[0] != sums.get(".".join(key)):
+                raise ValueError(f"checkpoint {str(where)!r} is corrupt: {'.'.join(key)} reads back with other contents than were saved (checksum mismatch)")
+            return value
 
         yield ".".join(key[1:]), tuple(m.shape), np.dtype(m.dtype), fetch
-    ckpt.close()
 
 
 def export(source: ShardedState | str | os.PathLike, file: str | os.PathLike) -> Path:
