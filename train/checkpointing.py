@@ -120,7 +120,13 @@ class RunCheckpoints:
 
     def restore(self, model, tx, mesh, batches: BatchStream, **init_kw):
         """The resumed state; seeks ``batches``. Returns ``(state, records)``."""
-        state, extra = self.ckpt.restore(mesh, model=model, tx=tx, step=self.start, **init_kw)
+        try:
+            state, extra = self.ckpt.restore(mesh, model=model, tx=tx, step=self.start, **init_kw)
+        except (OSError, ValueError) as e:  # damaged files, another model: exit 2 like any bad flag
+            where = self.ckpt.directory / str(self.start)
+            print(f"python -m train: error: --resume: {e}\n(to resume from the checkpoint before, move "
+                  f"{str(where)!r} aside)", file=sys.stderr)
+            raise SystemExit(2) from e
         batches.seek(extra["data"])
         return state, list(extra["records"])
 

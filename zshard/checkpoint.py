@@ -374,7 +374,7 @@ class Checkpointer:
             raise ValueError(f"save: step must be an integer >= 0, got {step!r}")
         step = int(step)
         try:
-            json.dumps(extra)
+            extra = json.loads(json.dumps(extra))  # a copy: the caller may change it while Orbax writes
         except (TypeError, ValueError) as e:
             raise ValueError(f"save: extra must hold only JSON values (dict, list, str, number, bool, None): {e}") from e
         mngr = self._mngr(create=True)
@@ -669,7 +669,8 @@ def export(source: ShardedState | str | os.PathLike, file: str | os.PathLike) ->
     moment, then copied to host) and staged in memory-mapped files beside ``file``, from
     which the ``safetensors`` library writes the file: anonymous host memory holds about
     one tensor, never the model (the staged pages are file-backed; the OS can evict them).
-    The file is written under a temporary name and renamed: never half-written.
+    The file is written under a temporary name and renamed: never half-written. With several
+    processes, every one must call it (the gathers are collective); process 0 writes.
 
     Args:
       source: a :class:`~zshard.ShardedState`, or a checkpoint directory (its latest step).
@@ -689,18 +690,23 @@ def export(source: ShardedState | str | os.PathLike, file: str | os.PathLike) ->
         raise FileNotFoundError(f"export: directory {str(file.parent)!r} of {str(file)!r} does not exist; create it first")
     if file.is_dir():
         raise ValueError(f"export: {str(file)!r} is a directory; give a file path such as model.safetensors")
+    writer = jax.process_index() == 0  # every process takes part in the gathers; one writes
     with tempfile.TemporaryDirectory(dir=file.parent, prefix=f".{file.name}.") as tmp:
         specs, maps = {}, []
         for i, (name, shape, dtype, fetch) in enumerate(_export_tensors(source)):
             if dtype.name not in _ST_DTYPES:
                 raise ValueError(f"export: parameter {name} has dtype {dtype.name}, which safetensors cannot store")
             value = np.ascontiguousarray(fetch(), dtype=dtype)  # one tensor in host memory
+            if not writer:
+                continue
             staged = np.lib.format.open_memmap(os.path.join(tmp, f"{i}.npy"), mode="w+", dtype=dtype, shape=value.shape or (1,))
             staged[...] = value.reshape(staged.shape)
             staged.flush()
             del value
             maps.append(staged)
             specs[name] = TensorSpec(dtype=dtype.name, shape=list(shape), data_ptr=staged.ctypes.data, data_len=staged.nbytes if shape else dtype.itemsize)
+        if not writer:
+            return file
         partial = os.path.join(tmp, "out.safetensors")
         serialize_file(specs, partial, metadata={"format": "zshard", "zshard_format": str(FORMAT)})
         del maps
