@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import ResBlock, ResMLP, mlp_batches, mse_loss
-from flax import nnx, traverse_util
+from flax import nnx
 
 import zshard
 from train import data
