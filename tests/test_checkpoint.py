@@ -306,6 +306,9 @@ def test_sigkill_while_saving_leaves_the_previous_checkpoint_intact(tmp_path, de
         assert proc.wait(timeout=60) == -signal.SIGKILL
     finally:
         proc.kill()
+    leftovers = [p.name for p in directory.iterdir() if "tmp" in p.name]
+    if delay_s == 0:
+        assert leftovers, "the kill should have landed inside a save"
     ckpt = zshard.checkpoint.Checkpointer(directory)
     latest = ckpt.latest_step()
     assert latest is not None and latest >= 2
