@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from train import checkpointing
+
 _T_START = time.perf_counter()  # wall time counts from here (includes importing jax)
 
 PROG = "python -m train"
@@ -181,6 +183,7 @@ def build_parser(model_names: list[str], strategies: list[str]) -> argparse.Argu
     g.add_argument("--eval-batches", metavar="N", type=_positive_int, default=d["eval_batches"],
                    help="held-out batches (of --batch-size sequences) per evaluation")
     g.add_argument("--out", metavar="DIR", default=d["out"], help="output directory (created after validation)")
+    checkpointing.add_arguments(p)
     return p
 
 
@@ -357,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.zero_stage is not None:
         args.strategy = zshard.Strategy.parse(zero_stage=args.zero_stage).value
     setup = validate(parser, args)
+    ckpt = checkpointing.prepare(parser, args, setup.out)  # None: no --ckpt-every / --resume
     out, n, platform = setup.out, len(setup.devices), setup.devices[0].platform
     print(
         f"{PROG}: {args.model} GPT, {args.strategy} on a {setup.replica}x{setup.shard} (replica x shard) mesh of "
@@ -370,11 +374,15 @@ def main(argv: list[str] | None = None) -> int:
     mp = None
     if args.param_dtype or args.reduce_dtype:
         mp = zshard.MixedPrecision(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
-    state = zshard.init(lambda: GPT(setup.cfg, rngs=nnx.Rngs(args.seed)), tx, setup.mesh, strategy=args.strategy, mixed_precision=mp)
+    make_model = lambda: GPT(setup.cfg, rngs=nnx.Rngs(args.seed))  # noqa: E731
+    batches = checkpointing.BatchStream(setup.train_data, args.batch_size, args.seq_len, args.seed)
+    if ckpt is not None and ckpt.resuming:  # state, batch position and records of the checkpoint
+        state, records = ckpt.restore(make_model, tx, setup.mesh, batches, strategy=args.strategy, mixed_precision=mp)
+    else:
+        state = zshard.init(make_model, tx, setup.mesh, strategy=args.strategy, mixed_precision=mp)
     step = zshard.make_train_step(
         cross_entropy_loss, grad_accum=args.grad_accum, clip_norm=args.clip_norm, skip_nonfinite=args.skip_nonfinite
     )
-    batches = data.train_batches(setup.train_data, args.batch_size, args.seq_len, args.seed)
     batch = next(batches)
 
     t0 = time.perf_counter()
@@ -394,16 +402,18 @@ def main(argv: list[str] | None = None) -> int:
 
     eval_set = data.eval_batches(setup.eval_data, args.batch_size, args.seq_len, args.eval_batches)
     evaluate = make_evaluator(state, eval_set, setup.devices[0])
-    eval_loss0 = evaluate(state)
+    start = 0 if ckpt is None else ckpt.start
+    eval_loss0 = records[0]["eval_loss"] if start else evaluate(state)
 
     # ---- train ------------------------------------------------------------------------
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").unlink(missing_ok=True)  # never leave a previous run's summary beside new metrics
-    records = [{"step": 0, "eval_loss": eval_loss0}]
+    if not start:
+        records = [{"step": 0, "eval_loss": eval_loss0}]
     write_metrics(out, records)
     tokens_per_step = args.batch_size * args.seq_len  # tokens = bytes
 
-    bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
     bar.write(f"compiled in {compile_s:.1f} s; {state.plan.num_params():,} parameters; eval loss {eval_loss0:.4f} before training")
     t_train = t_last = time.perf_counter()
     eval_s = 0.0  # time spent evaluating inside the training loop, s
@@ -431,13 +441,11 @@ def main(argv: list[str] | None = None) -> int:
         return rec
 
     pending = None  # (step number, metrics) dispatched but not yet read
-    for i in range(1, args.steps + 1):
+    for i in range(start + 1, args.steps + 1):
         state, metrics = step(state, batch)  # donates the old `state`
         if pending is not None:
             record(*pending)  # step i-1 finishes while step i is queued: no per-step sync
         pending = (i, metrics)
-        if i < args.steps:
-            batch = next(batches)
         if i == args.steps or (args.eval_every and i % args.eval_every == 0):
             rec = record(*pending)
             pending = None
@@ -447,7 +455,17 @@ def main(argv: list[str] | None = None) -> int:
             bar.write(f"step {i}: train loss {rec['loss']:.4f}, eval loss {rec['eval_loss']:.4f}")
             write_metrics(out, records)
             t_last = time.perf_counter()  # evaluation time is not training throughput
+        if ckpt is not None and ckpt.due(i):  # after the evaluation, so its records hold step i whole
+            if pending is not None:
+                record(*pending)
+                pending = None
+            ckpt.save(state, i, batches, records)  # `batches` has drawn i batches
+            write_metrics(out, records)
+        if i < args.steps:
+            batch = next(batches)
     bar.close()
+    if ckpt is not None:
+        ckpt.close()  # wait for the last checkpoint
     train_s = time.perf_counter() - t_train
 
     # ---- summary ----------------------------------------------------------------------
@@ -487,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile_s": compile_s,
         "train_s": train_s,  # the training loop, evaluations included
         "eval_s": eval_s,  # evaluations inside the loop
-        "tokens_per_s": tokens_per_step * args.steps / (train_s - eval_s),
+        "tokens_per_s": tokens_per_step * (args.steps - start) / (train_s - eval_s),
         "wall_s": time.perf_counter() - _T_START,  # whole program, imports included
     }
     write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
