@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "train" / "configs").glob("*.toml"))
 
 
-def parse(argv: list[str], file_raw: dict | None = None) -> C.Config:
-    """Flags (and a file's dict) -> Config, as ``python -m train`` does."""
-    return C.from_args(build_parser().parse_args(argv), file_raw)
+def parse(argv: list[str]) -> C.Config:
+    """Flags (``--config FILE`` among them) -> Config, as ``python -m train`` does."""
+    return C.from_namespace(build_parser().parse_args(argv))
 
 
 def write(tmp_path, text: str, name: str = "run.toml") -> Path:
@@ -52,7 +52,7 @@ def test_every_preset_parses_and_validates(path):
 def test_flags_override_the_file_and_both_flag_spellings_work(tmp_path):
     path = write(tmp_path, '[training]\nsteps = 50\nseed = 4\n[model]\npreset = "nano"\n[logging]\ntensorboard = true\n')
     cfg = parse(["--config", str(path), "--steps", "7", "--optimizer.lr", "0.01", "--no-tensorboard",
-                 "--clip-norm", "1.5", "--warmup", "none"], C.load_file(path))
+                 "--clip-norm", "1.5", "--warmup", "none"])
     assert (cfg.training.steps, cfg.training.seed, cfg.model.preset) == (7, 4, "nano")  # flag, file, file
     assert cfg.optimizer.lr == 0.01 and cfg.optimizer.clip_norm == 1.5 and cfg.optimizer.warmup is None
     assert cfg.logging.tensorboard is False
@@ -62,14 +62,18 @@ def test_flags_override_the_file_and_both_flag_spellings_work(tmp_path):
 def test_every_field_has_a_documented_flag():
     parser = build_parser()
     text = parser.format_help()
+    given = {bool: ([], True), int: (["7"], 7), float: (["0.5"], 0.5), str: (["x"], "x")}
     for section, cls in C.SECTIONS.items():
         docs = C.field_docs(cls)
         for f in dataclasses.fields(cls):
             assert docs.get(f.name, "").strip(), f"{section}.{f.name} has no docstring"
             assert f"--{section}.{f.name}" in text
-            ns = parser.parse_args([f"--{section}.{f.name}" if C._field_type(cls, f.name)[0] is bool
-                                    else f"--{section}.{f.name}={'x' if C._field_type(cls, f.name)[0] is str else 1}"])
-            assert hasattr(ns, f"{section}.{f.name}")
+            value_args, want = given[C._field_type(cls, f.name)[0]]
+            flag = f"--{section}.{f.name}"
+            if f.default is True:
+                flag, want = f"--no-{section}.{f.name}", False
+            cfg = C.from_namespace(parser.parse_args([flag, *value_args]))
+            assert getattr(getattr(cfg, section), f.name) == want != getattr(getattr(C.Config(), section), f.name)
 
 
 def test_existing_flag_names_still_work():
@@ -115,10 +119,12 @@ def test_deepspeed_zero_optimization_stage(tmp_path, stage, want):
         assert C.Config.from_dict(C.load_file(path)).validate().strategy() == want
 
 
-def test_command_line_strategy_replaces_a_files_zero_stage():
-    raw = {"zero_optimization": {"stage": 2}}
-    assert parse(["--strategy", "HYBRID_SHARD"], raw).validate().strategy() == "HYBRID_SHARD"
-    assert parse(["--zero-stage", "3"], {"mesh": {"strategy": "NO_SHARD"}}).validate().strategy() == "FULL_SHARD"
+def test_command_line_strategy_replaces_a_files_zero_stage(tmp_path):
+    stage = write(tmp_path, "[zero_optimization]\nstage = 2\n", "stage.toml")
+    strategy = write(tmp_path, '[mesh]\nstrategy = "NO_SHARD"\n', "strategy.toml")
+    assert parse(["--config", str(stage)]).validate().strategy() == "SHARD_GRAD_OP"
+    assert parse(["--config", str(stage), "--strategy", "HYBRID_SHARD"]).validate().strategy() == "HYBRID_SHARD"
+    assert parse(["--config", str(strategy), "--zero-stage", "3"]).validate().strategy() == "FULL_SHARD"
 
 
 @pytest.mark.parametrize(
@@ -196,13 +202,13 @@ def test_distributed_section_complete_is_accepted():
     [
         (["--config", "{bad}"], "training.stepz: unknown key"),
         (["--steps", "ten"], "argument --steps/--training.steps: expected an integer, got 'ten'"),
-        (["--ckpt-every", "5"], "checkpointing (train/checkpointing.py) is not part of this build"),
+        (["--config", "{missing}"], "no such file"),
     ],
 )
 def test_main_refuses_bad_config_with_status_2_and_writes_nothing(tmp_path, args, needle):
     bad = write(tmp_path, "[training]\nstepz = 3\n")
     out = tmp_path / "run"
-    argv = [a.replace("{bad}", str(bad)) for a in args]
+    argv = [a.replace("{bad}", str(bad)).replace("{missing}", str(tmp_path / "missing.toml")) for a in args]
     res = subprocess.run([sys.executable, "-m", "train", *argv, "--out", str(out), "--model", "nano"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]

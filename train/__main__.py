@@ -65,11 +65,33 @@ def set_host_device_count(n: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_FLAG}={n}"])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """``--config FILE`` and one flag per configuration field (``train.config.add_arguments``)."""
+class _Parser(argparse.ArgumentParser):
+    """Parses the flags, reads ``--config`` and returns the whole configuration as one flat
+    namespace (``train.config.flat_names``: ``args.steps``, ``args.model``, ``args.ckpt_every``,
+    ...; defaults < file < flags) plus ``args.config``; a bad file or value is ``error`` (exit 2)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        from train import config  # noqa: PLC0415
+
+        ns, rest = super().parse_known_args(args, namespace)
+        path = getattr(ns, "config", None)
+        try:
+            cfg = config.from_args(ns, config.load_file(path) if path else {}, source=path or "config")
+        except config.ConfigError as e:
+            self.error(str(e))
+        return config.to_namespace(cfg, config=path), rest
+
+
+def build_parser(*_unused) -> argparse.ArgumentParser:
+    """``--config FILE`` and one flag per configuration field (``train.config.add_arguments``).
+
+    ``parse_args`` returns the flat namespace of the whole configuration (see ``_Parser``);
+    ``train.config.from_namespace`` makes it a ``Config``. (Positional arguments are ignored:
+    model and strategy names are checked by ``Config.validate``.)
+    """
     from train import config  # noqa: PLC0415
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=PROG,
         allow_abbrev=False,
         description="Train a byte-level GPT with zshard (ZeRO-3 / FSDP sharding). Writes OUT/metrics.jsonl, "
@@ -207,14 +229,10 @@ def validate(parser: argparse.ArgumentParser, run) -> Setup:
 
 
 def _refuse_unwired(parser: argparse.ArgumentParser, run) -> None:
-    """The [checkpoint] and [distributed] sections are validated and passed on; until the
-    modules that act on them are wired in below (see the marked hooks in :func:`main`),
-    asking for them is an error rather than a silent no-op."""
+    """The [distributed] section is validated and passed on; until the module that acts on it
+    is wired in (the marked hook in :func:`main`), asking for it is an error, not a silent no-op."""
     import importlib.util  # noqa: PLC0415
 
-    if (run.checkpoint.ckpt_every or run.checkpoint.resume) and importlib.util.find_spec("train.checkpointing") is None:
-        parser.error("checkpoint.ckpt_every / checkpoint.resume (--ckpt-every / --resume): checkpointing "
-                     "(train/checkpointing.py) is not part of this build; leave them at 0 / false")
     if run.distributed.coordinator is not None and importlib.util.find_spec("zshard.distributed") is None:
         parser.error("distributed.coordinator (--coordinator): multi-host (zshard/distributed.py) is not part of "
                      "this build; leave the [distributed] section unset")
@@ -326,12 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     from train import config as config_mod  # noqa: PLC0415  (no jax)
 
     parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        raw = config_mod.load_file(args.config) if args.config else {}
-        run = config_mod.from_args(args, raw, source=args.config or "config")
-    except config_mod.ConfigError as e:
-        parser.error(str(e))
+    args = parser.parse_args(argv)  # flat: args.steps, args.ckpt_every, ... (train/checkpointing.py reads it)
+    run = config_mod.from_namespace(args)
     set_host_device_count(run.mesh.devices if run.mesh.devices >= 1 else 1)
 
     # ---- multi-host hook (zshard/distributed.py) ----------------------------------------
@@ -345,10 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm  # noqa: PLC0415
 
     import zshard  # noqa: PLC0415
-    from train import data  # noqa: PLC0415
+    from train import checkpointing, data  # noqa: PLC0415
     from train.model import GPT, cross_entropy_loss  # noqa: PLC0415
 
     setup = validate(parser, run)
+    ckpt = checkpointing.prepare(parser, args, setup.out)  # None: no --ckpt-every / --resume
     resolved = run.resolved(len(setup.devices))
     out, n, platform, strategy = setup.out, len(setup.devices), setup.devices[0].platform, setup.strategy
     t_cfg, lg = run.training, run.logging
@@ -364,11 +379,18 @@ def main(argv: list[str] | None = None) -> int:
     mp = None
     if t_cfg.param_dtype or t_cfg.reduce_dtype:
         mp = zshard.MixedPrecision(param_dtype=t_cfg.param_dtype, reduce_dtype=t_cfg.reduce_dtype)
-    state = zshard.init(lambda: GPT(setup.cfg, rngs=nnx.Rngs(t_cfg.seed)), tx, setup.mesh, strategy=strategy, mixed_precision=mp)
+    make_model = lambda: GPT(setup.cfg, rngs=nnx.Rngs(t_cfg.seed))  # noqa: E731
+    # the batches of data.train_batches, with a position a checkpoint can hold
+    batches = checkpointing.BatchStream(setup.train_data, t_cfg.batch_size, run.model.seq_len, t_cfg.seed)
+    records = None
+    if ckpt is not None and ckpt.resuming:  # state, batch position and records of the checkpoint
+        state, records = ckpt.restore(make_model, tx, setup.mesh, batches, strategy=strategy, mixed_precision=mp)
+    else:
+        state = zshard.init(make_model, tx, setup.mesh, strategy=strategy, mixed_precision=mp)
+    start = 0 if ckpt is None else ckpt.start  # the step this run continues after
     step = zshard.make_train_step(
         cross_entropy_loss, grad_accum=t_cfg.grad_accum, clip_norm=run.optimizer.clip_norm, skip_nonfinite=t_cfg.skip_nonfinite
     )
-    batches = data.train_batches(setup.train_data, t_cfg.batch_size, run.model.seq_len, t_cfg.seed)
     batch = next(batches)
 
     t0 = time.perf_counter()
@@ -388,28 +410,26 @@ def main(argv: list[str] | None = None) -> int:
 
     eval_set = data.eval_batches(setup.eval_data, t_cfg.batch_size, run.model.seq_len, run.data.eval_batches)
     evaluate = make_evaluator(state, eval_set, setup.devices[0])
-    eval_loss0 = evaluate(state)
+    eval_loss0 = records[0]["eval_loss"] if start else evaluate(state)
     sample = make_sampler(state, run.model.seq_len, setup.devices[0])
     prompt = lg.prompt.encode() if lg.prompt is not None else bytes(setup.eval_data[: min(64, run.model.seq_len // 2)])
 
-    # ---- checkpoint hook (train/checkpointing.py) ---------------------------------------
-    # run.checkpoint (ckpt_every, keep, resume) is validated; with resume, the checkpoint
-    # module restores `state`, the step and the data position here, before training.
-    # -------------------------------------------------------------------------------------
-    first_step = 1
+    first_step = start + 1
 
     # ---- output -----------------------------------------------------------------------
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").unlink(missing_ok=True)  # never leave a previous run's summary beside new metrics
-    (out / "samples.txt").unlink(missing_ok=True)
-    for old in (out / "tb").glob("events.out.tfevents.*"):
-        old.unlink()  # a fresh run's curves only
+    if not start:  # a fresh run's samples and curves only (a resumed run appends)
+        (out / "samples.txt").unlink(missing_ok=True)
+        for old in (out / "tb").glob("events.out.tfevents.*"):
+            old.unlink()
     header = (f"Resolved configuration of the run in {out}, written by {PROG}.\n"
               f"Repeat it with: {PROG} --config {out / 'config.toml'} [--out ANOTHER_DIR]")
     write_atomic(out / "config.toml", config_mod.dumps_toml(resolved, header))
     tb = TensorBoard(out / "tb" if lg.tensorboard else None)
-    records = [{"step": 0, "eval_loss": eval_loss0}]
-    tb.log(records[0])
+    if not start:
+        records = [{"step": 0, "eval_loss": eval_loss0}]
+        tb.log(records[0])
     write_metrics(out, records)
     tokens_per_step = t_cfg.batch_size * run.model.seq_len  # tokens = bytes
     lrs = np.asarray(schedule(np.arange(t_cfg.steps)))  # lr of step i is lrs[i - 1] (optax count before the update)
@@ -478,8 +498,6 @@ def main(argv: list[str] | None = None) -> int:
             if pending is not None:
                 last = record(*pending)["step"]  # step i-1 finishes while step i is queued: no per-step sync
             pending = (i, metrics)
-            if i < t_cfg.steps:
-                batch = next(batches)
             is_eval = i == t_cfg.steps or (t_cfg.eval_every and i % t_cfg.eval_every == 0)
             is_sample = i == t_cfg.steps or (lg.sample_every and i % lg.sample_every == 0)
             if is_eval or is_sample or interrupted:
@@ -494,14 +512,21 @@ def main(argv: list[str] | None = None) -> int:
                     write_sample(i)
                 eval_s += time.perf_counter() - t_eval
                 t_last = time.perf_counter()  # evaluation time is not training throughput
-            # ---- checkpoint hook: save every run.checkpoint.ckpt_every steps (keep run.checkpoint.keep) here.
+            if ckpt is not None and (ckpt.due(i) or (interrupted and ckpt.every)):
+                if pending is not None:  # after the evaluation, so the records hold step i whole
+                    last = record(*pending)["step"]
+                    pending = None
+                ckpt.save(state, i, batches, records)  # `batches` has drawn i batches
             if interrupted or is_eval or is_sample or time.perf_counter() - t_written > METRICS_WRITE_EVERY_S:
                 write_metrics(out, records)
                 t_written = time.perf_counter()
             if interrupted:
-                # ---- checkpoint hook: save the state of step `last` here when checkpointing is on.
                 break
+            if i < t_cfg.steps:
+                batch = next(batches)
     finally:
+        if ckpt is not None:
+            ckpt.close()  # wait for the last checkpoint to be complete on disk
         signal.signal(signal.SIGINT, previous_handler)
         bar.close()
         tb.close()

@@ -55,8 +55,11 @@ __all__ = [
     "TrainingConfig",
     "add_arguments",
     "dumps_toml",
+    "flat_names",
     "from_args",
+    "from_namespace",
     "load_file",
+    "to_namespace",
 ]
 
 MODEL_PRESET_NAMES = ("nano", "tiny", "small", "medium")
@@ -165,14 +168,14 @@ class TrainingConfig:
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    """``[checkpoint]``: validated and passed on; saving and resuming live in ``train/checkpointing.py``."""
+    """``[checkpoint]``: saving and exact resume, by ``train/checkpointing.py``."""
 
     ckpt_every: int = 0
-    """steps between checkpoints in OUT (0: no checkpoints)"""
-    keep: int = 3
-    """checkpoints kept (the oldest are deleted)"""
+    """steps between checkpoints in OUT/checkpoints/<step>, and after the last step (0: none)"""
+    keep: int | None = None
+    """checkpoints kept, the newest (unset: all)"""
     resume: bool = False
-    """resume from the latest checkpoint in logging.out"""
+    """continue from the newest complete checkpoint in OUT/checkpoints (same batches, same losses)"""
 
 
 @dataclasses.dataclass
@@ -331,7 +334,8 @@ class Config:
                 f"(the global batch is split over all devices); use a multiple of {unit}, e.g. {lo} or {lo + unit}",
             )
         _at_least("checkpoint.ckpt_every", c.ckpt_every, 0)
-        _at_least("checkpoint.keep", c.keep, 1)
+        if c.keep is not None:
+            _at_least("checkpoint.keep", c.keep, 1)
         self._validate_distributed(di)
         if not lg.out:
             raise ConfigError(_key("logging.out"), "is empty; give a directory path")
@@ -524,6 +528,35 @@ def _check_type(key: str, value, kind: tuple[type, bool]):
     return value
 
 
+def _flag_of(cls: type, f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+@functools.cache
+def flat_names() -> dict[str, tuple[str, str]]:
+    """``{dest: (section, field)}``: each field under its flag's name (``--batch-size`` ->
+    ``batch_size``, ``--model`` -> ``model`` for ``model.preset``), the flat namespace that
+    ``python -m train``'s parser returns and ``train/checkpointing.py`` reads."""
+    out = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            out[_flag_of(cls, f).lstrip("-").replace("-", "_")] = (section, f.name)
+    return out
+
+
+def to_namespace(cfg: Config, **extra) -> argparse.Namespace:
+    """``cfg`` as a flat namespace (:func:`flat_names`), plus ``extra`` attributes."""
+    return argparse.Namespace(**{d: getattr(getattr(cfg, s), n) for d, (s, n) in flat_names().items()}, **extra)
+
+
+def from_namespace(ns: argparse.Namespace) -> Config:
+    """The ``Config`` of a complete flat namespace (:func:`to_namespace`)."""
+    cfg = Config()
+    for dest, (section, name) in flat_names().items():
+        setattr(getattr(cfg, section), name, getattr(ns, dest))
+    return cfg
+
+
 def _key(key: str) -> str:
     """``section.field (--flag)``."""
     section, name = key.split(".")
@@ -574,7 +607,7 @@ def _parse_value(kind: tuple[type, bool]):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field, in one argument group per section, with ``SUPPRESS`` defaults
-    (only flags given on the command line appear in the namespace, as ``section.field``).
+    (only flags given on the command line appear in the namespace, under :func:`flat_names`).
 
     Flag names: ``--field-name`` (``--model``, ``--data``, ``--mesh`` for ``model.preset``,
     ``data.path``, ``mesh.shape``) and ``--section.field``; booleans also take ``--no-...``.
@@ -590,7 +623,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default = f.default if f.default is not dataclasses.MISSING else None
             help_text = docs.get(f.name, "") + ("" if default is None else f" (default: {default})")
             help_text = help_text.replace("%", "%%")
-            common = dict(dest=f"{section}.{f.name}", default=argparse.SUPPRESS, help=help_text)
+            dest = flag.lstrip("-").replace("-", "_")
+            common = dict(dest=dest, default=argparse.SUPPRESS, help=help_text)
             if kind[0] is bool:
                 parser_action = argparse.BooleanOptionalAction
                 group.add_argument(*names, action=parser_action, **common)
@@ -607,13 +641,13 @@ def from_args(args: argparse.Namespace, file_raw: dict | None = None, source: st
       ConfigError: from :meth:`Config.from_dict`, or a flag that contradicts a file alias.
     """
     cfg = Config.from_dict(file_raw or {}, source)
+    names = flat_names()
     for dest, value in vars(args).items():
-        if "." not in dest:
-            continue
-        section, name = dest.split(".")
-        setattr(getattr(cfg, section), name, value)
-    if hasattr(args, "mesh.strategy") and not hasattr(args, "mesh.zero_stage"):
+        if dest in names:
+            section, name = names[dest]
+            setattr(getattr(cfg, section), name, value)
+    if hasattr(args, "strategy") and not hasattr(args, "zero_stage"):
         cfg.mesh.zero_stage = None  # --strategy on the command line replaces a file's zero stage
-    if hasattr(args, "mesh.zero_stage") and not hasattr(args, "mesh.strategy"):
+    if hasattr(args, "zero_stage") and not hasattr(args, "strategy"):
         cfg.mesh.strategy = None  # and --zero-stage a file's strategy
     return cfg

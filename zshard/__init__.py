@@ -7,6 +7,7 @@
     model = zshard.unshard(state)
 """
 
+from zshard.checkpoint import export, load_params, restore, save
 from zshard.mesh import make_mesh
 from zshard.precision import MixedPrecision
 from zshard.report import Report, report
@@ -21,9 +22,13 @@ __all__ = [
     "ShardedState",
     "Strategy",
     "TrainStep",
+    "export",
     "init",
+    "load_params",
     "make_mesh",
     "make_train_step",
     "report",
+    "restore",
+    "save",
     "unshard",
 ]

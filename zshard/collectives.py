@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from zshard.flat import FlatParameter
 from zshard.precision import FULL_PRECISION
 
-__all__ = ["all_gather_flat", "reduce_scatter_flat", "gather", "run_unit"]
+__all__ = ["all_gather_flat", "reduce_scatter_flat", "gather", "run_unit", "checkpointed", "remat_policy", "token", "REMAT_POLICIES"]
 
 
 def _vary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
@@ -42,19 +42,36 @@ def _vary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def token(tree) -> jax.Array:
+    """A float32 scalar zero that is data-dependent on ``tree`` (``0 * t`` for one finite
+    scalar ``t`` read from it; a constant zero when ``tree`` holds no floating array)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+    if not leaves:
+        return jnp.zeros((), jnp.float32)
+    t = leaves[0].reshape(-1)[0]
+    return (jnp.where(jnp.isfinite(t), t, 0) * 0).astype(jnp.float32)
+
+
 def _after(bufs, tree):
     """``bufs`` unchanged, but data-dependent on ``tree`` so XLA cannot schedule or merge early.
 
-    Adds ``0 * t`` for one finite scalar ``t`` read from ``tree``: exact (``x + 0 == x``), and
-    no NaN or inf in ``tree`` can leak into ``bufs``. The XLA CPU compiler drops
-    ``optimization_barrier``, so the dependency must be real data flow.
+    Adds :func:`token` of ``tree``: exact (``x + 0 == x``), and no NaN or inf in ``tree`` can
+    leak into ``bufs``. The XLA CPU compiler drops ``optimization_barrier``, so the
+    dependency must be real data flow.
     """
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
-    if not leaves:
+    if not any(jnp.issubdtype(x.dtype, jnp.inexact) and x.size for x in jax.tree.leaves(tree)):
         return bufs
-    t = leaves[0].reshape(-1)[0]
-    t = jnp.where(jnp.isfinite(t), t, 0) * 0
+    t = token(tree)
     return tuple(b + t.astype(b.dtype) for b in bufs)
+
+
+def _after_tree(tree, dep):
+    """:func:`_after` on the floating leaves of a pytree (others pass through)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    for i, x in zip(floats, _after([leaves[i] for i in floats], dep)):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def all_gather_flat(shard: jax.Array, shard_axes: tuple[str, ...]) -> jax.Array:
@@ -129,6 +146,38 @@ def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], shard_axes
     return _gather(tuple(bufs))
 
 
+REMAT_POLICIES = ("none", "block", "dots")
+
+
+def remat_policy(remat):
+    """Validate a ``remat=`` value; returns it (a name, or a ``jax.checkpoint`` policy callable).
+
+    Raises:
+      ValueError: not one of ``"none"``, ``"block"``, ``"dots"`` or a callable.
+    """
+    if callable(remat) or remat in REMAT_POLICIES:
+        return remat
+    raise ValueError(
+        f"remat={remat!r}: use one of {', '.join(map(repr, REMAT_POLICIES))} or a jax.checkpoint policy "
+        "(for example jax.checkpoint_policies.dots_with_no_batch_dims_saveable)"
+    )
+
+
+def checkpointed(apply: Callable, remat) -> Callable:
+    """``apply`` under the activation-checkpointing policy ``remat`` (gathered weights are inputs).
+
+    ``"none"``: no recompute, every activation saved; ``"block"``: save only the inputs
+    (``jax.checkpoint``, recompute the whole block); ``"dots"``: save matmul outputs without
+    (``jax.checkpoint_policies.dots_saveable``), recompute the rest; a
+    callable: ``jax.checkpoint(apply, policy=remat)``.
+    """
+    if remat == "none":
+        return apply
+    if remat == "block":
+        return jax.checkpoint(apply)
+    return jax.checkpoint(apply, policy=jax.checkpoint_policies.dots_saveable if remat == "dots" else remat)
+
+
 def run_unit(
     apply: Callable,
     flats: Sequence[FlatParameter],
@@ -137,6 +186,10 @@ def run_unit(
     shard_axes,
     replica_axes,
     mp=FULL_PRECISION,
+    remat="block",
+    reshard: bool = True,
+    prefetch_after=None,
+    consumed: Callable[[], bool] = lambda: False,
 ):
     """Run ``apply(params, inputs)`` with the unit's parameters gathered just in time.
 
@@ -146,30 +199,71 @@ def run_unit(
       flats / bufs: the unit's layouts and this device's FlatParameter shards ``[L_k/N]``.
       inputs: pytree of arrays, the unit's dynamic inputs.
       shard_axes / replica_axes: mesh axes of the strategy.
+      remat: activation checkpointing inside the unit (see :func:`checkpointed`).
+      reshard: ``True`` (FULL_SHARD, HYBRID_SHARD: reshard after forward): the gathered
+        weights are never residuals, whatever ``remat``; backward all-gathers again.
+        ``False`` (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2): the gathered weights are kept from
+        forward to backward, which does not gather again.
+      prefetch_after: ``None``, or the token of an earlier unit's call (prefetch): the
+        forward gather then waits only for that unit's *input*, so it can be issued before
+        that unit computes; backward hands a token of this unit's output cotangent back to
+        it, so that unit's re-gather can be issued before this unit's backward computes.
+      consumed: called while tracing backward: whether a later unit took this call's token
+        (then its cotangent, which arrives before this unit's own, orders the re-gather).
 
     Returns:
-      ``apply``'s outputs. Residuals for backward are ``bufs`` and ``inputs`` only; backward
-      all-gathers again, recomputes ``apply`` and reduce-scatters the parameter gradient.
+      ``(outputs, token)``: ``apply``'s outputs, and a float32 scalar zero that depends on
+      this call's inputs only (the handle a later unit prefetches after). Residuals are
+      ``bufs``, ``inputs``, the gathered weights only if ``not reshard``, and (for
+      ``remat != "block"``) the activations the policy saves; backward recomputes what was
+      not saved and reduce-scatters the parameter gradient.
     """
     flats, shard_axes, replica_axes = tuple(flats), tuple(shard_axes), tuple(replica_axes)
+    layout = {}  # set while tracing fwd: the pullback's structure and where the weights sat in it
 
     @jax.custom_vjp
-    def _unit(bufs, inputs):
-        return apply(_gather_all(flats, bufs, shard_axes, replica_axes, mp), inputs)
+    def _unit(bufs, inputs, after):
+        return apply(_gather_all(flats, bufs, shard_axes, replica_axes, mp), inputs), token(inputs)
 
-    def fwd(bufs, inputs):
-        # The gather may not start before the unit's input exists (prefetch is a later,
-        # deliberate choice), so the gathered copy is alive only around this unit.
-        out = apply(_gather_all(flats, _after(bufs, inputs), shard_axes, replica_axes, mp), inputs)
-        return out, (bufs, inputs)
+    def fwd(bufs, inputs, after):
+        # The gather may not start before the unit's input exists (or, prefetching, the
+        # input of the unit `after` came from), so the gathered copy is alive only around
+        # this unit (and the one before it).
+        params = _gather_all(flats, _after(bufs, inputs if isinstance(after, tuple) else after), shard_axes, replica_axes, mp)
+        kept = [] if reshard else params
+        out_token = token(inputs)
+        if remat == "block":
+            return (apply(params, inputs), out_token), (bufs, kept, inputs, [])
+        out, pullback = jax.vjp(checkpointed(apply, remat), params, inputs)
+        # The pullback's leaves are the saved activations plus the gathered weights; keep
+        # the activations, drop the weights (backward gathers them again, or kept has them).
+        leaves, layout["treedef"] = jax.tree.flatten(pullback)
+        layout["weight"] = [next((j for j, p in enumerate(params) if leaf is p), None) for leaf in leaves]
+        saved = [leaf for leaf, j in zip(leaves, layout["weight"]) if j is None]
+        return (out, out_token), (bufs, kept, inputs, saved)
 
-    def bwd(res, g):
-        bufs, inputs = res
-        # The re-gather depends on the cotangent: it cannot be merged with the forward one.
-        params = _gather_all(flats, _after(bufs, g), shard_axes, replica_axes, mp)
-        _, vjp = jax.vjp(apply, params, inputs)
-        d_params, d_inputs = vjp(g)
-        return _scatter_all(flats, bufs, d_params, shard_axes, replica_axes, mp), d_inputs
+    def bwd(res, cts):
+        bufs, kept, inputs, saved = res
+        g, g_token = cts
+        if reshard:
+            # The re-gather depends on a cotangent, so it cannot be merged with the forward
+            # gather: this unit's own, or (prefetch) the token a later unit handed back as
+            # soon as its own backward began.
+            params = _gather_all(flats, _after(bufs, g_token if consumed() else g), shard_axes, replica_axes, mp)
+        else:
+            params = kept
+            # Kept weights: make the recompute depend on the cotangent instead, or XLA folds it
+            # into the forward pass and keeps every activation alive.
+            inputs, saved = _after_tree(inputs, g), _after_tree(saved, g)
+        if remat == "block":
+            _, pullback = jax.vjp(apply, params, inputs)
+        else:
+            rest = iter(saved)
+            leaves = [next(rest) if j is None else params[j] for j in layout["weight"]]
+            pullback = jax.tree.unflatten(layout["treedef"], leaves)
+        d_params, d_inputs = pullback(g)
+        d_after = () if prefetch_after is None else token(g)  # the earlier unit's re-gather may start now
+        return _scatter_all(flats, bufs, d_params, shard_axes, replica_axes, mp), d_inputs, d_after
 
     _unit.defvjp(fwd, bwd)
-    return _unit(tuple(bufs), inputs)
+    return _unit(tuple(bufs), inputs, () if prefetch_after is None else prefetch_after)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import traverse_util
 
-__all__ = ["apply_optimizer", "global_norm", "init_optimizer"]
+__all__ = ["apply_optimizer", "check_elementwise", "global_norm", "init_optimizer"]
 
 
 def _opt_slice(plan, tree):
@@ -52,6 +53,82 @@ def _to_view(plan, tree: dict) -> dict:
 
 def _from_view(tree: dict, like: dict) -> dict:
     return jax.tree.map(lambda x, ref: x.reshape(ref.shape), tree, like)
+
+
+# Primitives that combine many elements of one array: on a 1/N shard they see only a slice.
+_REDUCTIONS = frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin",
+     "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "dot_general", "reduce_precision_sum"}
+)
+
+
+def _transformation(eqns) -> str:
+    """The Optax transformation a nest of equations (innermost first) was traced in:
+    ``clip_by_global_norm`` for a frame ``clip_by_global_norm.<locals>.update_fn``; else the
+    innermost frame outside JAX."""
+    frames = [
+        f for e in eqns for f in e.source_info.traceback.frames if "/jax/" not in f.file_name and "/jaxlib/" not in f.file_name
+    ]
+    for f in frames:
+        outer, sep, inner = f.function_name.partition(".<locals>.")
+        if sep and inner.startswith("update") and outer not in ("with_extra_args_support", "chain", "named_chain"):
+            return outer
+    return f"{frames[0].function_name} ({frames[0].file_name}:{frames[0].line_num})" if frames else "?"
+
+
+def _reduction_in(jaxpr, tensor_in: list[bool]):
+    """The first equation reducing over an array derived from a non-scalar input, with the
+    equations enclosing it (innermost first), or ``None``."""
+    tensor = {v: t for v, t in zip(jaxpr.invars, tensor_in)}
+    derived = lambda x: tensor.get(x, False) if not hasattr(x, "val") else False  # noqa: E731 (literals: no)
+    for eqn in jaxpr.eqns:
+        ins = [derived(x) for x in eqn.invars]
+        if eqn.primitive.name in _REDUCTIONS and any(ins):
+            return [eqn]
+        for sub in (v for v in eqn.params.values() for v in (v if isinstance(v, (tuple, list)) else [v])):
+            inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+            if hasattr(inner, "eqns"):
+                # operands -> invars one to one where they line up, else conservatively all
+                sub_in = ins if len(inner.invars) == len(ins) else [any(ins)] * len(inner.invars)
+                found = _reduction_in(inner, sub_in)
+                if found is not None:
+                    return found + [eqn]
+        for v in eqn.outvars:
+            tensor[v] = any(ins)
+    return None
+
+
+def check_elementwise(tx: optax.GradientTransformation, views) -> None:
+    """Refuse an Optax transformation that needs a global view of a parameter or of the tree.
+
+    zshard runs ``tx.update`` on each device's ``1/N`` slice of every parameter (ZeRO,
+    arXiv 1910.02054, section 5.1), which is exact for elementwise transformations (SGD,
+    momentum, Adam, AdamW, Lion, schedules, masks). A transformation that reduces over
+    parameter elements (``clip_by_global_norm``, ``apply_if_finite``, LAMB/LARS trust ratios,
+    Adafactor's factored moments, normalised updates) would see a slice only. The update is
+    traced abstractly (no compile) and any reduction over an array derived from a
+    non-scalar gradient, parameter or state leaf is refused.
+
+    Args:
+      tx: the Optax transformation.
+      views: pytree of ``jax.ShapeDtypeStruct``, one device's view of the trainable params.
+
+    Raises:
+      ValueError: naming the transformation and the reducing primitive, and the fix.
+    """
+    state = jax.eval_shape(tx.init, views)
+    closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(views, state, views)
+    tensor_in = [int(np.prod(v.aval.shape)) > 1 for v in closed.jaxpr.invars]
+    nest = _reduction_in(closed.jaxpr, tensor_in)
+    if nest is not None:
+        name, eqn = _transformation(nest), nest[0]
+        raise ValueError(
+            f"optax transformation {name!r} needs a global view: its update reduces over parameter "
+            f"elements ({eqn.primitive.name}), but each device holds only its 1/N shard of every parameter, "
+            "so the result would differ from the unsharded optimizer. For global-norm clipping use "
+            "zshard.make_train_step(loss_fn, clip_norm=...) and drop it from the chain; otherwise use an "
+            "elementwise transformation or strategy='NO_SHARD'"
+        )
 
 
 def init_optimizer(plan, params: dict):

@@ -274,6 +274,9 @@ class Report:
         ``formula``, ``ratio``.
       collectives: per ``(kind, axis)``: ``count`` (executions per step) and ``bytes``.
       units: ``name``, ``params`` (logical) and ``padded`` elements of each unit.
+      remat: the step's activation-checkpointing policy (``make_train_step(remat=...)``);
+        it sets ``per_device_bytes["temp"]``.
+      grad_accum: micro-batches per step.
     """
 
     strategy: str
@@ -284,6 +287,8 @@ class Report:
     comm_bytes_per_step: dict
     collectives: list
     units: list
+    remat: str = "block"
+    grad_accum: int = 1
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -293,7 +298,8 @@ class Report:
         mib = lambda b: f"{b / 2**20:.3f}"  # noqa: E731
         ms = self.model_state_bytes
         lines = [
-            f"### {self.strategy} on {self.mesh['replica']}x{self.mesh['shard']} ({self.num_params:,} parameters)",
+            f"### {self.strategy} on {self.mesh['replica']}x{self.mesh['shard']} ({self.num_params:,} parameters, "
+            f"remat={self.remat}, grad_accum={self.grad_accum})",
             "",
             "| memory per device | MiB |",
             "|---|---:|",
@@ -368,4 +374,10 @@ def report(step, state, batch) -> Report:
             {"name": u.name, "layers": u.layers or 1, "params": u.num_params, "padded": (u.layers or 1) * sum(f.padded_size for f in u.flats)}
             for u in plan.units
         ],
+        remat=_policy_name(getattr(step, "remat", "block")),
+        grad_accum=getattr(step, "grad_accum", 1),
     )
+
+
+def _policy_name(remat) -> str:
+    return remat if isinstance(remat, str) else getattr(remat, "__name__", repr(remat))

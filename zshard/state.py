@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from zshard.flat import FlatParameter, pad_flat, padded_size
 from zshard.mesh import AXES
-from zshard.optim import init_optimizer, view_rank
+from zshard.optim import check_elementwise, init_optimizer, view_rank
 from zshard.precision import FULL_PRECISION, MixedPrecision
 from zshard.strategy import Strategy
 from zshard.units import find_units, path_str, stacked_layers
@@ -55,6 +55,10 @@ class Unit:
       layers: ``L`` for a stacked unit (``nnx.vmap``-built, run with ``nnx.scan``): its
         parameters are ``[L, *shape]``, stored ``[L, n_pad]`` with the layer axis never
         sharded, and each scan iteration gathers only its own layer. ``None`` otherwise.
+      shared: ``(relative path, model path)`` of the parameters this unit's module reads but
+        does not own: a variable shared with another unit (a tied weight) belongs to the
+        root unit, as FSDP puts it in the common parent; the unit call receives its gathered
+        value as an input, so its gradient is the sum over every use, reduce-scattered once.
     """
 
     name: str
@@ -64,6 +68,7 @@ class Unit:
     graphdef: Any = None
     template: tuple = ()
     layers: int | None = None
+    shared: tuple = ()
 
     @property
     def slots(self):
@@ -190,21 +195,49 @@ def _check_mesh(mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {AXES} (use zshard.make_mesh); got axes {names}")
 
 
+def _submodule(model, path):
+    for key in path:
+        model = model[key] if isinstance(key, int) else getattr(model, key)
+    return model
+
+
+def _shared_reads(model, unit_paths) -> dict[tuple, list]:
+    """``unit path -> [(relative path, model path)]`` of variables the unit reads but another
+    unit (or the root) also reaches: tied weights. Model paths are nnx's (first occurrence)."""
+    canonical = {id(v): tuple(p) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
+    reach = {
+        u: [(tuple(p), canonical[id(v)]) for p, v in nnx.iter_graph(_submodule(model, u)) if isinstance(v, nnx.Variable)]
+        for u in unit_paths
+    }
+    readers: dict[tuple, set] = defaultdict(set)
+    for u, pairs in reach.items():
+        for _, c in pairs:
+            readers[c].add(u)
+    owner = lambda c: max((u for u in unit_paths if c[: len(u)] == u), key=len, default=())  # noqa: E731
+    shared = {c for c, us in readers.items() if len(us | {owner(c)}) > 1}
+    return {u: [(r, c) for r, c in pairs if c in shared] for u, pairs in reach.items()}
+
+
 def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit, trainable=None) -> tuple[Unit, ...]:
     unit_paths = find_units(abstract_model, unit)
+    shared = _shared_reads(abstract_model, unit_paths)
+    tied = {c for pairs in shared.values() for _, c in pairs}
     members: dict[tuple, list] = defaultdict(list)
     for path, var in flat_state:
-        owner = max((u for u in unit_paths if path[: len(u)] == u), key=len, default=())
+        owner = () if path in tied else max((u for u in unit_paths if path[: len(u)] == u), key=len, default=())
         members[owner].append((path, var))
     units = []
     for upath in [()] + unit_paths:
         params = members.get(upath, [])
         if not params:
             continue
-        sub = abstract_model
-        for key in upath:
-            sub = sub[key] if isinstance(key, int) else getattr(sub, key)
+        sub = _submodule(abstract_model, upath)
         layers = stacked_layers(sub) if upath else None
+        if layers is not None and shared.get(upath):
+            raise ValueError(
+                f"stacked unit {path_str(upath)!r} shares {path_str(shared[upath][0][1])!r} with another part of the "
+                "model; a weight tied across scanned layers is not supported: keep it outside the stacked module"
+            )
         drop = 0 if layers is None else 1  # stacked: lay out one layer's shape
         groups: dict = defaultdict(list)  # (dtype, trainable) -> parameters: one FlatParameter each
         for path, var in params:
@@ -219,7 +252,7 @@ def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit, traina
             graphdef, sub_state = nnx.split(sub)
             one_layer = lambda x: jax.ShapeDtypeStruct(np.shape(x)[drop:], jnp.result_type(x))  # noqa: E731
             template = tuple(nnx.to_flat_state(jax.tree.map(one_layer, sub_state)))
-        units.append(Unit(name, upath, flats, opt_flats, graphdef, template, layers))
+        units.append(Unit(name, upath, flats, opt_flats, graphdef, template, layers, tuple(shared.get(upath, ()))))
     return tuple(units)
 
 
@@ -257,8 +290,9 @@ def init(
         optimizer state in the shards, all-gather and compute in ``param_dtype``, gradient
         reduction in ``reduce_dtype``. Default: everything in the parameters' own dtype.
       trainable: an ``nnx`` filter selecting the trainable parameters (default ``nnx.Param``:
-        all). The other parameters are frozen: gathered like the rest, but they get no
-        gradient, no reduce-scatter, no optimizer state, and stay bitwise unchanged.
+        all floating ones; integer and boolean parameters are always frozen). The other
+        parameters are frozen: gathered like the rest, but they get no gradient, no
+        reduce-scatter, no optimizer state, and stay bitwise unchanged.
       abstract: allocate nothing: every leaf is a ``jax.ShapeDtypeStruct`` carrying its
         sharding (pass a callable ``model``; it is only traced with ``nnx.eval_shape``), for
         ``step.lower`` / :func:`zshard.report` of models larger than the machine.
@@ -294,8 +328,11 @@ def init(
     template = tuple((p, v.replace(_abstract(v.get_value()))) for p, v in flat_state)
     num_shards = int(np.prod([mesh.shape[a] for a in strategy.shard_axes]))
     opt_shards = int(np.prod([mesh.shape[a] for a in strategy.opt_axes]))
-    train_paths = frozenset(p for p, _ in nnx.to_flat_state(nnx.state(abstract_model, trainable)))
-    for path in sorted(train_paths - {p for p, _ in template}, key=str)[:1]:
+    selected = frozenset(p for p, _ in nnx.to_flat_state(nnx.state(abstract_model, trainable)))
+    # Integer and boolean parameters (index tables, masks) have no gradient: always frozen.
+    inexact = {p for p, v in template if jnp.issubdtype(v.get_value().dtype, jnp.inexact)}
+    train_paths = selected & inexact
+    for path in sorted(selected - {p for p, _ in template}, key=str)[:1]:
         raise ValueError(f"trainable= selects {path_str(path)!r}, which is not an nnx.Param; the filter must select parameters")
     if not train_paths:
         raise ValueError("trainable= selects no parameter: nothing would train; check the filter (default nnx.Param)")
@@ -346,6 +383,8 @@ def init(
             if p in train_paths
         }
     )
+    if opt_shards > 1:  # a whole (unpadded) parameter per device needs no check
+        check_elementwise(tx, local)
     masked = optax.MaskedNode
     opt_specs = optax.tree_map_params(
         tx,

@@ -26,7 +26,7 @@ from flax import nnx, traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.collectives import _vary, gather, run_unit
+from zshard.collectives import _vary, gather, remat_policy, run_unit
 from zshard.mesh import AXES
 from zshard.optim import apply_optimizer, global_norm
 from zshard.state import Plan, ShardedState, Unit, _fill
@@ -38,6 +38,10 @@ _INTERCEPTORS: dict[type, type] = {}
 # While tracing a step with gradient accumulation, units reduce-scatter over the shard axes
 # only; the cross-replica all-reduce of the accumulated shard happens once per step.
 _DEFER_REPLICA_REDUCE = contextvars.ContextVar("zshard_defer_replica_reduce", default=False)
+# The step's activation-checkpointing policy, read by every unit call while tracing.
+_REMAT = contextvars.ContextVar("zshard_remat", default="block")
+# Prefetch depth: a unit's forward gather may be issued this many unit calls early.
+_PREFETCH = contextvars.ContextVar("zshard_prefetch", default=1)
 
 
 def _replica_axes(plan: Plan) -> tuple[str, ...]:
@@ -78,9 +82,17 @@ def _unit_bufs(unit: Unit, shards: dict) -> list[jax.Array]:
     return [f.concat_shards([shards[s.path] for s in f.slots]) for f in unit.flats]
 
 
-def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable) -> Callable:
-    """``module(*args, **kwargs)`` for a block unit, with its parameters gathered just in time."""
-    rel = [s.path[len(unit.path) :] for s in unit.slots]
+def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable, tied: list = (), chain: list | None = None) -> Callable:
+    """``module(*args, **kwargs)`` for a block unit, with its parameters gathered just in time.
+
+    ``tied``: the root unit's gathered values of ``unit.shared`` (weights the unit reads but
+    the root owns); they enter the unit call as inputs, so their gradient flows to the root.
+    ``chain``: the unit calls of this forward pass so far, in call order (prefetch: this
+    call's gather may be issued as soon as the input of the call ``prefetch`` places
+    earlier exists, and in backward as soon as this call's backward begins, the gather of
+    that earlier call may be issued). ``None``: no prefetch (stacked units).
+    """
+    rel = [s.path[len(unit.path) :] for s in unit.slots] + [r for r, _ in unit.shared]
 
     def unit_call(*args, **kwargs):
         leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -88,6 +100,8 @@ def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable) -> Callable:
         static = [None if i in dynamic else x for i, x in enumerate(leaves)]
 
         def apply(params, inputs):
+            inputs, tied_values = inputs[: len(dynamic)], inputs[len(dynamic) :]
+            params = list(params) + list(tied_values)
             inputs = plan.mp.cast_inputs(inputs)  # compute in param_dtype (FSDP cast_forward_inputs)
             full = list(static)
             for i, x in zip(dynamic, inputs):
@@ -103,10 +117,21 @@ def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable) -> Callable:
 
         inputs = [leaves[i] for i in dynamic]
         in_dtypes = [x.dtype for x in inputs if jnp.issubdtype(x.dtype, jnp.floating)]
-        if plan.strategy.reshard_after_forward:
-            return run_unit(apply, unit.flats, bufs, inputs, plan.shard_axes, _replica_axes(plan), plan.mp)
-        # SHARD_GRAD_OP and friends: gather once, keep the gathered copy through backward.
-        return apply(gather(unit.flats, bufs, plan.shard_axes, _replica_axes(plan), plan.mp), inputs)
+        inputs += list(tied)
+        # FULL_SHARD / HYBRID_SHARD gather again in backward; SHARD_GRAD_OP and friends keep
+        # the gathered copy from forward to backward.
+        reshard = plan.strategy.reshard_after_forward
+        depth, after, record = _PREFETCH.get(), None, {"consumed": False}
+        if chain is not None and depth and len(chain) >= depth:
+            earlier = chain[-depth]
+            after, earlier["consumed"] = earlier["token"], True
+        out, record["token"] = run_unit(
+            apply, unit.flats, bufs, inputs, plan.shard_axes, _replica_axes(plan), plan.mp, _REMAT.get(), reshard,
+            prefetch_after=after, consumed=lambda: record["consumed"],
+        )
+        if chain is not None:
+            chain.append(record)
+        return out
 
     return unit_call
 
@@ -131,6 +156,7 @@ def materialize(plan: Plan, shards: dict) -> nnx.Module:
         if unit.layers is not None:  # stacked: the module holds its local shards [L, n_pad/N]
             values.update({s.path: shards[s.path] for s in unit.slots})
     model = nnx.merge(plan.graphdef, _fill(plan.template, values))
+    chain: list = []  # the block-unit calls of this forward pass, in call order (prefetch)
     for unit in blocks:
         sub = model
         for key in unit.path:
@@ -139,7 +165,9 @@ def materialize(plan: Plan, shards: dict) -> nnx.Module:
         if unit.layers is not None:
             object.__setattr__(sub, "__class__", _stacked_class(cls, plan, unit))
             continue
-        object.__setattr__(sub, "_zshard_unit_call", _unit_call(plan, unit, _unit_bufs(unit, shards), cls.__call__))
+        tied = [values[c] for _, c in unit.shared]  # gathered with the root unit
+        call = _unit_call(plan, unit, _unit_bufs(unit, shards), cls.__call__, tied, chain)
+        object.__setattr__(sub, "_zshard_unit_call", call)
         object.__setattr__(sub, "__class__", _intercepting_class(cls))
     return model
 
@@ -178,6 +206,15 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, batch, k: int):
 
 
 def _local_step(plan: Plan, opts: dict, loss_fn: Callable, state: ShardedState, batch):
+    tokens = _REMAT.set(opts["remat"]), _PREFETCH.set(opts["prefetch"])
+    try:
+        return _local_step_body(plan, opts, loss_fn, state, batch)
+    finally:
+        _REMAT.reset(tokens[0])
+        _PREFETCH.reset(tokens[1])
+
+
+def _local_step_body(plan: Plan, opts: dict, loss_fn: Callable, state: ShardedState, batch):
     world, k = plan.world, opts["grad_accum"]
     token_weighted = []  # set while tracing: loss_fn returned (sum, count)
 
@@ -246,7 +283,13 @@ class TrainStep:
         grad_accum: int = 1,
         clip_norm: float | None = None,
         skip_nonfinite: bool = False,
+        remat="block",
+        prefetch: int = 1,
     ):
+        self.remat = remat_policy(remat)
+        if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
+            raise ValueError(f"prefetch={prefetch!r}: must be a non-negative integer (units gathered ahead; 0 turns prefetch off)")
+        self.prefetch = int(prefetch)
         if isinstance(grad_accum, bool) or not isinstance(grad_accum, numbers.Integral) or grad_accum < 1:
             raise ValueError(f"grad_accum={grad_accum!r}: must be a positive integer (micro-batches per step)")
         if clip_norm is not None and (
@@ -270,7 +313,8 @@ class TrainStep:
         return fn(state, batch)
 
     def _opts(self) -> dict:
-        return {"grad_accum": self.grad_accum, "clip_norm": self.clip_norm, "skip_nonfinite": self.skip_nonfinite}
+        return {"grad_accum": self.grad_accum, "clip_norm": self.clip_norm, "skip_nonfinite": self.skip_nonfinite, "remat": self.remat,
+                "prefetch": self.prefetch}
 
     def put_batch(self, state: ShardedState, batch):
         """Validate ``batch`` and place it with its leading dimension split over all devices."""
@@ -320,6 +364,8 @@ def make_train_step(
     grad_accum: int = 1,
     clip_norm: float | None = None,
     skip_nonfinite: bool = False,
+    remat="block",
+    prefetch: int = 1,
 ) -> TrainStep:
     """Build the sharded step for ``loss_fn(model, batch) -> scalar mean loss``.
 
@@ -338,8 +384,26 @@ def make_train_step(
         are reduced over the mesh, so every device agrees), keep the parameters and the
         optimizer state of the previous step. ``metrics["nonfinite"]`` is 1 for such a step
         either way; without skipping, the caller decides (``python -m train`` stops).
+      remat: activation checkpointing inside each block unit (gathered weights are never
+        saved for backward under FULL_SHARD / HYBRID_SHARD, whatever the policy):
+        ``"block"`` (default; save the block's inputs, recompute the block in backward),
+        ``"none"`` (save every activation), ``"dots"`` (save matmul outputs only,
+        ``jax.checkpoint_policies.dots_saveable``), or any ``jax.checkpoint`` policy callable.
+        The root unit (embeddings, head) is never recomputed. ``zshard.report`` shows the
+        temp bytes each policy costs.
+      prefetch: how many unit calls ahead a block unit's all-gather may be issued (FSDP's
+        ``forward_prefetch`` / ``BackwardPrefetch.BACKWARD_PRE``): with ``1`` (default) the
+        gather of unit ``i+1`` depends only on unit ``i``'s input, so XLA's latency-hiding
+        scheduler can run it during unit ``i``'s compute; in backward, unit ``i-1``'s
+        re-gather may start when unit ``i``'s backward starts. Costs up to ``prefetch``
+        more gathered units in temp memory. ``0``: each unit gathers only once its own input
+        (forward) or output cotangent (backward) exists. Units stacked under ``nnx.scan``
+        gather inside the loop and are not prefetched.
 
     Raises:
-      ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive.
+      ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive,
+        ``remat`` not a known policy, ``prefetch`` negative.
     """
-    return TrainStep(loss_fn, grad_accum=grad_accum, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite)
+    return TrainStep(
+        loss_fn, grad_accum=grad_accum, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, remat=remat, prefetch=prefetch
+    )

@@ -1,0 +1,420 @@
+"""Checkpoints: logical save/restore across meshes and strategies (bitwise), exact resume of
+``python -m train`` through SIGKILL, kills during a save, safetensors export, bad input."""
+
+import hashlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import ResBlock, ResMLP, mlp_batches, mse_loss
+from flax import nnx
+
+import zshard
+from train import data
+from train.checkpointing import BatchStream
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+TX = optax.adamw(1e-2, weight_decay=0.1)
+
+
+def make_model():
+    return ResMLP(rngs=nnx.Rngs(0))  # 13 -> 19 -> 3: every parameter padded on 2, 4, 8 devices
+
+
+def mesh(replica, shard):
+    return zshard.make_mesh(replica, shard, devices=jax.devices()[: replica * shard])
+
+
+def leaves(state):
+    """Every array of the state on host: params, optimizer state, step (padded layout)."""
+    return [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state, state.step))]
+
+
+def files(directory):
+    """``{relative path: sha256}`` of every file under ``directory``."""
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(directory).rglob("*")) if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Train 3 steps on 1x8 FULL_SHARD, save, then train 2 more: the reference continuation."""
+    directory = tmp_path_factory.mktemp("ckpt") / "run"
+    state = zshard.init(make_model, TX, mesh(1, 8), strategy="FULL_SHARD")
+    step = zshard.make_train_step(mse_loss)
+    batches = mlp_batches(5)
+    for b in batches[:3]:
+        state, _ = step(state, b)
+    zshard.save(state, directory, extra={"note": "three steps"})
+    before = leaves(state)
+    losses = []
+    for b in batches[3:]:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    return directory, before, losses, batches[3:]
+
+
+def _same_logical(a, b):
+    """Padded flats of two layouts agree on their common prefix and are zero beyond it."""
+    for x, y in zip(a, b):
+        x, y = x.reshape(-1), y.reshape(-1)
+        n = min(x.size, y.size)
+        np.testing.assert_array_equal(x[:n], y[:n])
+        assert not x[n:].any() and not y[n:].any()
+
+
+@pytest.mark.parametrize(
+    "replica,shard,strategy",
+    [(2, 4, "HYBRID_SHARD"), (1, 4, "FULL_SHARD"), (4, 2, "HYBRID_SHARD"), (1, 1, "FULL_SHARD"), (2, 4, "NO_SHARD"), (1, 8, "SHARD_OPT")],
+)
+def test_round_trip_to_any_mesh_and_strategy_and_back_is_bitwise(saved, tmp_path, replica, shard, strategy):
+    directory, before = saved[:2]
+    state, extra = zshard.restore(directory, mesh(replica, shard), model=make_model, tx=TX, strategy=strategy)
+    assert extra == {"note": "three steps"} and int(state.step) == 3
+    assert state.plan.strategy.value == strategy and state.plan.mesh.shape == {"replica": replica, "shard": shard}
+    kernel = state.params["blocks"][0]["lin"]["kernel"]
+    assert kernel.sharding.spec == state.plan.param_specs["blocks"][0]["lin"]["kernel"]
+    _same_logical(leaves(state), before)  # parameters and optimizer state, bitwise, in the new layout
+
+    # ... and back: the original 1x8 FULL_SHARD layout, padding included, bit for bit.
+    zshard.save(state, tmp_path / "back")
+    back, _ = zshard.restore(tmp_path / "back", mesh(1, 8), model=make_model, tx=TX, strategy="FULL_SHARD")
+    for x, y in zip(leaves(back), before):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_array_equal(x, y)
+
+
+
+def test_training_continues_with_the_same_losses(saved):
+    directory, _, ref_losses, more = saved
+    step = zshard.make_train_step(mse_loss)
+    same, _ = zshard.restore(directory, mesh(1, 8), model=make_model, tx=TX, strategy="FULL_SHARD")
+    other, _ = zshard.restore(directory, mesh(2, 4), model=make_model, tx=TX, strategy="HYBRID_SHARD")
+    for b, want in zip(more, ref_losses):
+        same, m = step(same, b)
+        assert float(m["loss"]) == want  # the same layout: bit for bit
+        other, m = step(other, b)
+        np.testing.assert_allclose(float(m["loss"]), want, rtol=1e-5)  # reduction order differs
+
+
+class Stacked(nnx.Module):
+    """Three ResBlocks stacked with nnx.vmap (one unit, ``[L, n_pad]`` per parameter) and a head."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs):
+            return ResBlock(19, rngs=rngs)
+
+        self.blocks = blocks(rngs)
+        self.head = nnx.Linear(19, 3, rngs=rngs)
+
+
+def test_stacked_layers_round_trip(tmp_path):
+    """Stacked parameters ([L, n_pad], each layer padded) from 1x8 FULL_SHARD to 2x4 HYBRID_SHARD and back."""
+    make = lambda: Stacked(nnx.Rngs(1))  # noqa: E731
+    tx = optax.adam(1e-3)
+    state = zshard.init(make(), tx, mesh(1, 8), strategy="FULL_SHARD")
+    assert {u.name: u.layers for u in state.plan.units}["blocks"] == 3
+    assert state.params["blocks"]["lin"]["kernel"].shape == (3, 368)  # 19*19 = 361 -> 368 per layer
+    zshard.save(state, tmp_path / "a")
+    other, _ = zshard.restore(tmp_path / "a", mesh(2, 4), model=make, tx=tx, strategy="HYBRID_SHARD")
+    assert other.params["blocks"]["lin"]["kernel"].shape == (3, 364)  # 361 -> 364 per layer
+    ref = nnx.state(make(), nnx.Param).to_pure_dict()
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(zshard.unshard(other), nnx.Param).to_pure_dict(), ref)
+    zshard.save(other, tmp_path / "b")
+    back, _ = zshard.restore(tmp_path / "b", mesh(1, 8), model=make, tx=tx, strategy="FULL_SHARD")
+    for x, y in zip(leaves(back), leaves(state)):
+        np.testing.assert_array_equal(x, y)
+
+
+# ----------------------------------------------------------------------------------------
+# Bad input: clear errors, nothing on disk changed
+# ----------------------------------------------------------------------------------------
+
+
+def test_missing_directory_and_half_written_only(tmp_path, one):
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory .*nowhere"):
+        zshard.restore(tmp_path / "nowhere", mesh(1, 8), model=make_model, tx=TX)
+    assert not (tmp_path / "nowhere").exists()
+    (tmp_path / "half" / "7.orbax-checkpoint-tmp").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"no complete checkpoint .*half-written: 7\.orbax-checkpoint-tmp"):
+        zshard.restore(tmp_path / "half", mesh(1, 8), model=make_model, tx=TX)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 9 .*complete steps: \[3\]"):
+        zshard.restore(one, mesh(1, 8), model=make_model, tx=TX, step=9)
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """A checkpoint of step 3 (initial ResMLP, AdamW, 1x8 FULL_SHARD), written once."""
+    directory = tmp_path_factory.mktemp("one") / "ckpt"
+    zshard.save(zshard.init(make_model, TX, mesh(1, 8)), directory, step=3)
+    return directory
+
+
+def saved_dir(tmp_path, one):
+    """A private copy of ``one`` that a test may damage."""
+    shutil.copytree(one, tmp_path / "one")
+    return tmp_path / "one"
+
+
+def test_different_model_or_optimizer_is_refused_naming_paths_and_shapes(one):
+    directory = one
+    before = files(directory)
+    with pytest.raises(ValueError, match=r"(?s)different model.*params\.inp\.kernel: checkpoint \[13, 19\] float32, model/optimizer \[13, 20\]"):
+        zshard.restore(directory, mesh(1, 8), model=lambda: ResMLP(d=20, rngs=nnx.Rngs(0)), tx=TX)
+    with pytest.raises(ValueError, match=r"params\.blocks\.2\.lin\.kernel: missing in the checkpoint"):
+        zshard.restore(directory, mesh(1, 8), model=lambda: ResMLP(n_blocks=3, rngs=nnx.Rngs(0)), tx=TX)
+    with pytest.raises(ValueError, match=r"(?s)different optimizer.*opt_state\.0\.mu\.blocks\.0\.lin\.bias: in the checkpoint \[19\] float32"):
+        zshard.restore(directory, mesh(1, 8), model=make_model, tx=optax.sgd(0.1))
+    assert files(directory) == before
+
+
+def test_existing_step_and_bad_extra_write_nothing(saved, tmp_path, one):
+    directory = one
+    before = files(directory)
+    state, _ = zshard.restore(saved[0], mesh(1, 8), model=make_model, tx=TX)
+    with pytest.raises(ValueError, match="step 3 exists already"):
+        zshard.save(state, directory, step=3)
+    with pytest.raises(ValueError, match="extra must hold only JSON"):
+        zshard.save(state, tmp_path / "new", extra={"rng": np.random.default_rng(0)})
+    assert files(directory) == before and not (tmp_path / "new").exists()
+
+
+def _damage(directory, how):
+    datafiles = sorted((p for p in (directory / "3" / "state").rglob("d/*") if p.is_file()), key=lambda p: p.stat().st_size)
+    target = {"flip": datafiles[-1], "truncate": datafiles[-1], "meta": directory / "3" / "meta" / "metadata"}[how]
+    raw = bytearray(target.read_bytes())
+    if how == "flip":
+        raw[len(raw) // 2] ^= 0xFF
+    else:
+        raw = raw[: len(raw) // 2]
+    target.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("how,needle", [("flip", "is corrupt: 1 array"), ("truncate", "truncated or corrupt"), ("meta", "truncated or corrupt")])
+def test_corrupt_or_truncated_files_are_refused(tmp_path, one, how, needle):
+    directory = saved_dir(tmp_path, one)
+    _damage(directory, how)
+    before = files(directory)
+    with pytest.raises(ValueError, match=needle) as err:
+        zshard.restore(directory, mesh(2, 4), model=make_model, tx=TX, strategy="HYBRID_SHARD")
+    assert str(directory) in str(err.value)
+    with pytest.raises(ValueError, match="corrupt"):
+        zshard.export(directory, tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+    assert files(directory) == before
+
+
+# ----------------------------------------------------------------------------------------
+# Export to safetensors
+# ----------------------------------------------------------------------------------------
+
+
+def test_export_and_load_params_give_the_same_logits(saved, tmp_path):
+    from safetensors import safe_open
+
+    directory = saved[0]
+    state, _ = zshard.restore(directory, mesh(2, 4), model=make_model, tx=TX, strategy="HYBRID_SHARD")
+    x = mlp_batches(1)[0][0]
+    want = np.asarray(zshard.unshard(state)(x))
+    for source, name in ((state, "state.safetensors"), (directory, "dir.safetensors")):
+        path = zshard.export(source, tmp_path / name)
+        with safe_open(path, framework="numpy") as f:
+            assert set(f.keys()) == {"inp.kernel", "inp.bias", "head.kernel", "head.bias"} | {
+                f"blocks.{i}.lin.{k}" for i in (0, 1) for k in ("kernel", "bias")
+            }
+            assert f.get_tensor("inp.kernel").shape == (13, 19)
+        model = zshard.load_params(path, ResMLP(rngs=nnx.Rngs(42)))
+        np.testing.assert_array_equal(np.asarray(model(x)), want)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.safetensors", "state.safetensors"]  # no staging left
+
+
+def test_load_params_refuses_other_models_and_damaged_files(saved, tmp_path):
+    path = zshard.export(saved[0], tmp_path / "m.safetensors")
+    other = ResMLP(d=20, rngs=nnx.Rngs(0))
+    kept = nnx.state(other, nnx.Param).to_pure_dict()
+    with pytest.raises(ValueError, match=r"inp\.kernel: file \[13, 19\] float32, model \[13, 20\] float32"):
+        zshard.load_params(path, other)
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(other, nnx.Param).to_pure_dict(), kept)  # unchanged
+    raw = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ValueError, match="cut.safetensors.*not a readable safetensors file"):
+        zshard.load_params(tmp_path / "cut.safetensors", make_model())
+    with pytest.raises(FileNotFoundError, match="no file"):
+        zshard.load_params(tmp_path / "none.safetensors", make_model())
+
+
+# ----------------------------------------------------------------------------------------
+# Kills while saving, and exact resume of python -m train
+# ----------------------------------------------------------------------------------------
+
+SAVER = textwrap.dedent(
+    """
+    import dataclasses, sys
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import conftest  # 8 emulated devices
+    import jax, optax, zshard
+    from conftest import ResMLP
+    from flax import nnx
+    from zshard.checkpoint import Checkpointer
+    state = zshard.init(lambda: ResMLP(d=256, n_blocks=4, rngs=nnx.Rngs(0)), optax.adam(1e-3), zshard.make_mesh(1, 8))
+    ckpt = Checkpointer(sys.argv[1], keep=2)
+    for k in range(1, 10_000):
+        value = dataclasses.replace(state, params=jax.tree.map(lambda x: x * 0 + k, state.params))
+        ckpt.save(value, step=k, extra={{"k": k}})
+        print("started", k, flush=True)
+    """
+)
+
+
+def _wait_for(predicate, proc, timeout=120.0):
+    t_end = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < t_end, "timed out"
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.05])
+def test_sigkill_while_saving_leaves_the_previous_checkpoint_intact(tmp_path, delay_s):
+    """Kill the writer while checkpoint k >= 3 is being written (delay_s after its temporary
+    folder appears): the newest complete checkpoint restores whole, and no half-written one
+    is listed or picked up."""
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER.format(root=str(ROOT), tests=str(ROOT / "tests")))
+    directory = tmp_path / "ck"
+    proc = subprocess.Popen([sys.executable, str(script), str(directory)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        tmp_seen = lambda: any(p.name.split(".")[0].isdigit() and int(p.name.split(".")[0]) >= 3 and "tmp" in p.name  # noqa: E731
+                               for p in (directory.iterdir() if directory.exists() else []))
+        _wait_for(tmp_seen, proc)
+        time.sleep(delay_s)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        proc.kill()
+    leftovers = [p.name for p in directory.iterdir() if "tmp" in p.name]
+    if delay_s == 0:
+        assert leftovers, "the kill should have landed inside a save"
+    ckpt = zshard.checkpoint.Checkpointer(directory)
+    latest = ckpt.latest_step()
+    assert latest is not None and latest >= 2
+    assert all("tmp" not in str(s) for s in ckpt.all_steps())
+    state, extra = ckpt.restore(mesh(2, 4), model=lambda: ResMLP(d=256, n_blocks=4, rngs=nnx.Rngs(0)), tx=optax.adam(1e-3),
+                                strategy="HYBRID_SHARD")
+    assert extra == {"k": latest}
+    for p in jax.tree.leaves(nnx.state(zshard.unshard(state), nnx.Param).to_pure_dict()):
+        assert np.all(np.asarray(p) == latest)
+    # The directory stays usable: a later save completes beside the leftover temporary folder.
+    ckpt.save(state, step=latest + 100)
+    ckpt.close()
+    assert zshard.checkpoint.Checkpointer(directory).latest_step() == latest + 100
+
+
+def test_batch_stream_matches_train_batches_and_seeks():
+    corpus = np.frombuffer(bytes(range(256)) * 8, dtype=np.uint8)
+    stream, plain = BatchStream(corpus, 4, 8, seed=3), data.train_batches(corpus, 4, 8, seed=3)
+    for _ in range(3):
+        a, b = next(stream), next(plain)
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
+    pos = json.loads(json.dumps(stream.position()))  # as stored in the checkpoint's JSON
+    want = next(stream)
+    other = BatchStream(corpus, 4, 8, seed=99)
+    other.seek(pos)
+    np.testing.assert_array_equal(next(other)[0], want[0])
+    assert other.drawn == 4
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    if SHAKESPEARE.exists():
+        path.write_bytes(SHAKESPEARE.read_bytes()[:100_000])
+    else:
+        path.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "zshard").glob("*.py"))))
+    return path
+
+
+def _train(corpus, out, *extra):
+    args = ["--model", "nano", "--steps", "20", "--seq-len", "32", "--batch-size", "8", "--data", str(corpus),
+            "--eval-every", "10", "--eval-batches", "1", "--out", str(out), *extra]  # fmt: skip
+    return [sys.executable, "-m", "train", *args]
+
+
+def _losses(out):
+    return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def _run_until_killed(cmd, when):
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(when, proc, timeout=300)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL  # killed, not finished
+    finally:
+        proc.kill()
+
+
+def test_resume_after_sigkill_is_exact(tmp_path, corpus):
+    """20 steps straight == 10 steps, SIGKILL while checkpoint 15 is being written, --resume
+    from 10 (the half-written 15 is never picked up) for the last 10: the same metrics.jsonl
+    losses, bit for bit."""
+    straight = tmp_path / "straight"
+    res = subprocess.run(_train(corpus, straight), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = _losses(straight)
+    assert [s for s, loss, _ in want if loss is not None] == list(range(1, 21))
+
+    out, ck = tmp_path / "killed", ["--ckpt-every", "5", "--keep", "2"]
+    _run_until_killed(_train(corpus, out, *ck), lambda: (out / "checkpoints" / "15.orbax-checkpoint-tmp").exists())
+    assert zshard.checkpoint.Checkpointer(out / "checkpoints").all_steps() == [5, 10]
+    res = subprocess.run(_train(corpus, out, *ck, "--resume"), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "continuing from step 10" in res.stderr
+    assert _losses(out) == want  # bitwise: floats read back from JSON exactly
+    assert zshard.checkpoint.Checkpointer(out / "checkpoints").all_steps() == [15, 20]
+
+
+def test_cli_refuses_to_mix_runs(tmp_path, corpus, capsys):
+    """Checked before anything compiles (train.checkpointing.prepare), nothing written."""
+    from train.__main__ import build_parser
+    from train.checkpointing import prepare
+
+    out = tmp_path / "run"
+    state = zshard.init(make_model, TX, mesh(1, 8))
+    parser = build_parser(["nano"], [s.value for s in zshard.Strategy])
+    base = ["--model", "nano", "--steps", "20", "--data", str(corpus), "--out", str(out)]
+    zshard.save(state, out / "checkpoints", step=4, extra={"run": checkpointing_config(parser, base)})
+    before = files(out)
+    for argv, needle in [
+        (["--ckpt-every", "5"], "holds checkpoints (latest: step 4); pass --resume"),
+        (["--resume", "--seed", "1"], "--seed 0 -> 1"),
+        (["--resume", "--lr", "0.01"], "--lr 0.003 -> 0.01"),
+        (["--resume", "--steps", "4"], "--steps 20 -> 4"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            prepare(parser, parser.parse_args(base + argv), out)
+        assert exit_.value.code == 2 and needle in capsys.readouterr().err
+    ok = prepare(parser, parser.parse_args(base + ["--resume", "--mesh", "2x4", "--strategy", "HYBRID_SHARD"]), out)
+    assert ok.resuming and ok.start == 4
+    assert files(out) == before
+
+
+def checkpointing_config(parser, argv):
+    from train.checkpointing import _run_config
+
+    return _run_config(parser.parse_args(argv))
