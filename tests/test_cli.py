@@ -15,6 +15,8 @@ import matplotlib.image
 import optax
 import pytest
 
+import zshard.checkpoint
+
 ROOT = Path(__file__).resolve().parent.parent
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 STEPS, EVERY, SAMPLE_BYTES = 8, 4, 24
@@ -118,9 +120,9 @@ def test_plot_writes_the_pngs(run, tmp_path):
     assert e.value.code == 2
 
 
-def test_ctrl_c_finishes_the_step_writes_the_summary_and_exits_130(tmp_path, corpus):
+def test_ctrl_c_finishes_the_step_saves_writes_the_summary_and_exits_130(tmp_path, corpus):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "train", *ARGS, "--steps", "1000000", "--eval-every", "0", "--sample-every", "0", "--data", str(corpus),
+    proc = subprocess.Popen([sys.executable, "-m", "train", *ARGS, "--steps", "1000000", "--eval-every", "0", "--sample-every", "0", "--ckpt-every", "100000", "--data", str(corpus),
                              "--out", str(out)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -139,3 +141,5 @@ def test_ctrl_c_finishes_the_step_writes_the_summary_and_exits_130(tmp_path, cor
     steps = [r["step"] for r in read_metrics(out) if "loss" in r]
     assert steps == list(range(1, summary["steps_done"] + 1))
     assert "interrupted after step" in err
+    # checkpointing is on: the interrupted step is saved, and --resume would continue from it
+    assert zshard.checkpoint.Checkpointer(out / "checkpoints").all_steps() == [summary["steps_done"]]

@@ -27,7 +27,8 @@ until the model has compiled and been evaluated once):
    evaluation, sample, 10 s of wall time and at the end), TensorBoard events under
    ``OUT/tb`` (every step), ``OUT/samples.txt`` (appended) and ``OUT/summary.json``.
 
-Ctrl-C (SIGINT) finishes the step in flight, writes metrics and the summary (marked
+Ctrl-C (SIGINT) finishes the step in flight, saves it when checkpointing is on
+(``--ckpt-every``; ``train/checkpointing.py``), writes metrics and the summary (marked
 ``"interrupted": true``) and exits with status 130; a second Ctrl-C aborts at once.
 Bad input exits with status 2 and a message naming the key, its flag and the fix.
 """
