@@ -7,7 +7,7 @@ for its single-process runs.
 Modes:
   ``train``: train :func:`make_model` for :data:`STEPS` steps with FULL_SHARD and
     HYBRID_SHARD on ``zshard.make_mesh()`` (replica = processes), each process feeding only
-    its rows of every global batch; print one line ``RESULT {json}`` with the losses, the
+    its rows of every global batch; print one line ``RESULT {json}`` with the losses, gradient norms, the
     final parameters (rank 0) and the collectives of each compiled step (kind, replica
     groups as device ids) plus the device -> process map.
   ``kill``: train with FULL_SHARD; rank 1 kills itself (SIGKILL) after 2 steps, the others
@@ -117,13 +117,14 @@ def main(mode: str) -> int:
         step = zshard.make_train_step(loss_fn)
         local = [local_rows(b, rank, procs) for b in batches()]
         hlo = step.lower(state, local[0]).compile().as_text()
-        losses = []
+        losses, grad_norms = [], []
         for i, b in enumerate(local):
             if mode == "kill" and i == 2 and rank == 1:
                 print("rank 1 kills itself now", flush=True)
                 os.kill(os.getpid(), 9)
             state, metrics = step(state, b)
             losses.append(float(metrics["loss"]))
+            grad_norms.append(float(metrics["grad_norm"]))
         if mode == "kill":
             for _ in range(1000):  # rank 0 keeps computing with a dead peer
                 state, metrics = step(state, local[0])
@@ -134,6 +135,7 @@ def main(mode: str) -> int:
             "mesh": dict(mesh.shape),
             "mesh_processes": [[d.process_index for d in row] for row in mesh.devices],
             "losses": losses,
+            "grad_norms": grad_norms,
             "params": params if rank == 0 else None,
             "collectives": collectives(hlo, mesh),
         }

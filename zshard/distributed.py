@@ -22,7 +22,8 @@ Failures are errors, never hangs (times in seconds, defaults below):
 - coordinator unreachable for ``init_timeout_s``: ``TimeoutError`` naming the address;
 - the coordinator port already taken on process 0 (a second process 0?): ``RuntimeError``;
 - ``num_processes`` differing between processes: the process whose count differs from the
-  coordinator's raises ``RuntimeError``; if the coordinator waits for more processes than
+  coordinator's prints why and exits with status 2 (it cannot leave the job cleanly: JAX's
+  shutdown barrier would wait for the others); if the coordinator waits for more processes than
   ever come, JAX aborts every process after ``init_timeout_s`` (``DEADLINE_EXCEEDED ...
   RegisterTask``), after the line this module prints before connecting;
 - a process dying mid-run: its peers stop sending it heartbeats and JAX aborts them after
@@ -177,23 +178,17 @@ def initialize(
     Raises:
       ValueError: malformed ``coordinator``, ``num_processes < 1``, ``process_id`` outside
         ``0..P-1``, or only some of the three given without a cluster to fill in the rest.
-      RuntimeError: called twice, called after JAX has computed (its backends exist), the
-        coordinator port is taken on process 0, or this process's ``num_processes`` differs
-        from the coordinator's.
+      RuntimeError: called twice, called after JAX has computed (its backends exist), or the
+        coordinator port is taken on process 0.
       TimeoutError: the coordinator is unreachable for ``init_timeout_s``.
+
+    Exits the process (status 2, the reason on stderr) when its ``num_processes`` differs
+    from the coordinator's.
     """
     if _STATE or jax.distributed.is_initialized():
         raise RuntimeError(
             "zshard.distributed.initialize: the distributed runtime is already initialized "
             f"({_STATE or 'by another call to jax.distributed.initialize'}); call it once, at the start of the program"
-        )
-    from jax._src import xla_bridge  # noqa: PLC0415  (the check jax.distributed itself makes)
-
-    if xla_bridge.backends_are_initialized():
-        raise RuntimeError(
-            "zshard.distributed.initialize must run before any JAX computation: JAX's backends already exist "
-            "(something called jax.devices(), created an array, jit-compiled or device_put). Call it first thing "
-            "in main(), before building the mesh, the model or any data on devices."
         )
     coordinator = coordinator if coordinator is not None else os.environ.get(ENV_COORDINATOR) or None
     num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
@@ -205,6 +200,14 @@ def initialize(
     given = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
     if all(v is None for v in given.values()) and _cluster_tasks() <= 1:
         return False  # single process: nothing to start
+    from jax._src import xla_bridge  # noqa: PLC0415  (the check jax.distributed itself makes)
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "zshard.distributed.initialize must run before any JAX computation: JAX's backends already exist "
+            "(something called jax.devices(), created an array, jit-compiled or device_put). Call it first thing "
+            "in main(), before building the mesh, the model or any data on devices."
+        )
     if None in given.values() and _cluster_tasks() <= 1:
         missing = ", ".join(k for k, v in given.items() if v is None)
         raise ValueError(
@@ -252,8 +255,15 @@ def initialize(
     )
     _STATE.update(coordinator=coordinator, num_processes=num_processes, process_id=process_id)
     if num_processes is not None and jax.process_count() != num_processes:
-        raise RuntimeError(
-            f"--num-processes {num_processes} on process {process_id}, but the coordinator {coordinator} runs "
-            f"{jax.process_count()} processes; give every process the same --num-processes"
+        # This process has joined a job of another size and cannot leave it cleanly (JAX's
+        # shutdown barrier at exit would wait for the others): say why and exit, as JAX does
+        # on its own fatal coordination errors; the others then see its heartbeats stop.
+        print(
+            f"zshard.distributed.initialize: error: --num-processes {num_processes} on process {process_id}, but the "
+            f"coordinator {coordinator} runs {jax.process_count()} processes; give every process the same "
+            "--num-processes. Exiting with status 2.",
+            file=sys.stderr,
+            flush=True,
         )
+        os._exit(2)
     return True
