@@ -60,7 +60,7 @@ def _child_env(rank: int, nproc: int, port: int, devices: int | None, heartbeat:
 
 
 def _pump(stream, prefix: bytes, out, lock: threading.Lock) -> None:
-    """Copy ``stream`` to ``out`` line by line (``\\n`` or ``\\r``, e.g. progress bars), prefixed."""
+    """Copy ``stream`` to ``out`` line by line (``\\n`` or ``\\r``, e.g. progress bars), prefixed; blank lines dropped."""
     buf = b""
     while True:
         chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
@@ -68,6 +68,7 @@ def _pump(stream, prefix: bytes, out, lock: threading.Lock) -> None:
             break
         buf += chunk
         *lines, buf = re.split(rb"\r\n|\r|\n", buf)
+        lines = [line for line in lines if line.strip()]  # progress bars clear their line with blanks
         if lines:
             with lock:
                 out.write(b"".join(prefix + line + b"\n" for line in lines))
@@ -137,7 +138,12 @@ def launch(
     out = out if out is not None else sys.stdout.buffer
     port = port if port is not None else free_port()
     lock, procs, pumps = threading.Lock(), [], []
-    say = lambda msg: (lock.acquire(), out.write(f"[{PROG.split()[-1]}] {msg}\n".encode()), out.flush(), lock.release())  # noqa: E731
+
+    def say(msg: str) -> None:
+        with lock:
+            out.write(f"[zshard.launch] {msg}\n".encode())
+            out.flush()
+
     say(f"{nproc} processes x {devices_per_proc or 'default'} devices, coordinator 127.0.0.1:{port}: {' '.join(command)}")
     try:
         for rank in range(nproc):
@@ -209,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--devices-per-proc {args.devices_per_proc}: must be >= 1")
     if args.port is not None and not 1 <= args.port <= 65535:
         parser.error(f"--port {args.port}: must be in 1..65535")
+    def terminated(signum, frame):  # SIGTERM to the launcher (scheduler, timeout): stop the processes too
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
     if command[0] == "python":
         command = [sys.executable, *command[1:]]  # the interpreter running the launcher (its venv)
     return launch(
