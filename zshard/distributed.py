@@ -26,9 +26,10 @@ Failures are errors, never hangs (times in seconds, defaults below):
   shutdown barrier would wait for the others); if the coordinator waits for more processes than
   ever come, JAX aborts every process after ``init_timeout_s`` (``DEADLINE_EXCEEDED ...
   RegisterTask``), after the line this module prints before connecting;
-- a process dying mid-run: its peers stop sending it heartbeats and JAX aborts them after
-  ``heartbeat_timeout_s`` ("Terminating process because the JAX distributed service
-  detected fatal errors ... another task died").
+- a process dying mid-run: it stops sending heartbeats; after ``heartbeat_timeout_s`` the
+  coordination service tells the others and JAX aborts them ("Terminating process because
+  the JAX distributed service detected fatal errors ... another task died"); if process 0
+  (the service) dies, the others lose it the same way.
 
 On CPU the cross-process collectives are gloo (``jax_cpu_collectives_implementation``);
 GPUs use NCCL as JAX sets up.
@@ -44,7 +45,7 @@ import time
 
 import jax
 
-__all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "initialize", "is_multiprocess", "parse_coordinator"]
+__all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "initialize", "parse_coordinator"]
 
 ENV_COORDINATOR = "ZSHARD_COORDINATOR"
 """``HOST:PORT`` of process 0's coordinator (set by ``python -m zshard.launch``)."""
@@ -99,20 +100,6 @@ def _cluster_tasks() -> int:
     return 0
 
 
-def is_multiprocess(coordinator=None, num_processes=None, process_id=None) -> bool:
-    """Whether :func:`initialize` with these arguments would start a multi-process run.
-
-    True when any argument is given, when the ``ZSHARD_*`` variables of the launcher are
-    set, or when a SLURM / Open MPI job of more than one task is detected. Touches no JAX
-    state (safe before ``XLA_FLAGS`` is final).
-    """
-    if any(v is not None for v in (coordinator, num_processes, process_id)):
-        return True
-    if any(os.environ.get(k) for k in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)):
-        return True
-    return _cluster_tasks() > 1
-
-
 def _wait_for_coordinator(host: str, port: int, timeout_s: float, who: str) -> None:
     """Retry a TCP connection to the coordinator until it answers or ``timeout_s`` passes."""
     deadline, last = time.monotonic() + timeout_s, None
@@ -165,7 +152,9 @@ def initialize(
       process_id: this process's rank in ``0..P-1`` (distinct per process); default
         ``$ZSHARD_PROCESS_ID`` or the cluster's.
       local_device_ids: GPUs this process uses (``jax.distributed.initialize`` meaning);
-        default all visible ones (one process per host).
+        default ``$JAX_LOCAL_DEVICE_IDS``, else all visible ones, except under SLURM / Open
+        MPI where JAX gives each task one GPU (set ``JAX_LOCAL_DEVICE_IDS=0,...,7`` for one
+        task per host; docs/multihost.md).
       init_timeout_s: seconds to reach the coordinator and for all ``P`` processes to
         register (default ``$ZSHARD_INIT_TIMEOUT_S`` or 120).
       heartbeat_timeout_s: seconds of silence after which a process counts as dead and the
