@@ -364,7 +364,8 @@ def make_evaluator(state, batches: list, device):
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m train`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not (_multiprocess(argv) and "--devices" not in argv and _DEVICE_FLAG in os.environ.get("XLA_FLAGS", "")):
+    has_devices = any(a.split("=")[0] == "--devices" for a in argv)
+    if not (_multiprocess(argv) and not has_devices and _DEVICE_FLAG in os.environ.get("XLA_FLAGS", "")):
         set_host_device_count(_preparse_devices(argv))  # (the launcher's per-process count stands)
 
     import numpy as np  # noqa: PLC0415
