@@ -116,7 +116,7 @@ def main(mode: str) -> int:
         state = zshard.init(make_model(), make_tx(), mesh, strategy=strategy)
         step = zshard.make_train_step(loss_fn)
         local = [local_rows(b, rank, procs) for b in batches()]
-        hlo = step.lower(state, local[0]).compile().as_text()
+        hlo = step.lower(state, local[0]).compile().as_text() if mode == "train" else ""
         losses, grad_norms = [], []
         for i, b in enumerate(local):
             if mode == "kill" and i == 2 and rank == 1:
