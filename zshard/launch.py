@@ -10,7 +10,9 @@ starts ``--nproc`` copies of the command after ``--``, each with
 - ``XLA_FLAGS=--xla_force_host_platform_device_count=D`` (``--devices-per-proc``; other
   XLA flags are kept) and ``JAX_PLATFORMS=cpu`` unless already set: D emulated CPU devices.
 
-Every line a process prints (stdout and stderr) is echoed with a ``[rank i]`` prefix.
+A command starting with ``python`` runs with the launcher's own interpreter
+(``sys.executable``, its virtual environment). Every line a process prints (stdout and
+stderr) is echoed with a ``[rank i]`` prefix.
 If a process exits with a non-zero status (or a signal), the launcher stops the others
 (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with that status
 (``128 + signal`` for a signal); it exits 0 when every process does. Ctrl-C stops all.
