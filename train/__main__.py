@@ -38,7 +38,7 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 # Defaults, chosen so that the run with no flags finishes in 55-95 s (wall, compile 3-6 s
 # included; the range is other load) on a 2-core CPU with 8 emulated devices and brings the
-# held-out loss of the stdlib corpus from 5.86 to 2.34 nats/byte (40%; ln(256) = 5.55 is a
+# held-out loss of the stdlib corpus from 5.86 to 2.35 nats/byte (40%; ln(256) = 5.55 is a
 # uniform guess). tinyshakespeare with the same defaults: 5.95 -> 2.43.
 DEFAULTS = dict(
     devices=8,
@@ -105,6 +105,13 @@ def set_host_device_count(n: int) -> None:
         raise RuntimeError("set_host_device_count must run before jax is imported")
     flags = re.sub(rf"{_DEVICE_FLAG}=\S*", "", os.environ.get("XLA_FLAGS", "")).split()
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_FLAG}={n}"])
+
+
+def _multiprocess(argv: list[str]) -> bool:
+    """A multi-process run? (its flags, ``python -m zshard.launch``'s variables, SLURM / Open MPI), without jax."""
+    flags = ("--coordinator", "--num-processes", "--process-id")
+    env = ("ZSHARD_COORDINATOR", "ZSHARD_NUM_PROCESSES", "ZSHARD_PROCESS_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE")
+    return any(a.split("=")[0] in flags for a in argv) or any(os.environ.get(k) for k in env)
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -174,6 +181,14 @@ def build_parser(model_names: list[str], strategies: list[str]) -> argparse.Argu
                    help="skip the update of a step whose loss or gradient is NaN/inf (counted in metrics.jsonl "
                    "as 'skipped'); by default such a step stops the run with an error naming it")
     g.add_argument("--seed", metavar="SEED", type=_nonnegative_int, default=d["seed"], help="seed of the initial weights and of the batches")
+    g = p.add_argument_group(
+        "multi-process (jax.distributed)",
+        "one process per host; the default mesh is then processes x devices per process (docs/multihost.md). "
+        "Not needed under SLURM / Open MPI or python -m zshard.launch, which set them",
+    )
+    g.add_argument("--coordinator", metavar="HOST:PORT", default=None, help="address of process 0, reachable from every process")
+    g.add_argument("--num-processes", metavar="P", type=_positive_int, default=None, help="number of processes (the same on all)")
+    g.add_argument("--process-id", metavar="I", type=_nonnegative_int, default=None, help="this process's rank, 0..P-1")
     g = p.add_argument_group("data, evaluation and output")
     g.add_argument("--data", metavar="FILE", default=None,
                    help="a text file to train on (bytes; last 10%% held out); default: the Python stdlib's "
@@ -192,8 +207,13 @@ def build_parser(model_names: list[str], strategies: list[str]) -> argparse.Argu
 # ----------------------------------------------------------------------------------------
 
 
+_WRITES_FILES = True  # False on every process but rank 0 of a multi-process run
+
+
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through ``path.tmp`` and ``os.replace``: never half-written."""
+    """Write ``text`` to ``path`` through ``path.tmp`` and ``os.replace``: never half-written (rank 0 only)."""
+    if not _WRITES_FILES:
+        return
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -256,10 +276,11 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Setup
     except ValueError as e:
         parser.error(str(e))
 
-    devices = jax.devices()[: args.devices]
+    procs = jax.process_count()  # > 1: every device of every process (--devices is then per process)
+    devices = jax.devices() if procs > 1 else jax.devices()[: args.devices]
     n, platform = len(devices), devices[0].platform
     try:
-        replica, shard = parse_mesh(args.mesh) if args.mesh is not None else (1, n)
+        replica, shard = parse_mesh(args.mesh) if args.mesh is not None else (procs, n // procs)
     except ValueError as e:
         parser.error(f"--mesh {args.mesh!r}: {e}")
     if replica * shard != n:
@@ -270,7 +291,8 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Setup
             f"use a mesh of {n} devices ({shapes})" + (f" or --devices {replica * shard}" if platform == "cpu" else "")
         )
     try:
-        mesh = zshard.make_mesh(replica, shard, devices=devices)
+        # no --mesh with several processes: one row per process (jax's hybrid-mesh helper)
+        mesh = zshard.make_mesh() if procs > 1 and args.mesh is None else zshard.make_mesh(replica, shard, devices=devices)
     except ValueError as e:
         parser.error(f"--mesh {args.mesh!r}: {e}")
     unit = n * args.grad_accum  # the global batch splits over devices x micro-batches
@@ -345,7 +367,9 @@ def make_evaluator(state, batches: list, device):
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m train`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    set_host_device_count(_preparse_devices(argv))
+    has_devices = any(a.split("=")[0] == "--devices" for a in argv)
+    if not (_multiprocess(argv) and not has_devices and _DEVICE_FLAG in os.environ.get("XLA_FLAGS", "")):
+        set_host_device_count(_preparse_devices(argv))  # (the launcher's per-process count stands)
 
     import numpy as np  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415  (imports jax, after XLA_FLAGS)
@@ -357,6 +381,15 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser(list(MODEL_PRESETS), [s.value for s in zshard.Strategy])
     args = parser.parse_args(argv)
+    import jax  # noqa: PLC0415
+    import zshard.distributed  # noqa: PLC0415
+
+    global _WRITES_FILES
+    try:  # before anything touches a device
+        zshard.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except (ValueError, RuntimeError, TimeoutError) as e:
+        parser.error(str(e))
+    _WRITES_FILES = jax.process_index() == 0
     if args.zero_stage is not None:
         args.strategy = zshard.Strategy.parse(zero_stage=args.zero_stage).value
     setup = validate(parser, args)
@@ -375,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.param_dtype or args.reduce_dtype:
         mp = zshard.MixedPrecision(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype)
     make_model = lambda: GPT(setup.cfg, rngs=nnx.Rngs(args.seed))  # noqa: E731
-    batches = checkpointing.BatchStream(setup.train_data, args.batch_size, args.seq_len, args.seed)
+    batches = checkpointing.BatchStream(  # this process's rows of each global batch
+        setup.train_data, args.batch_size, args.seq_len, args.seed, process_index=jax.process_index(), process_count=jax.process_count()
+    )
     if ckpt is not None and ckpt.resuming:  # state, batch position and records of the checkpoint
         state, records = ckpt.restore(make_model, tx, setup.mesh, batches, strategy=args.strategy, mixed_precision=mp)
     else:
@@ -401,19 +436,20 @@ def main(argv: list[str] | None = None) -> int:
         print(report.table(), file=sys.stderr)
 
     eval_set = data.eval_batches(setup.eval_data, args.batch_size, args.seq_len, args.eval_batches)
-    evaluate = make_evaluator(state, eval_set, setup.devices[0])
+    evaluate = make_evaluator(state, eval_set, jax.local_devices()[0])
     start = 0 if ckpt is None else ckpt.start
     eval_loss0 = records[0]["eval_loss"] if start else evaluate(state)
 
     # ---- train ------------------------------------------------------------------------
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").unlink(missing_ok=True)  # never leave a previous run's summary beside new metrics
+    if _WRITES_FILES:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").unlink(missing_ok=True)  # never leave a previous run's summary beside new metrics
     if not start:
         records = [{"step": 0, "eval_loss": eval_loss0}]
     write_metrics(out, records)
     tokens_per_step = args.batch_size * args.seq_len  # tokens = bytes
 
-    bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(total=args.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr, disable=not _WRITES_FILES)
     bar.write(f"compiled in {compile_s:.1f} s; {state.plan.num_params():,} parameters; eval loss {eval_loss0:.4f} before training")
     t_train = t_last = time.perf_counter()
     eval_s = 0.0  # time spent evaluating inside the training loop, s
@@ -474,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         "strategy": args.strategy,
         "mesh": {"replica": setup.replica, "shard": setup.shard},
         "devices": n,
+        "processes": jax.process_count(),
         "platform": platform,
         "model": {"preset": args.model, "config": dataclasses.asdict(setup.cfg)},
         "num_params": state.plan.num_params(),
@@ -511,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     print(
         f"{PROG}: eval loss {eval_loss0:.4f} -> {summary['final_eval_loss']:.4f} nats/byte in {args.steps} steps; "
-        f"{summary['wall_s']:.0f} s wall; wrote {out / 'metrics.jsonl'} and {out / 'summary.json'}",
+        f"{summary['wall_s']:.0f} s wall; "
+        + (f"wrote {out / 'metrics.jsonl'} and {out / 'summary.json'}" if _WRITES_FILES else "rank 0 writes the files"),
         file=sys.stderr,
     )
     return 0
