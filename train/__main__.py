@@ -111,8 +111,20 @@ def build_parser(*_unused) -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------------
 
 
+_WRITES_FILES = True  # False on every process but rank 0 of a multi-process run
+
+
+def _multiprocess(argv: list[str], run) -> bool:
+    """A multi-process run? (its settings, ``python -m zshard.launch``'s variables, SLURM / Open MPI), without jax."""
+    env = ("ZSHARD_COORDINATOR", "ZSHARD_NUM_PROCESSES", "ZSHARD_PROCESS_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE")
+    d = run.distributed
+    return any(v is not None for v in (d.coordinator, d.num_processes, d.process_id)) or any(os.environ.get(k) for k in env)
+
+
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through ``path.tmp`` and ``os.replace``: never half-written."""
+    """Write ``text`` to ``path`` through ``path.tmp`` and ``os.replace``: never half-written (rank 0 only)."""
+    if not _WRITES_FILES:
+        return
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -199,11 +211,11 @@ def validate(parser: argparse.ArgumentParser, run) -> Setup:
     from train.config import ConfigError  # noqa: PLC0415
     from train.model import MODEL_PRESETS  # noqa: PLC0415
 
+    procs = jax.process_count()  # > 1: every device of every process (mesh.devices is then per process)
     try:
-        run.validate()  # against mesh.devices, before touching the devices
-        devices = jax.devices()[: run.mesh.devices]
-        run.validate(len(devices))  # an accelerator may have fewer
-        replica, shard = run.mesh_shape(len(devices))
+        devices = jax.devices() if procs > 1 else jax.devices()[: run.mesh.devices]  # an accelerator may have fewer
+        run.validate(len(devices), procs)
+        replica, shard = run.mesh_shape(len(devices), procs)
         strategy = run.strategy()
     except ConfigError as e:
         parser.error(str(e))
@@ -218,25 +230,15 @@ def validate(parser: argparse.ArgumentParser, run) -> Setup:
     except ValueError as e:
         parser.error(f"data.path: {e}")
     try:
-        mesh = zshard.make_mesh(replica, shard, devices=devices)
+        # no mesh.shape with several processes: one row per process (jax's hybrid-mesh helper)
+        mesh = zshard.make_mesh() if procs > 1 and run.mesh.shape is None else zshard.make_mesh(replica, shard, devices=devices)
     except ValueError as e:
         parser.error(f"mesh.shape (--mesh) {run.mesh.shape!r}: {e}")
 
     out = Path(run.logging.out)
     if out.exists() and not out.is_dir():
         parser.error(f"logging.out (--out) {str(out)!r} exists and is not a directory; give a directory path")
-    _refuse_unwired(parser, run)
     return Setup(cfg, source, train_data, eval_data, devices, replica, shard, mesh, out, strategy)
-
-
-def _refuse_unwired(parser: argparse.ArgumentParser, run) -> None:
-    """The [distributed] section is validated and passed on; until the module that acts on it
-    is wired in (the marked hook in :func:`main`), asking for it is an error, not a silent no-op."""
-    import importlib.util  # noqa: PLC0415
-
-    if run.distributed.coordinator is not None and importlib.util.find_spec("zshard.distributed") is None:
-        parser.error("distributed.coordinator (--coordinator): multi-host (zshard/distributed.py) is not part of "
-                     "this build; leave the [distributed] section unset")
 
 
 def make_optimizer(run):
@@ -347,13 +349,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # flat: args.steps, args.ckpt_every, ... (train/checkpointing.py reads it)
     run = config_mod.from_namespace(args)
-    set_host_device_count(run.mesh.devices if run.mesh.devices >= 1 else 1)
+    devices_given = any(a.split("=")[0] in ("--devices", "--mesh.devices") for a in argv) or (
+        args.config is not None and "devices" in config_mod.load_file(args.config).get("mesh", {}))
+    if not (_multiprocess(argv, run) and not devices_given and _DEVICE_FLAG in os.environ.get("XLA_FLAGS", "")):
+        set_host_device_count(run.mesh.devices if run.mesh.devices >= 1 else 1)  # (the launcher's per-process count stands)
 
-    # ---- multi-host hook (zshard/distributed.py) ----------------------------------------
-    # run.distributed (coordinator, num_processes, process_id) is type-checked here and
-    # validated in validate(); jax.distributed must be initialised before jax.devices(),
-    # so the multi-host module is called here, between XLA_FLAGS and validate().
-    # -------------------------------------------------------------------------------------
+    import jax  # noqa: PLC0415
+
+    import zshard.distributed  # noqa: PLC0415
+
+    global _WRITES_FILES
+    try:  # before anything touches a device; checks coordinator / num_processes / process_id
+        d = run.distributed
+        zshard.distributed.initialize(d.coordinator, d.num_processes, d.process_id)
+    except (ValueError, RuntimeError, TimeoutError) as e:
+        parser.error(str(e))
+    _WRITES_FILES = jax.process_index() == 0
 
     import numpy as np  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415  (imports jax, after XLA_FLAGS)
@@ -365,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup = validate(parser, run)
     ckpt = checkpointing.prepare(parser, args, setup.out)  # None: no --ckpt-every / --resume
-    resolved = run.resolved(len(setup.devices))
+    resolved = run.resolved(len(setup.devices), jax.process_count())
     out, n, platform, strategy = setup.out, len(setup.devices), setup.devices[0].platform, setup.strategy
     t_cfg, lg = run.training, run.logging
     print(
@@ -382,7 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         mp = zshard.MixedPrecision(param_dtype=t_cfg.param_dtype, reduce_dtype=t_cfg.reduce_dtype)
     make_model = lambda: GPT(setup.cfg, rngs=nnx.Rngs(t_cfg.seed))  # noqa: E731
     # the batches of data.train_batches, with a position a checkpoint can hold
-    batches = checkpointing.BatchStream(setup.train_data, t_cfg.batch_size, run.model.seq_len, t_cfg.seed)
+    batches = checkpointing.BatchStream(  # this process's rows of each global batch
+        setup.train_data, t_cfg.batch_size, run.model.seq_len, t_cfg.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+    )
     records = None
     if ckpt is not None and ckpt.resuming:  # state, batch position and records of the checkpoint
         state, records = ckpt.restore(make_model, tx, setup.mesh, batches, strategy=strategy, mixed_precision=mp)
@@ -410,24 +424,25 @@ def main(argv: list[str] | None = None) -> int:
         print(report.table(), file=sys.stderr)
 
     eval_set = data.eval_batches(setup.eval_data, t_cfg.batch_size, run.model.seq_len, run.data.eval_batches)
-    evaluate = make_evaluator(state, eval_set, setup.devices[0])
+    evaluate = make_evaluator(state, eval_set, jax.local_devices()[0])
     eval_loss0 = records[0]["eval_loss"] if start else evaluate(state)
-    sample = make_sampler(state, run.model.seq_len, setup.devices[0])
+    sample = make_sampler(state, run.model.seq_len, jax.local_devices()[0])
     prompt = lg.prompt.encode() if lg.prompt is not None else bytes(setup.eval_data[: min(64, run.model.seq_len // 2)])
 
     first_step = start + 1
 
     # ---- output -----------------------------------------------------------------------
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").unlink(missing_ok=True)  # never leave a previous run's summary beside new metrics
-    if not start:  # a fresh run's samples and curves only (a resumed run appends)
+    if _WRITES_FILES:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").unlink(missing_ok=True)  # never leave a previous run's summary beside new metrics
+    if not start and _WRITES_FILES:  # a fresh run's samples and curves only (a resumed run appends)
         (out / "samples.txt").unlink(missing_ok=True)
         for old in (out / "tb").glob("events.out.tfevents.*"):
             old.unlink()
     header = (f"Resolved configuration of the run in {out}, written by {PROG}.\n"
               f"Repeat it with: {PROG} --config {out / 'config.toml'} [--out ANOTHER_DIR]")
     write_atomic(out / "config.toml", config_mod.dumps_toml(resolved, header))
-    tb = TensorBoard(out / "tb" if lg.tensorboard else None)
+    tb = TensorBoard(out / "tb" if lg.tensorboard and _WRITES_FILES else None)
     if not start:
         records = [{"step": 0, "eval_loss": eval_loss0}]
         tb.log(records[0])
@@ -438,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     def say(msg: str) -> None:
         tqdm.write(msg, file=sys.stderr)  # above the progress bar (tqdm.write alone goes to stdout)
 
-    bar = tqdm(total=t_cfg.steps, initial=first_step - 1, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(total=t_cfg.steps, initial=first_step - 1, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
+               disable=not _WRITES_FILES)
     t_train = t_last = t_written = time.perf_counter()
     recent_times: list[float] = []  # seconds per step, the last THROUGHPUT_WINDOW steps
     eval_s = 0.0  # time spent evaluating and sampling inside the training loop, s
@@ -447,9 +463,10 @@ def main(argv: list[str] | None = None) -> int:
         text = sample(state, prompt, lg.sample_tokens, lg.temperature, t_cfg.seed + i)
         head = f"=== step {i}: {lg.sample_tokens} bytes after a {len(prompt)}-byte prompt, temperature {lg.temperature} ==="
         body = (prompt + text).decode("utf-8", errors="replace")
-        print(f"{head}\n{body}\n", flush=True)
-        with open(out / "samples.txt", "a", encoding="utf-8") as f:
-            f.write(f"{head}\n{body}\n\n")
+        if _WRITES_FILES:
+            print(f"{head}\n{body}\n", flush=True)
+            with open(out / "samples.txt", "a", encoding="utf-8") as f:
+                f.write(f"{head}\n{body}\n\n")
 
     def record(i: int, metrics) -> dict:
         """Read step ``i``'s metrics (waits for that step only), log them, stop on a non-finite loss."""
@@ -541,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         "strategy": strategy,
         "mesh": {"replica": setup.replica, "shard": setup.shard},
         "devices": n,
+        "processes": jax.process_count(),
         "platform": platform,
         "model": {"preset": run.model.preset, "config": dataclasses.asdict(setup.cfg)},
         "num_params": state.plan.num_params(),
@@ -583,8 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     what = f"interrupted after step {last} of {t_cfg.steps}" if interrupted else f"in {t_cfg.steps} steps"
     print(
         f"{PROG}: eval loss {eval_loss0:.4f} -> {summary['final_eval_loss']:.4f} nats/byte (step {summary['final_eval_step']}) "
-        f"{what}; {summary['wall_s']:.0f} s wall; wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, "
-        f"{out / 'config.toml'}",
+        f"{what}; {summary['wall_s']:.0f} s wall; "
+        + (f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'config.toml'}" if _WRITES_FILES
+           else "rank 0 writes the files"),
         file=sys.stderr,
     )
     return EXIT_INTERRUPTED if interrupted else 0

@@ -67,32 +67,32 @@ _nonnegative_int, _positive_int = _int_at_least(0), _int_at_least(1)
 class BatchStream:
     """:func:`train.data.train_batches` with a position that can be saved and restored.
 
-    Yields exactly the batches of ``train_batches(data, batch_size, seq_len, seed)``:
-    ``(inputs, targets)``, int32 ``[batch_size, seq_len]`` each, windows starting at
-    ``numpy.random.default_rng(seed).integers(0, n - seq_len, size=batch_size)``.
+    Yields exactly the batches of ``train_batches(data, batch_size, seq_len, seed,
+    process_index=, process_count=)``: this process's rows of each global batch,
+    ``(inputs, targets)``, int32 ``[batch_size / processes, seq_len]`` each. Global batch
+    ``i`` is a function of ``(seed, i)`` only, so the position is the count of batches drawn.
     """
 
-    def __init__(self, corpus: np.ndarray, batch_size: int, seq_len: int, seed: int):
-        self.corpus, self.batch_size, self.seq_len = corpus, batch_size, seq_len
-        self.rng = np.random.default_rng(seed)
-        self.drawn = 0  # batches drawn so far
+    def __init__(self, corpus: np.ndarray, batch_size: int, seq_len: int, seed: int, *, process_index: int = 0, process_count: int = 1):
+        self._args = (corpus, batch_size, seq_len, seed)
+        self._procs = {"process_index": process_index, "process_count": process_count}
+        self.seek({"batches_drawn": 0})
 
     def __iter__(self):
         return self
 
     def __next__(self) -> data.Batch:
-        starts = self.rng.integers(0, len(self.corpus) - self.seq_len, size=self.batch_size)
         self.drawn += 1
-        return data._windows(self.corpus, starts, self.seq_len)
+        return next(self._it)
 
     def position(self) -> dict:
-        """JSON: ``{"batches_drawn": int, "bit_generator": numpy's PCG64 state dict}``."""
-        return {"batches_drawn": self.drawn, "bit_generator": self.rng.bit_generator.state}
+        """JSON: ``{"batches_drawn": int}``."""
+        return {"batches_drawn": self.drawn}
 
     def seek(self, position: dict) -> None:
         """Continue from a :meth:`position`."""
-        self.rng.bit_generator.state = position["bit_generator"]
         self.drawn = int(position["batches_drawn"])
+        self._it = data.train_batches(*self._args, start=self.drawn, **self._procs)
 
 
 def _run_config(args: argparse.Namespace) -> dict:

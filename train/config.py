@@ -121,9 +121,9 @@ class MeshConfig:
     """``[mesh]``: devices, the ``(replica, shard)`` mesh and the sharding strategy."""
 
     devices: int = 8
-    """devices: N emulated CPU devices; on an accelerator, the first N (at most) of its devices"""
+    """devices per process: N emulated CPU devices; on an accelerator, the first N (at most) of its devices"""
     shape: str | None = dataclasses.field(default=None, metadata=_flag("shape", "--mesh"))
-    """REPLICAxSHARD (e.g. 2x4) or a preset of meshes/*.toml (e.g. cpu-2x4); unset: 1xN, all devices on shard"""
+    """REPLICAxSHARD (e.g. 2x4) or a preset of meshes/*.toml (e.g. cpu-2x4); unset: 1xN (N devices on shard), or processes x devices per process"""
     strategy: str | None = None
     """sharding strategy (FSDP names; file alias: sharding_strategy): NO_SHARD, SHARD_OPT, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2; unset: FULL_SHARD, or zero_stage's"""
     zero_stage: int | None = None
@@ -180,14 +180,14 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class DistributedConfig:
-    """``[distributed]``: ``jax.distributed`` for multi-host runs; validated and passed on."""
+    """``[distributed]``: ``jax.distributed`` for multi-host runs (``zshard.distributed.initialize``, docs/multihost.md)."""
 
     coordinator: str | None = None
-    """HOST:PORT of process 0; unset: a single process (or what JAX detects on a cluster)"""
+    """HOST:PORT of process 0, reachable from every process; unset: $ZSHARD_COORDINATOR, the cluster's (SLURM / Open MPI), or one process"""
     num_processes: int | None = None
-    """processes (hosts) in the run; needs coordinator and process_id"""
+    """processes (hosts) in the run, the same on all; unset: $ZSHARD_NUM_PROCESSES or the cluster's"""
     process_id: int | None = None
-    """this process's index, 0 .. num_processes - 1"""
+    """this process's rank, 0 .. num_processes - 1; unset: $ZSHARD_PROCESS_ID or the cluster's"""
 
 
 @dataclasses.dataclass
@@ -269,20 +269,20 @@ class Config:
 
     # ---- validation ---------------------------------------------------------------------
 
-    def validate(self, n_devices: int | None = None) -> "Config":
+    def validate(self, n_devices: int | None = None, processes: int = 1) -> "Config":
         """Check every value and every combination; returns ``self``.
 
         Args:
-          n_devices: devices actually available (default ``mesh.devices``); the mesh and
-            the batch must fit them.
+          n_devices: devices actually available, all processes together (default
+            ``mesh.devices``); the mesh and the batch must fit them.
+          processes: processes of a multi-process run (the default mesh is then
+            ``processes x n_devices / processes``).
 
         Raises:
           ConfigError: naming the key, its flag, the value and the allowed values or the fix.
         """
         n = self.mesh.devices if n_devices is None else n_devices
-        m, d, me, o, t, c, di, lg = (
-            self.model, self.data, self.mesh, self.optimizer, self.training, self.checkpoint, self.distributed, self.logging
-        )
+        m, d, me, o, t, c, lg = self.model, self.data, self.mesh, self.optimizer, self.training, self.checkpoint, self.logging
         from train.model import MODEL_PRESETS  # noqa: PLC0415  (imports jax: after XLA_FLAGS)
 
         _choice("model.preset", m.preset, list(MODEL_PRESETS))
@@ -301,7 +301,7 @@ class Config:
                     f"{me.zero_stage} means {ZERO_STAGES[me.zero_stage]} but mesh.strategy (--strategy) is "
                     f"{me.strategy!r}; give one of the two",
                 )
-        replica, shard = self.mesh_shape(n)
+        replica, shard = self.mesh_shape(n, processes)
         if replica * shard != n:
             shapes = ", ".join(f"{r}x{n // r}" for r in range(1, n + 1) if n % r == 0)
             raise ConfigError(
@@ -336,7 +336,7 @@ class Config:
         _at_least("checkpoint.ckpt_every", c.ckpt_every, 0)
         if c.keep is not None:
             _at_least("checkpoint.keep", c.keep, 1)
-        self._validate_distributed(di)
+        # [distributed]: types checked here; zshard.distributed.initialize checks the values.
         if not lg.out:
             raise ConfigError(_key("logging.out"), "is empty; give a directory path")
         _at_least("logging.sample_every", lg.sample_every, 0)
@@ -345,27 +345,6 @@ class Config:
         if lg.prompt is not None and not lg.prompt:
             raise ConfigError(_key("logging.prompt"), "is empty; give some text, or leave it unset for the held-out split's start")
         return self
-
-    @staticmethod
-    def _validate_distributed(di: DistributedConfig) -> None:
-        given = {k: v for k, v in dataclasses.asdict(di).items() if v is not None}
-        if not given:
-            return
-        missing = [k for k in ("coordinator", "num_processes", "process_id") if k not in given]
-        if missing:
-            raise ConfigError(
-                _key(f"distributed.{missing[0]}"),
-                f"is unset but distributed.{next(iter(given))} is set; a multi-process run needs coordinator "
-                "(HOST:PORT), num_processes and process_id",
-            )
-        if not re.fullmatch(r"[^\s:]+:\d{1,5}", di.coordinator) or not 0 < int(di.coordinator.rsplit(":", 1)[1]) < 65536:
-            raise ConfigError(_key("distributed.coordinator"), f"{di.coordinator!r} is not HOST:PORT (port 1-65535), e.g. 10.0.0.1:1234")
-        _at_least("distributed.num_processes", di.num_processes, 1)
-        if not 0 <= di.process_id < di.num_processes:
-            raise ConfigError(
-                _key("distributed.process_id"),
-                f"{di.process_id} is outside 0 .. {di.num_processes - 1} (distributed.num_processes = {di.num_processes})",
-            )
 
     # ---- derived values -----------------------------------------------------------------
 
@@ -378,11 +357,11 @@ class Config:
             return ZERO_STAGES[self.mesh.zero_stage]
         return "FULL_SHARD"
 
-    def mesh_shape(self, n_devices: int | None = None) -> tuple[int, int]:
-        """``(replica, shard)``: ``mesh.shape`` parsed, or ``(1, n_devices)`` when unset."""
+    def mesh_shape(self, n_devices: int | None = None, processes: int = 1) -> tuple[int, int]:
+        """``(replica, shard)``: ``mesh.shape`` parsed, or ``(processes, n_devices / processes)`` when unset."""
         n = self.mesh.devices if n_devices is None else n_devices
         if self.mesh.shape is None:
-            return 1, n
+            return processes, n // processes
         from zshard.mesh import parse_mesh  # noqa: PLC0415
 
         try:
@@ -395,17 +374,17 @@ class Config:
         w = self.training.steps // 10 if self.optimizer.warmup is None else self.optimizer.warmup
         return min(w, self.training.steps - 1)
 
-    def resolved(self, n_devices: int | None = None) -> "Config":
+    def resolved(self, n_devices: int | None = None, processes: int = 1) -> "Config":
         """A validated copy with every derived value written out: the canonical strategy (no
         ``zero_stage``), the mesh as ``RxS``, the device count, the preset's ``scan``, the
         warmup in steps and the data path made absolute. Running it repeats this run."""
         from train.model import MODEL_PRESETS  # noqa: PLC0415
 
-        self.validate(n_devices)
+        self.validate(n_devices, processes)
         r = Config.from_dict(self.to_dict())
         n = self.mesh.devices if n_devices is None else n_devices
-        replica, shard = self.mesh_shape(n)
-        r.mesh.devices, r.mesh.shape = n, f"{replica}x{shard}"
+        replica, shard = self.mesh_shape(n, processes)
+        r.mesh.devices, r.mesh.shape = n // processes, f"{replica}x{shard}"  # devices: per process
         r.mesh.strategy, r.mesh.zero_stage = self.strategy(), None
         if r.model.scan is None:
             r.model.scan = MODEL_PRESETS[r.model.preset].scan

@@ -19,10 +19,13 @@ Example::
     check_split(train, held_out, seq_len=128, source="stdlib")
     for inputs, targets in train_batches(train, batch_size=16, seq_len=128, seed=0):
         ...                                          # int32 [16, 128] each
+    # process p of P reads only its rows of each global batch: int32 [16 / P, 128]
+    train_batches(train, 16, 128, seed=0, process_index=p, process_count=P)
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import sysconfig
 from pathlib import Path
@@ -39,6 +42,7 @@ __all__ = [
     "describe_source",
     "eval_batches",
     "load_corpus",
+    "num_examples",
     "split_corpus",
     "stdlib_sources",
     "train_batches",
@@ -146,22 +150,68 @@ def _windows(data: np.ndarray, starts: np.ndarray, seq_len: int) -> Batch:
     return w[:, :-1], w[:, 1:]  # inputs [B, T], targets [B, T]
 
 
-def train_batches(data: np.ndarray, batch_size: int, seq_len: int, seed: int) -> Iterator[Batch]:
-    """Endless batches of random windows, deterministic given ``seed``.
+def num_examples(data: np.ndarray, seq_len: int) -> int:
+    """Training examples in ``data``: disjoint windows ``data[k T : k T + T + 1]``, ``k = 0 .. K-1``.
+
+    ``K = (n - 1) // T`` (window ``k``'s targets end at byte ``k T + T``, so neighbours share one byte).
+    """
+    return (len(data) - 1) // seq_len
+
+
+def train_batches(
+    data: np.ndarray, batch_size: int, seq_len: int, seed: int, *, process_index: int = 0, process_count: int = 1, start: int = 0
+) -> Iterator[Batch]:
+    """Endless batches in epochs, deterministic given ``seed``; this process's rows only.
+
+    The examples are the ``K`` disjoint windows of :func:`num_examples`. Epoch ``e`` visits
+    them in the order ``numpy.random.default_rng([seed, e]).permutation(K)``; the epochs
+    follow each other as one stream, and global batch ``i`` is the stream's positions
+    ``[i B, (i + 1) B)`` (a batch may straddle two epochs). So over each epoch every example
+    is seen exactly once, and the global batches do not depend on the number of processes.
+    Process ``p`` of ``P`` builds only its rows ``[p B/P, (p + 1) B/P)`` of each global batch,
+    the slice ``TrainStep.put_batch`` expects from it.
 
     Args:
       data: uint8 ``[n]``, ``n >= seq_len + 1``.
-      batch_size: sequences per batch (global).
-      seq_len: tokens per sequence.
-      seed: seed of the ``numpy`` Generator that draws the window starts.
+      batch_size: ``B``, sequences per global batch; must divide by ``process_count``.
+      seq_len: ``T``, tokens per sequence.
+      seed: seed of the epoch permutations.
+      process_index: this process, ``0 .. process_count - 1`` (``jax.process_index()``).
+      process_count: ``P`` (``jax.process_count()``).
+      start: index of the first global batch to yield (resuming after ``start`` batches).
 
     Yields:
-      ``(inputs, targets)``, int32 ``[batch_size, seq_len]`` each.
+      ``(inputs, targets)``, int32 ``[B / P, T]`` each.
+
+    Raises:
+      ValueError: ``batch_size`` does not divide by ``process_count``, ``process_index`` is
+        out of range, or ``data`` holds no window.
     """
-    rng = np.random.default_rng(seed)
-    high = len(data) - seq_len  # starts in [0, n - T - 1]
-    while True:
-        yield _windows(data, rng.integers(0, high, size=batch_size), seq_len)
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} must be in 0..process_count-1 (process_count={process_count})")
+    if batch_size % process_count:
+        raise ValueError(
+            f"--batch-size {batch_size} does not divide by the {process_count} processes; "
+            f"use a multiple of {process_count} (each process reads batch_size / processes sequences)"
+        )
+    k = num_examples(data, seq_len)
+    if k < 1:
+        raise ValueError(f"{len(data)} bytes hold no window of seq_len+1 = {seq_len + 1} bytes; use a smaller --seq-len")
+    rows = batch_size // process_count
+    perms: dict[int, np.ndarray] = {}
+
+    def example(pos: int) -> int:  # stream position -> example index
+        epoch = pos // k
+        if epoch not in perms:
+            perms.clear()  # the stream only moves forward: keep one epoch
+            perms[epoch] = np.random.default_rng([seed, epoch]).permutation(k)
+        return int(perms[epoch][pos % k])
+
+    first = process_index * rows  # this process's first row in every global batch
+    for i in itertools.count(start):
+        base = i * batch_size + first
+        starts = np.array([example(base + r) for r in range(rows)], dtype=np.int64) * seq_len
+        yield _windows(data, starts, seq_len)
 
 
 def eval_batches(data: np.ndarray, batch_size: int, seq_len: int, num_batches: int = 8) -> list[Batch]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 __all__ = ["AXES", "REPLICA", "SHARD", "MeshPreset", "make_mesh", "mesh_preset", "mesh_presets", "parse_mesh"]
@@ -35,6 +36,22 @@ def _ordered_devices(devices) -> list:
     return sorted(devices, key=lambda d: (d.process_index, d.id))
 
 
+def _hybrid_grid(devices: list) -> np.ndarray:
+    """``[processes, devices per process]`` grid from JAX's hybrid-mesh helper, each process a granule."""
+    per = {}
+    for d in devices:
+        per.setdefault(d.process_index, []).append(d)
+    counts = {p: len(ds) for p, ds in sorted(per.items())}
+    if len(set(counts.values())) > 1:
+        raise ValueError(
+            f"make_mesh: processes hold different numbers of devices {counts} (process -> devices); "
+            "give every process the same devices (e.g. --devices-per-proc), or pass replica=, shard= and devices="
+        )
+    local = next(iter(counts.values()))
+    # [1, local] inside each process ("ICI") x [processes, 1] across processes ("DCN")
+    return mesh_utils.create_hybrid_device_mesh((1, local), (len(per), 1), devices, process_is_granule=True)
+
+
 def make_mesh(replica: int | None = None, shard: int | None = None, *, devices=None) -> Mesh:
     """Build the ``(replica, shard)`` mesh with explicit axis types.
 
@@ -42,7 +59,10 @@ def make_mesh(replica: int | None = None, shard: int | None = None, *, devices=N
       replica: size of the ``replica`` axis (hosts; data-parallel groups of HYBRID_SHARD).
         Default: the number of processes, or ``len(devices) // shard``.
       shard: size of the ``shard`` axis (devices that split each parameter). Default:
-        devices per process, or ``len(devices) // replica``.
+        devices per process, or ``len(devices) // replica``. With neither given in a
+        multi-process run, the grid comes from ``jax.experimental.mesh_utils.
+        create_hybrid_device_mesh`` with each process as a granule: row ``r`` holds exactly
+        the devices of process ``r``.
       devices: the devices to lay out (default ``jax.devices()``), ordered by
         ``(process_index, id)`` so that one host's devices are adjacent on ``shard``.
 
@@ -52,16 +72,20 @@ def make_mesh(replica: int | None = None, shard: int | None = None, *, devices=N
 
     Raises:
       ValueError: a size is not positive, or ``replica * shard`` is not the device count
-        (the message lists every factorization of the device count).
+        (the message lists every factorization of the device count), or (no sizes, many
+        processes) the processes hold different numbers of devices.
     """
     devices = _ordered_devices(jax.devices() if devices is None else list(devices))
     n = len(devices)
     for name, size in ((REPLICA, replica), (SHARD, shard)):
         if size is not None and (not isinstance(size, (int, np.integer)) or size < 1):
             raise ValueError(f"make_mesh: {name}={size!r} must be a positive integer")
+    if replica is None and shard is None and len({d.process_index for d in devices}) > 1:
+        # One row per process (host): replica = processes, shard = that process's devices,
+        # so HYBRID_SHARD's gathers and reduce-scatters never leave a process.
+        return Mesh(_hybrid_grid(devices), AXES, axis_types=(AxisType.Explicit, AxisType.Explicit))
     if replica is None and shard is None:
-        replica = jax.process_count()
-        shard = n // replica
+        replica, shard = 1, n
     elif replica is None:
         replica = n // shard if n % shard == 0 else 0
     elif shard is None:

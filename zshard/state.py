@@ -418,7 +418,8 @@ def unshard(state: ShardedState) -> nnx.Module:
     """The full model as a plain ``nnx.Module`` (parameters on the default device).
 
     Every parameter gets back its logical shape and dtype; padding is dropped. Host memory
-    holds one parameter at a time.
+    holds one parameter at a time. With several processes, every process must call it (the
+    parameters are all-gathered across processes) and each gets the whole model.
     """
     plan = state.plan
     flat = traverse_util.flatten_dict(state.params)
@@ -426,7 +427,12 @@ def unshard(state: ShardedState) -> nnx.Module:
     values = {}
     for path, var in plan.template:
         shape = var.get_value().shape
-        host = np.asarray(jax.device_get(flat[path]))  # [n_pad] or [L, n_pad]
+        x = flat[path]
+        if not x.is_fully_addressable:  # several processes: every process gets the whole array
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+
+            x = multihost_utils.process_allgather(x, tiled=True)
+        host = np.asarray(jax.device_get(x))  # [n_pad] or [L, n_pad]
         if layers[path] is None:
             values[path] = jnp.asarray(host[: int(np.prod(shape))].reshape(shape))
         else:

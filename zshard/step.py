@@ -317,30 +317,47 @@ class TrainStep:
                 "prefetch": self.prefetch}
 
     def put_batch(self, state: ShardedState, batch):
-        """Validate ``batch`` and place it with its leading dimension split over all devices."""
+        """Validate ``batch`` and place it with its leading dimension split over all devices.
+
+        With several processes (``jax.process_count() > 1``) each process passes only its own
+        rows: its contiguous slice ``[i*B/P, (i+1)*B/P)`` of the global batch of ``B`` rows
+        (``jax.make_array_from_process_local_data``); a global ``jax.Array`` passes as is.
+        """
         world = state.plan.world * self.grad_accum  # the batch splits into devices x micro-batches
         sharding = NamedSharding(state.plan.mesh, P(AXES))
+        procs = jax.process_count()
+
+        def process_local(x) -> bool:
+            return procs > 1 and not isinstance(x, jax.ShapeDtypeStruct) and getattr(x, "is_fully_addressable", True)
+
+        def shape_of(x) -> tuple:  # global shape: local rows x processes
+            shape = np.shape(x)
+            return (shape[0] * procs,) + tuple(shape[1:]) if shape and process_local(x) else shape
+
+        where = f" (global: the rows of process {jax.process_index()} x {procs} processes)" if procs > 1 else ""
         leaves = jax.tree_util.tree_leaves_with_path(batch)
         if not leaves:
             raise ValueError("batch is empty: give a pytree of arrays with a leading batch dimension")
-        sizes = {f"batch{jax.tree_util.keystr(p)}": np.shape(x)[0] if np.shape(x) else None for p, x in leaves}
+        sizes = {f"batch{jax.tree_util.keystr(p)}": shape_of(x)[0] if np.shape(x) else None for p, x in leaves}
         if len(set(sizes.values())) > 1:
             raise ValueError(
-                f"batch leaves have different leading (batch) dimensions: {sizes}; every leaf must have "
+                f"batch leaves have different leading (batch) dimensions: {sizes}{where}; every leaf must have "
                 f"the same global batch size, a multiple of the {world} devices of the mesh"
             )
         for path, x in leaves:
-            shape = np.shape(x)
+            shape = shape_of(x)
             if not shape or shape[0] == 0 or shape[0] % world:
                 micro = f" x grad_accum={self.grad_accum} micro-batches" if self.grad_accum > 1 else ""
                 raise ValueError(
-                    f"batch{jax.tree_util.keystr(path)} has shape {shape}: its leading (batch) dimension "
+                    f"batch{jax.tree_util.keystr(path)} has shape {shape}{where}: its leading (batch) dimension "
                     f"must divide by the {state.plan.world} devices of the mesh {dict(state.plan.mesh.shape)}{micro}; "
                     f"use a global batch that is a multiple of {world}"
                 )
         return jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
             if isinstance(x, jax.ShapeDtypeStruct)
+            else jax.make_array_from_process_local_data(sharding, np.asarray(x), shape_of(x))
+            if process_local(x)
             else jax.device_put(x, sharding),
             batch,
         )

@@ -1,0 +1,238 @@
+"""``python -m zshard.launch``: run P processes of one program on this host, for development and tests.
+
+    python -m zshard.launch --nproc 2 --devices-per-proc 4 -- python -m train --strategy HYBRID_SHARD
+
+starts ``--nproc`` copies of the command after ``--``, each with
+
+- ``ZSHARD_COORDINATOR=127.0.0.1:PORT`` (a free port unless ``--port``),
+  ``ZSHARD_NUM_PROCESSES=P`` and ``ZSHARD_PROCESS_ID=i``, which
+  :func:`zshard.distributed.initialize` reads;
+- ``XLA_FLAGS=--xla_force_host_platform_device_count=D`` (``--devices-per-proc``; other
+  XLA flags are kept) and ``JAX_PLATFORMS=cpu`` unless already set: D emulated CPU devices.
+
+A command starting with ``python`` runs with the launcher's own interpreter
+(``sys.executable``, its virtual environment). Every line a process prints (stdout and
+stderr) is echoed with a ``[rank i]`` prefix.
+If a process exits with a non-zero status (or a signal), the launcher stops the others
+(SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with that status
+(``128 + signal`` for a signal); it exits 0 when every process does. Ctrl-C stops all.
+
+It emulates hosts on one machine; on real hosts, start one process per host with
+``--coordinator/--num-processes/--process-id`` or through SLURM (docs/multihost.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+__all__ = ["free_port", "launch", "main"]
+
+PROG = "python -m zshard.launch"
+_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(rank: int, nproc: int, port: int, devices: int | None, heartbeat: int | None, init: int | None) -> dict:
+    env = dict(os.environ)
+    env.update(ZSHARD_COORDINATOR=f"127.0.0.1:{port}", ZSHARD_NUM_PROCESSES=str(nproc), ZSHARD_PROCESS_ID=str(rank))
+    if heartbeat is not None:
+        env["ZSHARD_HEARTBEAT_TIMEOUT_S"] = str(heartbeat)
+    if init is not None:
+        env["ZSHARD_INIT_TIMEOUT_S"] = str(init)
+    if devices is not None:
+        flags = re.sub(rf"{_DEVICE_FLAG}=\S*", "", env.get("XLA_FLAGS", "")).split()
+        env["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_FLAG}={devices}"])
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed, in order per rank
+    return env
+
+
+def _pump(stream, prefix: bytes, out, lock: threading.Lock) -> None:
+    """Copy ``stream`` to ``out`` line by line (``\\n`` or ``\\r``, e.g. progress bars), prefixed; blank lines dropped."""
+    buf = b""
+    while True:
+        chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
+        if not chunk:
+            break
+        buf += chunk
+        *lines, buf = re.split(rb"\r\n|\r|\n", buf)
+        lines = [line for line in lines if line.strip()]  # progress bars clear their line with blanks
+        if lines:
+            with lock:
+                out.write(b"".join(prefix + line + b"\n" for line in lines))
+                out.flush()
+    if buf:
+        with lock:
+            out.write(prefix + buf + b"\n")
+            out.flush()
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _stop(procs: list, grace: float) -> None:
+    """SIGTERM every running process group, then SIGKILL what is left after ``grace`` seconds."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def launch(
+    command: list[str],
+    nproc: int,
+    devices_per_proc: int | None = None,
+    *,
+    port: int | None = None,
+    grace: float = 10.0,
+    heartbeat_timeout_s: int | None = None,
+    init_timeout_s: int | None = None,
+    out=None,
+) -> int:
+    """Run ``command`` as ``nproc`` processes of one job; returns the launcher's exit status.
+
+    Args:
+      command: the program and its arguments (e.g. ``["python", "-m", "train"]``).
+      nproc: number of processes ``P`` (ranks ``0..P-1``).
+      devices_per_proc: emulated CPU devices per process (``None``: leave ``XLA_FLAGS``).
+      port: coordinator port on 127.0.0.1 (default: a free one).
+      grace: seconds between SIGTERM and SIGKILL when stopping the others, s.
+      heartbeat_timeout_s: ``ZSHARD_HEARTBEAT_TIMEOUT_S`` for the processes (default: zshard's).
+      init_timeout_s: ``ZSHARD_INIT_TIMEOUT_S`` for the processes (default: zshard's).
+      out: binary stream for the prefixed output (default ``sys.stdout.buffer``).
+
+    Returns:
+      0 if every process exits 0; else the status of the first process to fail
+      (``128 + signal`` if it was killed by a signal).
+    """
+    out = out if out is not None else sys.stdout.buffer
+    port = port if port is not None else free_port()
+    lock, procs, pumps = threading.Lock(), [], []
+
+    def say(msg: str) -> None:
+        with lock:
+            out.write(f"[zshard.launch] {msg}\n".encode())
+            out.flush()
+
+    say(f"{nproc} processes x {devices_per_proc or 'default'} devices, coordinator 127.0.0.1:{port}: {' '.join(command)}")
+    try:
+        for rank in range(nproc):
+            env = _child_env(rank, nproc, port, devices_per_proc, heartbeat_timeout_s, init_timeout_s)
+            p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            procs.append(p)
+            t = threading.Thread(target=_pump, args=(p.stdout, f"[rank {rank}] ".encode(), out, lock), daemon=True)
+            t.start()
+            pumps.append(t)
+        status = 0
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                running = sum(c is None for c in codes)
+                say(f"rank {rank} {_describe(code)}; stopping the other {running} running process(es)")
+                _stop(procs, grace)
+                status = 128 - code if code < 0 else code
+                break
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        say("interrupted; stopping every process")
+        _stop(procs, grace)
+        status = 130
+    except BaseException:
+        _stop(procs, grace)
+        raise
+    for t in pumps:
+        t.join(timeout=5)
+    if status:
+        say(f"failed with status {status}")
+    return status
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        allow_abbrev=False,
+        description="Start P processes of one JAX program on 127.0.0.1 (zshard.distributed.initialize joins them), "
+        "each with D emulated CPU devices; prefix their output with the rank; if one fails, stop the others.",
+        usage=f"{PROG} --nproc P [--devices-per-proc D] [options] -- COMMAND ...",
+    )
+    p.add_argument("--nproc", metavar="P", type=int, required=True, help="number of processes (ranks 0..P-1)")
+    p.add_argument("--devices-per-proc", metavar="D", type=int, default=None,
+                   help="emulated CPU devices per process (XLA_FLAGS=--xla_force_host_platform_device_count=D)")
+    p.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free port)")
+    p.add_argument("--grace", metavar="S", type=float, default=10.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping processes (default: 10)")
+    p.add_argument("--heartbeat-timeout", metavar="S", type=int, default=None,
+                   help="seconds without heartbeat before a process counts as dead (default: zshard's, 30)")
+    p.add_argument("--init-timeout", metavar="S", type=int, default=None,
+                   help="seconds for all processes to register with the coordinator (default: zshard's, 120)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, after --")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given: put the program after --, e.g. -- python -m train --strategy HYBRID_SHARD")
+    if args.nproc < 1:
+        parser.error(f"--nproc {args.nproc}: must be >= 1")
+    if args.devices_per_proc is not None and args.devices_per_proc < 1:
+        parser.error(f"--devices-per-proc {args.devices_per_proc}: must be >= 1")
+    if args.port is not None and not 1 <= args.port <= 65535:
+        parser.error(f"--port {args.port}: must be in 1..65535")
+    def terminated(signum, frame):  # SIGTERM to the launcher (scheduler, timeout): stop the processes too
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
+    if command[0] == "python":
+        command = [sys.executable, *command[1:]]  # the interpreter running the launcher (its venv)
+    return launch(
+        command,
+        args.nproc,
+        args.devices_per_proc,
+        port=args.port,
+        grace=args.grace,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        init_timeout_s=args.init_timeout,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
