@@ -34,7 +34,6 @@ import dataclasses
 import functools
 import inspect
 import json
-import re
 import tomllib
 import types
 import typing
