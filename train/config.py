@@ -202,7 +202,7 @@ class LoggingConfig:
     sample_every: int = 0
     """steps between text samples (0: only after the last step)"""
     prompt: str | None = None
-    """text the samples start from; unset: the first 64 bytes of the held-out split"""
+    """text the samples start from; unset: the first min(64, seq_len / 2) bytes of the held-out split"""
     sample_tokens: int = 128
     """tokens (bytes) generated per sample"""
     temperature: float = 0.8
