@@ -404,7 +404,12 @@ def main(argv: list[str] | None = None) -> int:
         state = zshard.init(make_model, tx, setup.mesh, strategy=strategy, mixed_precision=mp)
     start = 0 if ckpt is None else ckpt.start  # the step this run continues after
     step = zshard.make_train_step(
-        cross_entropy_loss, grad_accum=t_cfg.grad_accum, clip_norm=run.optimizer.clip_norm, skip_nonfinite=t_cfg.skip_nonfinite
+        cross_entropy_loss,
+        grad_accum=t_cfg.grad_accum,
+        clip_norm=run.optimizer.clip_norm,
+        skip_nonfinite=t_cfg.skip_nonfinite,
+        remat=t_cfg.remat,
+        prefetch=t_cfg.prefetch,
     )
     batch = next(batches)
 
