@@ -18,15 +18,19 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import dataclasses  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import pytest  # noqa: E402
 from flax import nnx, traverse_util  # noqa: E402
 
 NUM_DEVICES = 8
+ROOT = Path(__file__).resolve().parent.parent
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 if len(jax.devices()) != NUM_DEVICES:  # pragma: no cover - environment check
     raise RuntimeError(
@@ -154,3 +158,15 @@ def rel_l2(a, b) -> float:
     return float(np.linalg.norm(a - b) / nb) if nb else float(np.linalg.norm(a - b))
 
 
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A small real text file for ``python -m train --data``: the first 200 kB of
+    tinyshakespeare when it lies beside the checkout, else this repo's Python sources."""
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    if SHAKESPEARE.exists():
+        path.write_bytes(SHAKESPEARE.read_bytes()[:200_000])
+    else:
+        path.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "zshard").glob("*.py"))))
+    return path

@@ -17,8 +17,7 @@ import pytest
 
 import zshard.checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+from conftest import ROOT
 STEPS, EVERY, SAMPLE_BYTES = 8, 4, 24
 ARGS = ["--config", str(ROOT / "train" / "configs" / "nano.toml"), "--steps", str(STEPS), "--eval-every", str(EVERY),
         "--sample-every", str(EVERY), "--sample-tokens", str(SAMPLE_BYTES), "--seq-len", "32", "--eval-batches", "2", "--warmup", "2", "--lr", "3e-3"]
@@ -32,15 +31,6 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small real text: tinyshakespeare when it lies beside the checkout, else this repo's Python."""
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    if SHAKESPEARE.exists():
-        path.write_bytes(SHAKESPEARE.read_bytes()[:100_000])
-    else:
-        path.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "zshard").glob("*.py"))))
-    return path
 
 
 @pytest.fixture(scope="module")

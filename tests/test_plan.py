@@ -65,7 +65,7 @@ def test_plan_cli_reports_and_gives_a_verdict():
     assert out.returncode == 0, out.stderr[-2000:]
     # GPT-2 small (124,439,808 with tied head) without qkv biases (12 x 2304), positions for 64 tokens only
     n = 124_439_808 - 12 * 2304 - (1024 - 64) * 768
-    assert f"HYBRID_SHARD on 2x4 ({n:,} parameters)" in out.stdout
+    assert f"HYBRID_SHARD on 2x4 ({n:,} parameters, remat=block, grad_accum=1)" in out.stdout
     assert "FITS" in out.stdout and "DOES NOT FIT" not in out.stdout
     tiny = subprocess.run(cmd[:-1] + ["0.1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert "DOES NOT FIT" in tiny.stdout, tiny.stdout[-1000:]

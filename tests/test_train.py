@@ -3,27 +3,16 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+from conftest import ROOT
 
 
 def run(tmp_path, *args, timeout=600):
     return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small real text: tinyshakespeare when it lies beside the checkout, else this repo's Python."""
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    if SHAKESPEARE.exists():
-        path.write_bytes(SHAKESPEARE.read_bytes()[:200_000])
-    else:
-        path.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "zshard").glob("*.py"))))
-    return path
 
 
 def test_train_writes_metrics_summary_and_report(tmp_path, corpus):

@@ -521,14 +521,7 @@ class Checkpointer:
     def _check_match(entries: list[_Entry], stored: dict, where: str) -> None:
         want = {".".join(e.key): (tuple(e.shape), np.dtype(e.dtype)) for e in entries}
         have = {".".join(k): (tuple(m.shape), np.dtype(m.dtype)) for k, m in stored.items()}
-        problems = []
-        for name in sorted(set(want) | set(have), key=lambda n: (not n.startswith("params."), n)):  # parameters first
-            if name not in have:
-                problems.append(f"  {name}: missing in the checkpoint; the model/optimizer has {_fmt(*want[name])}")
-            elif name not in want:
-                problems.append(f"  {name}: in the checkpoint {_fmt(*have[name])}, not in the model/optimizer")
-            elif want[name] != have[name]:
-                problems.append(f"  {name}: checkpoint {_fmt(*have[name])}, model/optimizer {_fmt(*want[name])}")
+        problems = _differences(want, have, "checkpoint", "model/optimizer")
         if problems:
             opt_only = all(p.strip().startswith("opt_state.") for p in problems)
             what = "a different optimizer (its state differs)" if opt_only else "a different model"
@@ -542,6 +535,20 @@ class Checkpointer:
 
 def _fmt(shape, dtype) -> str:
     return f"{list(shape)} {np.dtype(dtype).name}"
+
+
+def _differences(want: dict, have: dict, stored: str, target: str) -> list[str]:
+    """One line per name whose ``(shape, dtype)`` differs between ``have`` (the ``stored``
+    side) and ``want`` (the ``target``), or that only one side has; parameters first."""
+    problems = []
+    for name in sorted(set(want) | set(have), key=lambda n: (not n.startswith("params."), n)):
+        if name not in have:
+            problems.append(f"  {name}: missing in the {stored}; the {target} has {_fmt(*want[name])}")
+        elif name not in want:
+            problems.append(f"  {name}: in the {stored} {_fmt(*have[name])}, not in the {target}")
+        elif want[name] != have[name]:
+            problems.append(f"  {name}: {stored} {_fmt(*have[name])}, {target} {_fmt(*want[name])}")
+    return problems
 
 
 # ----------------------------------------------------------------------------------------
@@ -739,14 +746,7 @@ def load_params(file: str | os.PathLike, model: nnx.Module) -> nnx.Module:
             for name in f.keys():
                 sl = f.get_slice(name)
                 have[name] = (tuple(sl.get_shape()), _from_st_dtype(sl.get_dtype()))
-            problems = []
-            for name in sorted(set(want) | set(have)):
-                if name not in have:
-                    problems.append(f"  {name}: missing in the file; the model has {_fmt(*want[name])}")
-                elif name not in want:
-                    problems.append(f"  {name}: in the file {_fmt(*have[name])}, not in the model")
-                elif want[name] != have[name]:
-                    problems.append(f"  {name}: file {_fmt(*have[name])}, model {_fmt(*want[name])}")
+            problems = _differences(want, have, "file", "model")
             if problems:
                 raise ValueError(
                     f"load_params: {str(file)!r} does not match the model; {len(problems)} difference(s):\n"
