@@ -87,6 +87,8 @@ class BenchConfig:
       seq_len: tokens per sequence; batch: global batch, sequences (split over 8 devices).
       vocab: tokens (bytes: 256).
       scan: stacked blocks run with ``nnx.scan`` (otherwise an ``nnx.List``).
+      repeats: interleaved timing rounds by default (P: 3; one DDP step of its 51M
+        parameters takes seconds on 2 cores).
     """
 
     name: str
@@ -97,6 +99,7 @@ class BenchConfig:
     vocab: int = 256
     n_heads: int = 4
     scan: bool = False
+    repeats: int = 10  # interleaved timing rounds (``--repeats`` overrides)
 
     def gpt(self):
         from train.model import GPTConfig  # noqa: PLC0415
@@ -107,9 +110,9 @@ class BenchConfig:
 
 CONFIGS = {
     "S": BenchConfig("S", d_model=256, n_layers=4, seq_len=128, batch=16, n_heads=4),  # activation-heavy
-    "P": BenchConfig("P", d_model=1024, n_layers=4, seq_len=64, batch=8, n_heads=16),  # parameter-heavy
+    "P": BenchConfig("P", d_model=1024, n_layers=4, seq_len=64, batch=8, n_heads=16, repeats=3),  # parameter-heavy
 }
-QUICK = BenchConfig("Q", d_model=64, n_layers=2, seq_len=32, batch=8, n_heads=2)
+QUICK = BenchConfig("Q", d_model=64, n_layers=2, seq_len=32, batch=8, n_heads=2, repeats=3)
 DEPTHS = (2, 8, 32)
 SCALE_MODELS = ("gpt2-1.5b", "llama-7b", "llama-70b")
 SCALE_DEVICES = (64, 512)
@@ -230,12 +233,18 @@ def _fsdp_spec(shape, world: int, axes):
 
 
 class Peer:
-    """A compiled train step and its state, with one uniform interface for timing.
+    """A compiled train step with one uniform interface for checking and timing.
+
+    Only one peer's state exists at a time (config P's replicated DDP state alone is
+    8 x 612 MB on the 8 emulated devices of one process): ``fresh()`` builds the initial
+    state (same weights for every peer), ``step(state, i)`` runs one step on batch ``i % 2``
+    and returns ``(state, loss)``; the state is donated.
 
     Attributes:
       name: table label. kind: ``"reference"``, ``"peer"`` or ``"zshard"``.
-      compiled: the AOT-compiled step; run: ``() -> loss`` runs one step and carries the state.
-      compile_s: trace + lower + compile, seconds. model_state: measured/formula bytes.
+      compile_s: trace + lower + compile of the step, seconds.
+      losses: loss of the first two steps from the initial state. times: timed steps, seconds.
+      info: memory and communication figures of the compiled step.
     """
 
     def __init__(self, name, kind):
@@ -244,38 +253,43 @@ class Peer:
         self.info = {}
 
 
-def _plain_peer(name, cfg, tx, batches, mesh, mode):
-    """DDP / FSDP-compiler / single-device reference: ``jax.jit`` over an NNX model split into
-    ``(graphdef, params)``; ``mode`` picks the shardings."""
+def _initial(cfg):
+    """``(graphdef, params)`` of the GPT with seed 0; params as host numpy (shared by all peers)."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from train.model import GPT  # noqa: PLC0415
+
+    graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
+    return graphdef, jax.tree.map(np.asarray, params)
+
+
+def _plain_peer(name, init, tx, batches, mesh, mode):
+    """DDP / FSDP-compiler / single-device reference: ``jax.jit`` over ``(graphdef, params)``
+    of an NNX model; ``mode`` (``"reference"``, ``"ddp"``, ``"fsdp"``) picks the shardings."""
     import jax  # noqa: PLC0415
     import optax  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
     from jax.sharding import NamedSharding, SingleDeviceSharding  # noqa: PLC0415
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
-    from train.model import GPT, cross_entropy_loss  # noqa: PLC0415
+    from train.model import cross_entropy_loss  # noqa: PLC0415
 
-    model = GPT(cfg, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
-    opt_state = tx.init(params)
+    graphdef, host = init
+    abs_opt = jax.eval_shape(tx.init, host)
     axes = ("replica", "shard")
     if mode == "reference":
         dev = SingleDeviceSharding(mesh.devices.flat[0])
-        p_sh = jax.tree.map(lambda _: dev, params)
-        o_sh = jax.tree.map(lambda _: dev, opt_state)
-        b_sh, out_sh = dev, dev
+        spec_of = lambda x: dev  # noqa: E731
+        b_sh = out_sh = dev
         shards = 1
     else:
         world = mesh.size
-        if mode == "ddp":
-            spec = lambda x: P()  # noqa: E731
-            shards = 1
-        else:
-            spec = lambda x: _fsdp_spec(x.shape, world, axes)  # noqa: E731
-            shards = world
-        p_sh = jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), params)
-        o_sh = jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), opt_state)
+        shards = 1 if mode == "ddp" else world
+        spec_of = lambda x: NamedSharding(mesh, P() if mode == "ddp" else _fsdp_spec(x.shape, world, axes))  # noqa: E731
         b_sh, out_sh = NamedSharding(mesh, P(axes)), NamedSharding(mesh, P())
+    p_sh, o_sh = jax.tree.map(spec_of, host), jax.tree.map(spec_of, abs_opt)
 
     def step(params, opt_state, batch):
         def loss_of(p):
@@ -286,24 +300,28 @@ def _plain_peer(name, cfg, tx, batches, mesh, mode):
         return optax.apply_updates(params, updates), opt_state, loss
 
     jitted = jax.jit(step, in_shardings=(p_sh, o_sh, (b_sh, b_sh)), out_shardings=(p_sh, o_sh, out_sh), donate_argnums=(0, 1))
-    params, opt_state = jax.device_put(params, p_sh), jax.device_put(opt_state, o_sh)
+    abstract = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)  # noqa: E731
     placed = [jax.device_put(b, (b_sh, b_sh)) for b in batches]
     peer = Peer(name, "reference" if mode == "reference" else "peer")
     t0 = time.perf_counter()
-    compiled = jitted.lower(params, opt_state, placed[0]).compile()
+    compiled = jitted.lower(abstract(host, p_sh), abstract(abs_opt, o_sh), placed[0]).compile()
     peer.compile_s = time.perf_counter() - t0
-    box = {"p": params, "o": opt_state, "i": 0}
+    opt_init = jax.jit(tx.init, out_shardings=o_sh)
 
-    def run():
-        box["p"], box["o"], loss = compiled(box["p"], box["o"], placed[box["i"] % len(placed)])
-        box["i"] += 1
-        return loss
+    def fresh():
+        params = jax.device_put(host, p_sh)
+        return params, opt_init(params)
 
-    peer.run = run
+    def run(state, i):
+        params, opt_state, loss = compiled(*state, placed[i % len(placed)])
+        return (params, opt_state), loss
+
+    peer.fresh, peer.step = fresh, run
     ma = compiled.memory_analysis()
     peer.info["per_device_bytes"] = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
-    full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((params, opt_state)))
-    measured = _local_bytes((params, opt_state))
+    leaves = jax.tree.leaves((abstract(host, p_sh), abstract(abs_opt, o_sh)))
+    full = sum(x.size * x.dtype.itemsize for x in leaves)
+    measured = _local_bytes(leaves)
     peer.info["model_state"] = {"measured": measured, "formula": full / shards, "ratio": measured / (full / shards)}
     if mode != "reference":
         peer.info["comm_bytes"], peer.info["collectives"] = _comm_by_axis(compiled.as_text(), mesh)
@@ -312,14 +330,21 @@ def _plain_peer(name, cfg, tx, batches, mesh, mode):
     return peer
 
 
-def _zshard_peer(strategy, cfg, tx, batches, mesh):
+def _zshard_peer(strategy, init, tx, batches, mesh):
     import jax  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
     import zshard  # noqa: PLC0415
-    from train.model import GPT, cross_entropy_loss  # noqa: PLC0415
+    from train.model import cross_entropy_loss  # noqa: PLC0415
 
-    state = zshard.init(GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy=strategy)
+    graphdef, host = init
+    build = lambda: nnx.merge(graphdef, jax.tree.map(jax.numpy.asarray, host))  # noqa: E731
+    state = zshard.init(build(), tx, mesh, strategy=strategy)
+    treedef = jax.tree.structure(state)
+
+    def fresh():  # a new init's arrays under the first init's plan (its static pytree data), as compiled
+        return jax.tree.unflatten(treedef, jax.tree.leaves(zshard.init(build(), tx, mesh, strategy=strategy)))
+
     step = zshard.make_train_step(cross_entropy_loss)
     placed = [step.put_batch(state, b) for b in batches]
     peer = Peer(f"zshard/{strategy}", "zshard")
@@ -327,32 +352,31 @@ def _zshard_peer(strategy, cfg, tx, batches, mesh):
     compiled = step.lower(state, placed[0]).compile()
     peer.compile_s = time.perf_counter() - t0
     rep = zshard.report(step, state, placed[0])  # the same program: jax's compile cache answers
-    box = {"s": state, "i": 0}
+    del state
 
-    def run():
-        box["s"], metrics = compiled(box["s"], placed[box["i"] % len(placed)])
-        box["i"] += 1
-        return metrics["loss"]
+    def run(state, i):
+        state, metrics = compiled(state, placed[i % len(placed)])
+        return state, metrics["loss"]
 
-    peer.run = run
+    peer.fresh, peer.step = fresh, run
     ms = rep.model_state_bytes
     peer.info["per_device_bytes"] = rep.per_device_bytes
     peer.info["model_state"] = {"measured": ms["measured"]["total"], "formula": ms["formula"]["total"], "ratio": ms["ratio"]}
     peer.info["comm_bytes"], peer.info["collectives"] = _comm_by_axis(compiled.as_text(), mesh)
     peer.info["comm_formula"] = {a: v["formula"] for a, v in rep.comm_bytes_per_step.items()}
-    del jax
     return peer
 
 
 def bench_config(cfg: BenchConfig, strategies, repeats: int, progress) -> dict:
-    """Section 1 for one configuration: build and compile every peer, then time them interleaved."""
+    """Section 1 for one configuration: compile every peer, check the first two losses, then
+    time the peers in interleaved rounds (one step each per round, order rotating)."""
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
     import optax  # noqa: PLC0415
 
     import zshard  # noqa: PLC0415
 
-    gcfg = cfg.gpt()
+    init = _initial(cfg.gpt())
     devices = jax.devices("cpu")[:NUM_DEVICES]
     zmesh = zshard.make_mesh(*MESH_8, devices=devices)
     mesh = jax.sharding.Mesh(zmesh.devices, zmesh.axis_names)  # Auto axes: the compiler shards
@@ -363,27 +387,31 @@ def bench_config(cfg: BenchConfig, strategies, repeats: int, progress) -> dict:
         tok = rng.integers(0, cfg.vocab, size=(cfg.batch, cfg.seq_len + 1), dtype=np.int32)
         batches.append((tok[:, :-1], tok[:, 1:]))
 
-    builders = [("reference", lambda: _plain_peer("reference (1 device)", gcfg, tx, batches, mesh, "reference")),
-                ("DDP", lambda: _plain_peer("DDP", gcfg, tx, batches, mesh, "ddp")),
-                ("FSDP-compiler", lambda: _plain_peer("FSDP-compiler", gcfg, tx, batches, mesh, "fsdp"))]
-    builders += [(s, (lambda s=s: _zshard_peer(s, gcfg, tx, batches, zmesh))) for s in strategies]
+    builders = [("reference", lambda: _plain_peer("reference (1 device)", init, tx, batches, mesh, "reference")),
+                ("DDP", lambda: _plain_peer("DDP", init, tx, batches, mesh, "ddp")),
+                ("FSDP-compiler", lambda: _plain_peer("FSDP-compiler", init, tx, batches, mesh, "fsdp"))]
+    builders += [(s, (lambda s=s: _zshard_peer(s, init, tx, batches, zmesh))) for s in strategies]
     peers = []
     for label, build in builders:
-        progress.set_description(f"{cfg.name}: compile {label}")
-        peers.append(build())
+        progress.set_description(f"{cfg.name}: compile, 2 steps {label}")
+        p = build()
+        state = p.fresh()
+        for i in range(2):  # the first call is also the warm-up of the executable
+            state, loss = p.step(state, i)
+            p.losses.append(float(loss))
+        del state
+        peers.append(p)
         progress.update(1)
-    # Warm-up (first two steps: their losses are checked), then interleaved timed rounds; the
-    # order rotates every round so that no peer always runs right after the same neighbour.
-    for p in peers:
-        p.losses = [float(p.run()) for _ in range(2)]
     timed = [p for p in peers if p.kind != "reference"]
     progress.set_description(f"{cfg.name}: time {repeats} rounds")
     for r in range(repeats):
-        order = timed[r % len(timed):] + timed[: r % len(timed)]
-        for p in order:
+        for p in timed[r % len(timed):] + timed[: r % len(timed)]:
+            state = jax.block_until_ready(p.fresh())
             t0 = time.perf_counter()
-            jax.block_until_ready(p.run())
+            state, loss = p.step(state, 0)
+            jax.block_until_ready((state, loss))
             p.times.append(time.perf_counter() - t0)
+            del state
         progress.update(1)
     ref = peers[0].losses
     by = {p.name: p for p in peers}
@@ -444,12 +472,12 @@ def depth_sweep(depths, base: BenchConfig, progress) -> dict:
     tok = np.zeros((base.batch, base.seq_len), np.int32)
     out = {"depths": list(depths), "zshard/FULL_SHARD": [], "FSDP-compiler": []}
     for L in depths:
-        gcfg = dataclasses.replace(base, n_layers=L, scan=True).gpt()
+        init = _initial(dataclasses.replace(base, n_layers=L, scan=True).gpt())
         progress.set_description(f"depth {L}: zshard")
-        out["zshard/FULL_SHARD"].append(_zshard_peer("FULL_SHARD", gcfg, tx, [(tok, tok)], zmesh).compile_s)
+        out["zshard/FULL_SHARD"].append(_zshard_peer("FULL_SHARD", init, tx, [(tok, tok)], zmesh).compile_s)
         progress.update(1)
         progress.set_description(f"depth {L}: FSDP-compiler")
-        out["FSDP-compiler"].append(_plain_peer("FSDP-compiler", gcfg, tx, [(tok, tok)], mesh, "fsdp").compile_s)
+        out["FSDP-compiler"].append(_plain_peer("FSDP-compiler", init, tx, [(tok, tok)], mesh, "fsdp").compile_s)
         progress.update(1)
     for k in ("zshard/FULL_SHARD", "FSDP-compiler"):
         out[f"{k} ratio"] = out[k][-1] / out[k][0]
@@ -763,7 +791,7 @@ def _parse(argv):
     p = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/bench", help="output directory for bench.json, bench.md and the PNG plots")
     p.add_argument("--quick", action="store_true", help="smoke mode: tiny model (config Q), 3 strategies, 3 rounds, no sweep, no scale")
-    p.add_argument("--repeats", type=int, default=None, metavar="N", help="interleaved timing rounds (default 10; --quick 3)")
+    p.add_argument("--repeats", type=int, default=None, metavar="N", help="interleaved timing rounds (default: S 10, P 3; --quick 3)")
     p.add_argument("--configs", default="S,P", help="section 1 configurations, comma-separated (S, P)")
     p.add_argument("--no-depth", action="store_true", help="skip the depth sweep")
     p.add_argument("--no-scale", action="store_true", help="skip scale by simulation")
@@ -806,25 +834,24 @@ def main(argv=None) -> int:
 
     if len(jax.devices("cpu")) < NUM_DEVICES:
         parser.error(f"needs {NUM_DEVICES} CPU devices, JAX sees {len(jax.devices('cpu'))}: XLA_FLAGS was overridden")
-    repeats = args.repeats or (3 if args.quick else 10)
     configs = {"Q": QUICK} if args.quick else {c: CONFIGS[c] for c in args.config_list}
     strategies = ("NO_SHARD", "FULL_SHARD", "HYBRID_SHARD") if args.quick else STRATEGIES
     do_depth, do_scale = not (args.quick or args.no_depth), not (args.quick or args.no_scale)
     scale_strats = ("FULL_SHARD", "HYBRID_SHARD")
-    total = len(configs) * (3 + len(strategies) + repeats) + (2 * len(DEPTHS) if do_depth else 0) + \
+    total = sum(3 + len(strategies) + (args.repeats or c.repeats) for c in configs.values()) + (2 * len(DEPTHS) if do_depth else 0) + \
         (len(SCALE_DEVICES) * len(SCALE_MODELS) * len(scale_strats) if do_scale else 0)
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
                f"{platform.system()} {platform.release()}", "jax": jax.__version__, "backend": jax.default_backend(),
                "command": " ".join([PROG] + (sys.argv[1:] if argv is None else list(argv))), "configs": {}}
     with tqdm(total=total, desc="bench", file=sys.stderr, dynamic_ncols=True) as progress:
         for name, cfg in configs.items():
-            results["configs"][name] = bench_config(cfg, strategies, repeats, progress)
+            results["configs"][name] = bench_config(cfg, strategies, args.repeats or cfg.repeats, progress)
         if do_depth:
             results["depth"] = depth_sweep(DEPTHS, CONFIGS["S"], progress)
         if do_scale:
             results["scale"] = run_scale(SCALE_DEVICES, SCALE_MODELS, scale_strats, progress, args.scale_timeout)
     if jax.default_backend() == "gpu":
-        results["gpu"] = gpu_section(repeats)
+        results["gpu"] = gpu_section(args.repeats or 10)
     results["targets"] = targets(results)
     results["wall_s"] = time.perf_counter() - t_start
 
