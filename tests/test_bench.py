@@ -46,8 +46,9 @@ def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
     # sharding shows in the numbers: 8-way sharded state is 1/8 of the replicated one,
     # and the communication lands on the axes each scheme uses
     ddp, fsdp, full, hyb = (rows[n] for n in ("DDP", "FSDP-compiler", "zshard/FULL_SHARD", "zshard/HYBRID_SHARD"))
-    assert fsdp["model_state"]["measured"] * 8 == ddp["model_state"]["measured"]
-    assert abs(full["model_state"]["measured"] * 8 / ddp["model_state"]["measured"] - 1) < 0.01
+    # (within 1e-4: Adam's step count, 4 bytes, stays replicated)
+    assert fsdp["model_state"]["measured"] * 8 == pytest.approx(ddp["model_state"]["measured"], rel=1e-4)
+    assert full["model_state"]["measured"] * 8 == pytest.approx(ddp["model_state"]["measured"], rel=1e-2)
     assert set(ddp["comm_bytes"]) == {"world"} and set(full["comm_bytes"]) == {"world"}
     assert set(hyb["comm_bytes"]) == {"shard", "replica"}
     assert any(k.startswith("all-gather/") for k in fsdp["collectives"])  # the compiler inserted the gathers
@@ -68,7 +69,7 @@ def test_formulas():
     assert activation_bytes(h, L, a, 4 * h, V, s, b, glu=False) == 4 * (L * s * b * h + s * b * 16 * h + a * s * s * b + 3 * s * b * V)
     assert activation_bytes(h, L, a, 4 * h, V, s, b, glu=True) - activation_bytes(h, L, a, 4 * h, V, s, b, glu=False) == 4 * 2 * s * b * 4 * h
     f = memory_formula(psi=800, psi_root=100, psi_layer=70, shards=8)
-    assert f == {"state": 1200.0, "grad_shard": 400.0, "root": 800, "unit": 840, "total": 3240.0}
+    assert f == {"state": 1200.0, "grad_shard": 800.0, "root": 800, "unit": 560, "total": 3360.0}
     assert train_flops_per_token(100, 2, 8, 16) == 600 + 12 * 2 * 8 * 16
     assert median_ratio([2.0, 9.0, 3.0], [1.0, 3.0, 1.0]) == 3.0
 

@@ -159,20 +159,26 @@ def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsiz
     parameters sharded ``N`` ways, Adam (``K = opt_slots`` moments), ``e`` bytes per element:
 
     - ``state``: parameters + optimizer state, ``(1 + K) * e * Psi / N`` (persistent, donated);
-    - ``grad_shard``: the reduce-scattered gradient shards before the update, ``e * Psi / N``;
+    - ``grad_shard``: the reduce-scattered gradient shards and the optimizer's update of the
+      same shape, both alive during the update: ``2 * e * Psi / N``;
     - ``root``: the root unit (embeddings, head), gathered for the whole step, and its full
       gradient before the reduce-scatter: ``2 * e * Psi_root``;
-    - ``unit``: one block unit gathered in backward, its full gradient, and the next unit's
-      gathered copy: ``3 * e * Psi_layer``.
+    - ``unit``: one block unit gathered in backward and its full gradient: ``2 * e * Psi_layer``
+      (zshard does not prefetch: a unit's gather waits for its input or its cotangent,
+      ``zshard.collectives``).
+
+    The transient terms were settled against compiled programs (issue 8 note): a third
+    ``e * Psi_layer`` for a prefetched next unit was dropped (no prefetch), and the update
+    buffer added (it is 1/8 of the parameters per device under HYBRID_SHARD 64x8, so it shows).
 
     Returns:
       dict of the four terms and ``total`` (bytes).
     """
     out = {
         "state": (1 + opt_slots) * itemsize * psi / shards,
-        "grad_shard": itemsize * psi / shards,
+        "grad_shard": 2 * itemsize * psi / shards,
         "root": 2 * itemsize * psi_root,
-        "unit": 3 * itemsize * psi_layer,
+        "unit": 2 * itemsize * psi_layer,
     }
     out["total"] = sum(out.values())
     return out
