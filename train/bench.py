@@ -699,10 +699,10 @@ def targets(results: dict) -> list[dict]:
 
 
 def targets_table(ts) -> str:
-    lines = ["### Targets", "", "| target | value | limit | met | missed by |", "|---|---:|---:|---|---:|"]
+    lines = ["### Targets", "", "| target | value | limit | met | missed by (value - limit) |", "|---|---:|---:|---|---:|"]
     for t in ts:
         v = "n/a" if t["value"] is None else f"{t['value']:.4g}"
-        miss = "" if t["ok"] or t["value"] is None else f"{(t['value'] - t['limit']) / t['limit']:+.1%}"
+        miss = "" if t["ok"] or t["value"] is None else f"{t['value'] - t['limit']:+.4g}"
         lines.append(f"| {t['name']} | {v} | {t['limit']:g} | {'yes' if t['ok'] else 'NO'} | {miss} |")
     return "\n".join(lines)
 
@@ -852,8 +852,10 @@ def main(argv=None) -> int:
     with tqdm(total=total, desc="bench", file=sys.stderr, dynamic_ncols=True) as progress:
         for name, cfg in configs.items():
             results["configs"][name] = bench_config(cfg, strategies, args.repeats or cfg.repeats, progress)
+            progress.write(config_table(results["configs"][name]) + "\n", file=sys.stderr)  # early view; full report below
         if do_depth:
             results["depth"] = depth_sweep(DEPTHS, CONFIGS["S"], progress)
+            progress.write(depth_table(results["depth"]) + "\n", file=sys.stderr)
         if do_scale:
             results["scale"] = run_scale(SCALE_DEVICES, SCALE_MODELS, scale_strats, progress, args.scale_timeout)
     if jax.default_backend() == "gpu":
