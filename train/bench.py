@@ -25,9 +25,11 @@ Sections
    step), model-state bytes (params + optimizer state, from the shard shapes) against the
    formula, collective bytes per step per mesh axis (``zshard.report.parse_collectives`` on the
    compiled HLO of every peer; ring algorithm bytes), compile time (trace + lower + compile,
-   seconds), step time (median over interleaved rounds after one warm-up step; ratios are
-   medians of per-round ratios, pair by pair), and the loss of the first two steps (must agree
-   with the reference within 1e-5 relative, fp32).
+   seconds), step time (the executable is warmed up by the two checked steps; then in each
+   round every peer, in rotating order, runs one step from a fresh initial state, so that only
+   one peer's state is in memory at a time; median over rounds; ratios are medians of
+   per-round ratios, pair by pair), and the loss of the first two steps (must agree with the
+   reference within 1e-5 relative, fp32).
 2. **Depth sweep**: the scanned GPT of config S at 2 / 8 / 32 layers, zshard FULL_SHARD and
    FSDP-compiler compile time.
 3. **Scale by simulation**: GPT-2 1.5B, Llama 7B and 70B shapes, seq 2048, one sequence per
