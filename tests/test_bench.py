@@ -8,6 +8,7 @@ only reported).
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,15 @@ def quick(tmp_path_factory):
     # In this process (conftest already gave jax 8 CPU devices): saves a second jax start-up.
     out = tmp_path_factory.mktemp("bench")
     buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert bench_main(["--quick", "--out", str(out)]) == 0
+    saved = os.environ.get("XLA_FLAGS")
+    try:
+        with contextlib.redirect_stdout(buf):
+            assert bench_main(["--quick", "--out", str(out)]) == 0
+    finally:  # main() sets XLA_FLAGS for the processes it starts; leave the suite's as it was
+        if saved is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = saved
     return out, buf.getvalue(), json.loads((out / "bench.json").read_text())
 
 
