@@ -1,0 +1,93 @@
+"""``python -m train.bench --quick``: the benchmark program runs, its peers agree, its outputs hold together.
+
+One in-process run of the smallest mode (tiny GPT, 8 emulated devices, 3 strategies), plus
+the pure formulas of the scale section. No timing is asserted (step and compile times are
+only reported).
+"""
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train.bench import activation_bytes, median_ratio, memory_formula, train_flops_per_token
+from train.bench import main as bench_main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    # In this process (conftest already gave jax 8 CPU devices): saves a second jax start-up.
+    out = tmp_path_factory.mktemp("bench")
+    buf = io.StringIO()
+    saved = os.environ.get("XLA_FLAGS")
+    try:
+        with contextlib.redirect_stdout(buf):
+            assert bench_main(["--quick", "--out", str(out)]) == 0
+    finally:  # main() sets XLA_FLAGS for the processes it starts; leave the suite's as it was
+        if saved is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = saved
+    return out, buf.getvalue(), json.loads((out / "bench.json").read_text())
+
+
+def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
+    out, stdout, res = quick
+    rows = {r["name"]: r for r in res["configs"]["Q"]["rows"]}
+    assert list(rows) == ["reference (1 device)", "DDP", "FSDP-compiler", "zshard/NO_SHARD", "zshard/FULL_SHARD", "zshard/HYBRID_SHARD"]
+    ref = rows["reference (1 device)"]["losses"]
+    for name, r in rows.items():
+        # every peer trains the same model on the same data: same losses over the first two steps
+        assert len(r["losses"]) == 2
+        for got, want in zip(r["losses"], ref):
+            assert abs(got - want) <= 1e-5 * abs(want), (name, r["losses"], ref)
+        pd = r["per_device_bytes"]
+        assert set(pd) == {"argument", "output", "temp", "alias"} and pd["argument"] > 0
+        if name != "reference (1 device)":
+            assert len(r["step_s_all"]) == 3 and all(t > 0 for t in r["step_s_all"])
+            assert set(r["step_ratio"]) == {"DDP", "FSDP-compiler"}
+    for name in ("zshard/NO_SHARD", "zshard/FULL_SHARD", "zshard/HYBRID_SHARD"):
+        assert abs(rows[name]["model_state"]["ratio"] - 1) <= 0.01, name
+    # sharding shows in the numbers: 8-way sharded state is 1/8 of the replicated one,
+    # and the communication lands on the axes each scheme uses
+    ddp, fsdp, full, hyb = (rows[n] for n in ("DDP", "FSDP-compiler", "zshard/FULL_SHARD", "zshard/HYBRID_SHARD"))
+    # (within 1e-4: Adam's step count, 4 bytes, stays replicated)
+    assert fsdp["model_state"]["measured"] * 8 == pytest.approx(ddp["model_state"]["measured"], rel=1e-4)
+    assert full["model_state"]["measured"] * 8 == pytest.approx(ddp["model_state"]["measured"], rel=1e-2)
+    assert set(ddp["comm_bytes"]) == {"world"} and set(full["comm_bytes"]) == {"world"}
+    assert set(hyb["comm_bytes"]) == {"shard", "replica"}
+    assert any(k.startswith("all-gather/") for k in fsdp["collectives"])  # the compiler inserted the gathers
+    # ZeRO-3 moves 3 Psi against DDP's 2 Psi (arXiv 1910.02054 section 7); zshard matches its formula
+    assert full["comm_bytes"]["world"] == pytest.approx(full["comm_formula"]["world"], rel=1e-6)
+    # the printed table and the files
+    assert "| zshard/FULL_SHARD |" in stdout and "### Targets" in stdout
+    assert "GPU section skipped" in stdout  # the suite runs on CPU
+    names = {t["name"] for t in res["targets"]}
+    assert "Q FULL_SHARD temp / FSDP-compiler temp" in names and "Q FULL_SHARD step time / FSDP-compiler step time" in names
+    assert (out / "bench-peers.png").stat().st_size > 10_000
+    assert (out / "bench.md").read_text().strip() in stdout
+
+
+def test_formulas():
+    # Korthikanti et al. 2022 section 4 terms, fp32, GELU (f = 4h): L*s*b*h + s*b*(8h + 2f) + a*s^2*b + 3*s*b*V
+    s, b, h, a, L, V = 4, 1, 8, 2, 3, 10
+    assert activation_bytes(h, L, a, 4 * h, V, s, b, glu=False) == 4 * (L * s * b * h + s * b * 16 * h + a * s * s * b + 3 * s * b * V)
+    assert activation_bytes(h, L, a, 4 * h, V, s, b, glu=True) - activation_bytes(h, L, a, 4 * h, V, s, b, glu=False) == 4 * 2 * s * b * 4 * h
+    f = memory_formula(psi=800, psi_root=100, psi_layer=70, shards=8)
+    assert f == {"state": 1200.0, "grad_shard": 800.0, "root": 800, "unit": 560, "total": 3360.0}
+    assert train_flops_per_token(100, 2, 8, 16) == 600 + 12 * 2 * 8 * 16
+    assert median_ratio([2.0, 9.0, 3.0], [1.0, 3.0, 1.0]) == 3.0
+
+
+def test_bad_input():
+    out = subprocess.run([sys.executable, "-m", "train.bench", "--configs", "S,X"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "unknown configuration 'X'" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "train.bench", "--repeats", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--repeats 0" in out.stderr
