@@ -257,7 +257,7 @@ def test_launch_runs_python_m_train_with_rank_0_writing(tmp_path):
     corpus.write_bytes((shakespeare if shakespeare.exists() else ROOT / "README.md").read_bytes()[:60_000])
     out = tmp_path / "run"
     flags = ["--strategy", "HYBRID_SHARD", "--model", "nano", "--steps", "4", "--seq-len", "16", "--batch-size", "16",
-             "--eval-every", "0", "--eval-batches", "1", "--data", str(corpus), "--out", str(out)]  # fmt: skip
+             "--eval-every", "0", "--eval-batches", "1", "--data", str(corpus), "--out", str(out), "--ckpt-every", "1"]  # fmt: skip
     cmd = [PY, "-m", "zshard.launch", "--nproc", "2", "--devices-per-proc", "4", "--", "python", "-m", "train", *flags]
     res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-4000:]
@@ -271,3 +271,27 @@ def test_launch_runs_python_m_train_with_rank_0_writing(tmp_path):
     assert summary["final_eval_loss"] < summary["initial_eval_loss"]
     finals = {line.split("]")[0]: line.split("->")[1].split()[0] for line in res.stdout.splitlines() if "nats/byte" in line}
     assert len(finals) == 2 and len(set(finals.values())) == 1  # both ranks evaluated the same model
+
+    # Checkpoints across process counts: step 1 written by 2 processes resumes in 1 process
+    # (1x8 FULL_SHARD), whose step 3 resumes again in 2 processes; the losses stay those of
+    # the uninterrupted 2-process run.
+    want = {r["step"]: r["loss"] for r in records if "loss" in r}
+    ckpts = out / "checkpoints"
+    assert sorted(int(d.name) for d in ckpts.iterdir()) == [1, 2, 3, 4]
+    resume = flags + ["--resume"]
+
+    def resumed_from(step, cmd):
+        for d in ckpts.iterdir():
+            if int(d.name) > step:
+                subprocess.run(["rm", "-r", str(d)], check=True)
+        res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+        assert f"--resume: continuing from step {step} " in res.stdout + res.stderr
+        got = {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+        assert got.keys() == want.keys()
+        for k in want:
+            assert abs(got[k] - want[k]) <= 1e-5 * abs(want[k]), (step, k, got[k], want[k])
+
+    one = [PY, "-m", "train", *resume, "--devices", "8", "--mesh", "1x8", "--strategy", "FULL_SHARD"]
+    resumed_from(1, one)
+    resumed_from(3, [PY, "-m", "zshard.launch", "--nproc", "2", "--devices-per-proc", "4", "--", "python", "-m", "train", *resume])

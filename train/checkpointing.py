@@ -30,7 +30,8 @@ SUBDIR = "checkpoints"
 
 MAY_DIFFER_ON_RESUME = frozenset(
     {"devices", "mesh", "strategy", "zero_stage", "report", "out", "ckpt_every", "keep", "resume", "eval_every", "eval_batches",
-     "config", "tensorboard", "sample_every", "sample_tokens", "prompt", "temperature"}
+     "config", "tensorboard", "sample_every", "sample_tokens", "prompt", "temperature", "prefetch",
+     "coordinator", "num_processes", "process_id"}
 )
 """Flags a resumed run may change: where and how it runs, not what it computes."""
 
