@@ -41,7 +41,8 @@ def quick(tmp_path_factory):
 def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
     out, stdout, res = quick
     rows = {r["name"]: r for r in res["configs"]["Q"]["rows"]}
-    assert list(rows) == ["reference (1 device)", "DDP", "FSDP-compiler", "zshard/NO_SHARD", "zshard/FULL_SHARD", "zshard/HYBRID_SHARD"]
+    assert list(rows) == ["reference (1 device)", "DDP", "FSDP-compiler", "zshard/NO_SHARD", "zshard/FULL_SHARD", "zshard/HYBRID_SHARD",
+                          "zshard/FULL_SHARD prefetch=0"]  # fmt: skip
     ref = rows["reference (1 device)"]["losses"]
     for name, r in rows.items():
         # every peer trains the same model on the same data: same losses over the first two steps
@@ -71,6 +72,9 @@ def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
     assert "GPU section skipped" in stdout  # the suite runs on CPU
     names = {t["name"] for t in res["targets"]}
     assert "Q FULL_SHARD temp / FSDP-compiler temp" in names and "Q FULL_SHARD step time / FSDP-compiler step time" in names
+    assert "Q FULL_SHARD prefetch=0 temp / FSDP-compiler temp" in names
+    # prefetch holds more gathered units at once, never fewer
+    assert rows["zshard/FULL_SHARD prefetch=0"]["per_device_bytes"]["temp"] <= full["per_device_bytes"]["temp"]
     assert (out / "bench-peers.png").stat().st_size > 10_000
     assert (out / "bench.md").read_text().strip() in stdout
 

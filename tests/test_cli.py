@@ -37,7 +37,7 @@ def read_metrics(out: Path) -> list[dict]:
 def run(tmp_path_factory, corpus):
     """One finished run: (out directory, completed process)."""
     out = tmp_path_factory.mktemp("cli") / "run"
-    res = train(*ARGS, "--data", str(corpus), "--out", str(out))
+    res = train(*ARGS, "--data", str(corpus), "--out", str(out), "--report")  # --report: the memory plot shows model state
     assert res.returncode == 0, res.stderr[-3000:]
     return out, res
 

@@ -366,6 +366,13 @@ def test_model_not_module_or_callable(mesh24):
     with pytest.raises(TypeError) as e:
         zshard.init(42, optax.sgd(0.1), mesh24)
     assert "int" in str(e.value)
+    with pytest.raises(TypeError, match="callable must return an nnx.Module, it returned an array"):
+        zshard.init(lambda: 3, optax.sgd(0.1), mesh24)
+
+
+def test_tx_not_an_optax_transformation(mesh24):
+    with pytest.raises(TypeError, match="tx must be an optax.GradientTransformation.*got str"):
+        zshard.init(make_mlp, "adam", mesh24)
 
 
 def test_unit_class_not_in_model(mesh24):

@@ -340,7 +340,7 @@ def _plain_peer(name, init, tx, batches, mesh, mode):
     return peer
 
 
-def _zshard_peer(strategy, init, tx, batches, mesh):
+def _zshard_peer(strategy, init, tx, batches, mesh, prefetch=1):
     import jax  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
@@ -355,9 +355,9 @@ def _zshard_peer(strategy, init, tx, batches, mesh):
     def fresh():  # a new init's arrays under the first init's plan (its static pytree data), as compiled
         return jax.tree.unflatten(treedef, jax.tree.leaves(zshard.init(build(), tx, mesh, strategy=strategy)))
 
-    step = zshard.make_train_step(cross_entropy_loss)
+    step = zshard.make_train_step(cross_entropy_loss, prefetch=prefetch)
     placed = [step.put_batch(state, b) for b in batches]
-    peer = Peer(f"zshard/{strategy}", "zshard")
+    peer = Peer(f"zshard/{strategy}" + ("" if prefetch == 1 else f" prefetch={prefetch}"), "zshard")
     t0 = time.perf_counter()
     compiled = step.lower(state, placed[0]).compile()
     peer.compile_s = time.perf_counter() - t0
@@ -401,6 +401,8 @@ def bench_config(cfg: BenchConfig, strategies, repeats: int, progress) -> dict:
                 ("DDP", lambda: _plain_peer("DDP", init, tx, batches, mesh, "ddp")),
                 ("FSDP-compiler", lambda: _plain_peer("FSDP-compiler", init, tx, batches, mesh, "fsdp"))]
     builders += [(s, (lambda s=s: _zshard_peer(s, init, tx, batches, zmesh))) for s in strategies]
+    if "FULL_SHARD" in strategies:  # prefetch's memory, beside the default (prefetch=1)
+        builders.append(("FULL_SHARD prefetch=0", lambda: _zshard_peer("FULL_SHARD", init, tx, batches, zmesh, prefetch=0)))
     peers = []
     for label, build in builders:
         progress.set_description(f"{cfg.name}: compile, 2 steps {label}")
@@ -695,6 +697,10 @@ def targets(results: dict) -> list[dict]:
         if fs and fc:
             if cname in ("P", "Q"):
                 add(f"{cname} FULL_SHARD temp / FSDP-compiler temp", fs["per_device_bytes"]["temp"] / fc["per_device_bytes"]["temp"], 1.0)
+                f0 = rows.get("zshard/FULL_SHARD prefetch=0")
+                if f0:
+                    add(f"{cname} FULL_SHARD prefetch=0 temp / FSDP-compiler temp",
+                        f0["per_device_bytes"]["temp"] / fc["per_device_bytes"]["temp"], 1.0)
             if cname in ("S", "Q"):
                 add(f"{cname} FULL_SHARD step time / FSDP-compiler step time", fs["step_ratio"]["FSDP-compiler"], 1.0)
     if results.get("depth"):
@@ -854,7 +860,7 @@ def main(argv=None) -> int:
     strategies = ("NO_SHARD", "FULL_SHARD", "HYBRID_SHARD") if args.quick else STRATEGIES
     do_depth, do_scale = not (args.quick or args.no_depth), not (args.quick or args.no_scale)
     scale_strats = ("FULL_SHARD", "HYBRID_SHARD")
-    total = sum(3 + len(strategies) + (args.repeats or c.repeats) for c in configs.values()) + (2 * len(DEPTHS) if do_depth else 0) + \
+    total = sum(3 + len(strategies) + ("FULL_SHARD" in strategies) + (args.repeats or c.repeats) for c in configs.values()) + (2 * len(DEPTHS) if do_depth else 0) + \
         (len(SCALE_DEVICES) * len(SCALE_MODELS) * len(scale_strats) if do_scale else 0)
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
                f"{platform.system()} {platform.release()}", "jax": jax.__version__, "backend": jax.default_backend(),

@@ -103,7 +103,7 @@ def plot_memory(summary: dict | None, path: Path) -> bool:
     report = (summary or {}).get("report", {}).get("model_state_bytes")
     if report:
         labels += ["model state\n(measured)", "model state\n(formula)"]
-        values += [report["measured"] / MIB, report["formula"] / MIB]
+        values += [report["measured"]["total"] / MIB, report["formula"]["total"] / MIB]  # params + optimizer state
     fig, ax = plt.subplots(figsize=(7, 4))
     bars = ax.bar(labels, values, color=["C0", "C1", "C2", "C3", "C4", "C5"][: len(labels)])
     ax.bar_label(bars, fmt="%.2f")

@@ -369,6 +369,11 @@ class Checkpointer:
         """
         if not isinstance(state, ShardedState):
             raise TypeError(f"save: state must be a zshard.ShardedState, got {type(state).__name__}")
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
+            raise ValueError(
+                "save: this state was donated to a train step (its buffers are deleted); save the state "
+                "the step returned: state, metrics = step(state, batch)"
+            )
         step = int(jax.device_get(state.step)) if step is None else step
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise ValueError(f"save: step must be an integer >= 0, got {step!r}")

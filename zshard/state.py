@@ -308,11 +308,16 @@ def init(
       TypeError: ``model`` is neither a module nor a callable.
     """
     _check_mesh(mesh)
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(f"zshard.init: tx must be an optax.GradientTransformation (e.g. optax.adamw(3e-4)), got {type(tx).__name__}")
     strategy = Strategy.parse(strategy if strategy is not None or zero_stage is not None else "FULL_SHARD", zero_stage=zero_stage)
     if isinstance(model, nnx.Module):
         abstract_model, concrete = model, True
     elif callable(model):
         abstract_model, concrete = nnx.eval_shape(model), False
+        if not isinstance(abstract_model, nnx.Module):
+            what = type(abstract_model).__name__ if not isinstance(abstract_model, jax.ShapeDtypeStruct) else f"an array {abstract_model}"
+            raise TypeError(f"zshard.init: the model callable must return an nnx.Module, it returned {what}")
     else:
         raise TypeError(f"zshard.init: model must be an nnx.Module or a callable building one, got {type(model).__name__}")
 
