@@ -723,6 +723,16 @@ def targets_table(ts) -> str:
     return "\n".join(lines)
 
 
+def _save(fig, path: Path, written: list[str]) -> None:
+    """Lay out, write ``path`` (PNG, 100 dpi), close ``fig`` and record the path in ``written``."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    written.append(str(path))
+
+
 def plots(results: dict, out: Path) -> list[str]:
     import matplotlib  # noqa: PLC0415
 
@@ -765,11 +775,7 @@ def plots(results: dict, out: Path) -> list[str]:
                 a.set_xticks(list(x))
                 a.set_xticklabels(names, fontsize=7)
         fig.suptitle("zshard vs DDP and compiler-sharded FSDP, 8 emulated devices (2x4)")
-        fig.tight_layout()
-        p = out / "bench-peers.png"
-        fig.savefig(p, dpi=100)
-        plt.close(fig)
-        written.append(str(p))
+        _save(fig, out / "bench-peers.png", written)
     if results.get("depth"):
         d = results["depth"]
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -782,11 +788,7 @@ def plots(results: dict, out: Path) -> list[str]:
         ax.set_ylim(bottom=0)
         ax.set_title("compile time by depth (2x4, 2 CPU cores)")
         ax.legend()
-        fig.tight_layout()
-        p = out / "bench-depth.png"
-        fig.savefig(p, dpi=100)
-        plt.close(fig)
-        written.append(str(p))
+        _save(fig, out / "bench-depth.png", written)
     if results.get("scale"):
         rows = results["scale"]
         fig, ax = plt.subplots(figsize=(10, 4.5))
@@ -801,11 +803,7 @@ def plots(results: dict, out: Path) -> list[str]:
         ax.set_ylabel("GB per device (log)")
         ax.set_title("scale by simulation: seq 2048, 1 sequence per device, AdamW fp32, 8 devices per host")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        p = out / "bench-scale.png"
-        fig.savefig(p, dpi=100)
-        plt.close(fig)
-        written.append(str(p))
+        _save(fig, out / "bench-scale.png", written)
     return written
 
 

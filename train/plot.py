@@ -58,6 +58,13 @@ def _title(summary: dict | None) -> str:
     return f"{summary.get('model', {}).get('preset', '?')} GPT, {summary.get('strategy')} on {mesh.get('replica')}x{mesh.get('shard')}"
 
 
+
+def _save(fig, path: Path) -> None:
+    """Lay out, write ``path`` (PNG, 110 dpi) and close ``fig``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
 def plot_loss(records: list[dict], summary: dict | None, path: Path) -> None:
     """Training loss per step and held-out loss per evaluation (nats per byte) -> ``path``."""
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
@@ -70,9 +77,7 @@ def plot_loss(records: list[dict], summary: dict | None, path: Path) -> None:
     ax.set(xlabel="step", ylabel="loss, nats per byte", title=_title(summary))
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_throughput(records: list[dict], summary: dict | None, path: Path) -> None:
@@ -89,9 +94,7 @@ def plot_throughput(records: list[dict], summary: dict | None, path: Path) -> No
     ax.set(xlabel="step", ylabel="tokens / s", title=_title(summary))
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_memory(summary: dict | None, path: Path) -> bool:
@@ -109,9 +112,7 @@ def plot_memory(summary: dict | None, path: Path) -> bool:
     ax.bar_label(bars, fmt="%.2f")
     ax.set(ylabel="MiB per device", title=f"compiled step, memory_analysis() -- {_title(summary)}")
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
