@@ -205,8 +205,8 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, batch, k: int):
     return totals, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
 
 
-def _local_step(plan: Plan, opts: dict, loss_fn: Callable, state: ShardedState, batch):
-    tokens = _REMAT.set(opts["remat"]), _PREFETCH.set(opts["prefetch"])
+def _local_step(plan: Plan, opts: TrainStep, loss_fn: Callable, state: ShardedState, batch):
+    tokens = _REMAT.set(opts.remat), _PREFETCH.set(opts.prefetch)
     try:
         return _local_step_body(plan, opts, loss_fn, state, batch)
     finally:
@@ -214,8 +214,8 @@ def _local_step(plan: Plan, opts: dict, loss_fn: Callable, state: ShardedState, 
         _PREFETCH.reset(tokens[1])
 
 
-def _local_step_body(plan: Plan, opts: dict, loss_fn: Callable, state: ShardedState, batch):
-    world, k = plan.world, opts["grad_accum"]
+def _local_step_body(plan: Plan, opts: TrainStep, loss_fn: Callable, state: ShardedState, batch):
+    world, k = plan.world, opts.grad_accum
     token_weighted = []  # set while tracing: loss_fn returned (sum, count)
 
     train, frozen = plan.split_trainable(state.params)
@@ -245,15 +245,15 @@ def _local_step_body(plan: Plan, opts: dict, loss_fn: Callable, state: ShardedSt
     else:
         loss = loss_total / (world * k)
     grad_norm = global_norm(grads, plan.shard_axes)
-    if opts["clip_norm"] is not None:
+    if opts.clip_norm is not None:
         # optax.clip_by_global_norm semantics with the norm of the whole (unsharded) gradient
-        scale = jnp.where(grad_norm < opts["clip_norm"], 1.0, opts["clip_norm"] / grad_norm)
+        scale = jnp.where(grad_norm < opts.clip_norm, 1.0, opts.clip_norm / grad_norm)
         grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
     train, opt_state = apply_optimizer(plan, train, grads, state.opt_state)
     params = plan.merge_params(train, frozen)  # frozen shards pass through untouched
     # loss and grad_norm are psum-ed: every device sees the same verdict.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if opts["skip_nonfinite"]:
+    if opts.skip_nonfinite:
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
     new_state = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
@@ -305,16 +305,12 @@ class TrainStep:
 
     def _step(self, state: ShardedState, batch):
         fn = jax.shard_map(
-            lambda s, b: _local_step(state.plan, self._opts(), self.loss_fn, s, b),
+            lambda s, b: _local_step(state.plan, self, self.loss_fn, s, b),
             mesh=state.plan.mesh,
             in_specs=(state.specs(), P(AXES)),
             out_specs=(state.specs(), P()),
         )
         return fn(state, batch)
-
-    def _opts(self) -> dict:
-        return {"grad_accum": self.grad_accum, "clip_norm": self.clip_norm, "skip_nonfinite": self.skip_nonfinite, "remat": self.remat,
-                "prefetch": self.prefetch}
 
     def put_batch(self, state: ShardedState, batch):
         """Validate ``batch`` and place it with its leading dimension split over all devices.
