@@ -86,12 +86,12 @@ def masked_sum_count(model, batch):
     """Token-weighted loss: (sum of squared errors over valid rows, number of valid rows)."""
     x, y, mask = batch
     err = jnp.sum(jnp.square(model(x) - y), axis=-1) * mask
-    return jnp.sum(err), jnp.sum(mask)
+    return zshard.TokenMean(jnp.sum(err), jnp.sum(mask))
 
 
 def masked_mean(model, batch):
-    total, count = masked_sum_count(model, batch)
-    return total / count
+    loss = masked_sum_count(model, batch)
+    return loss.total / loss.count
 
 
 @pytest.mark.parametrize("strategy,mesh,k", [("FULL_SHARD", (1, 8), 1), ("HYBRID_SHARD", (2, 4), 2), ("NO_SHARD", (2, 4), 4)])

@@ -12,7 +12,8 @@ from zshard.mesh import make_mesh
 from zshard.precision import MixedPrecision
 from zshard.report import Report, report
 from zshard.state import Plan, ShardedState, init, unshard
-from zshard.step import TrainStep, make_train_step
+from zshard.intercept import device_key
+from zshard.step import TokenMean, TrainStep, make_train_step
 from zshard.strategy import Strategy
 
 __all__ = [
@@ -21,7 +22,9 @@ __all__ = [
     "Report",
     "ShardedState",
     "Strategy",
+    "TokenMean",
     "TrainStep",
+    "device_key",
     "export",
     "init",
     "load_params",

@@ -25,24 +25,83 @@ The gradients that come out are sums over devices; the caller scales the loss by
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from zshard.flat import FlatParameter
-from zshard.precision import FULL_PRECISION
+from zshard.flat import FlatParameter, ParamSlot
+from zshard.precision import FULL_PRECISION, MixedPrecision
 
-__all__ = ["all_gather_flat", "reduce_scatter_flat", "gather", "run_unit", "checkpointed", "remat_policy", "token", "REMAT_POLICIES"]
+__all__ = [
+    "REMAT_POLICIES",
+    "PrefetchLink",
+    "UnitComm",
+    "all_gather_flat",
+    "checkpointed",
+    "gather",
+    "gather_param",
+    "reduce_scatter_flat",
+    "remat_policy",
+    "run_unit",
+    "schedule_token",
+    "vary",
+    "varying_axes",
+]
 
 
-def _vary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
+@dataclasses.dataclass(frozen=True)
+class UnitComm:
+    """How one unit communicates inside the step: the settings every unit call reads.
+
+    Attributes:
+      shard_axes: mesh axes a FlatParameter is split over (all-gather, reduce-scatter).
+      replica_axes: mesh axes the reduce-scattered gradient shard is all-reduced over
+        (HYBRID_SHARD); empty under gradient accumulation, which all-reduces once per step.
+      mp: the :class:`~zshard.MixedPrecision` (gather in ``param_dtype``, reduce in ``reduce_dtype``).
+      remat: the activation-checkpointing policy inside the unit (:func:`checkpointed`).
+      reshard: reshard after forward (FULL_SHARD, HYBRID_SHARD): backward gathers again.
+    """
+
+    shard_axes: tuple[str, ...]
+    replica_axes: tuple[str, ...] = ()
+    mp: MixedPrecision = FULL_PRECISION
+    remat: Any = "block"
+    reshard: bool = True
+
+
+@dataclasses.dataclass(eq=False)
+class PrefetchLink:
+    """One block-unit call's place in the prefetch chain (docs/design.md, "Prefetch chain").
+
+    Attributes:
+      token: float32 scalar zero that depends on the call's inputs only; a later call's
+        forward gather waits on it instead of on its own input.
+      trace: the JAX trace the call was made in; a link is only followed from the same
+        trace (a unit called inside ``jax.checkpoint``, ``lax.scan``, ``vmap`` ... of the
+        model's own code is not prefetched across that boundary).
+      taken: set when a later call waits on ``token``; that call's backward then hands a
+        token of its output cotangent back, and this call's re-gather waits on it.
+    """
+
+    token: Any = None
+    trace: Any = None
+    taken: bool = False
+
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes ``x`` varies over, inside ``shard_map`` (its type's manual-axis record)."""
+    return frozenset(jax.typeof(x).manual_axis_type.varying)
+
+
+def vary(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     """Mark ``x`` as varying over ``axes`` (no data movement) where it is not already."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+    missing = tuple(a for a in axes if a not in varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def token(tree) -> jax.Array:
+def schedule_token(tree) -> jax.Array:
     """A float32 scalar zero that is data-dependent on ``tree`` (``0 * t`` for one finite
     scalar ``t`` read from it; a constant zero when ``tree`` holds no floating array)."""
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
@@ -55,13 +114,13 @@ def token(tree) -> jax.Array:
 def _after(bufs, tree):
     """``bufs`` unchanged, but data-dependent on ``tree`` so XLA cannot schedule or merge early.
 
-    Adds :func:`token` of ``tree``: exact (``x + 0 == x``), and no NaN or inf in ``tree`` can
+    Adds :func:`schedule_token` of ``tree``: exact (``x + 0 == x``), and no NaN or inf in ``tree`` can
     leak into ``bufs``. The XLA CPU compiler drops ``optimization_barrier``, so the
     dependency must be real data flow.
     """
     if not any(jnp.issubdtype(x.dtype, jnp.inexact) and x.size for x in jax.tree.leaves(tree)):
         return bufs
-    t = token(tree)
+    t = schedule_token(tree)
     return tuple(b + t.astype(b.dtype) for b in bufs)
 
 
@@ -84,7 +143,7 @@ def all_gather_flat(shard: jax.Array, shard_axes: tuple[str, ...]) -> jax.Array:
 
 def reduce_scatter_flat(full: jax.Array, shard_axes: tuple[str, ...], replica_axes: tuple[str, ...]) -> jax.Array:
     """A device's full-size FlatParameter gradient -> the summed gradient of its own shard."""
-    full = _vary(full, shard_axes + replica_axes)
+    full = vary(full, shard_axes + replica_axes)
     if shard_axes:
         # [N, L/N] --reduce_scatter(shard_axes)--> [L/N]
         shard = jax.lax.psum_scatter(full, shard_axes, scatter_dimension=0, tiled=False)
@@ -101,7 +160,7 @@ def _gather_all(flats, bufs, shard_axes, replica_axes, mp):
     # shard varying over replica *before* the gather keeps autodiff from inserting a
     # broadcast whose transpose would all-reduce the full gradient across replicas
     # (DESIGN.md section 7, "the replica trap"); the backward sums only the shard instead.
-    bufs = [_vary(b, shard_axes + replica_axes).astype(mp.gather_dtype(f.dtype)) for f, b in zip(flats, bufs)]
+    bufs = [vary(b, shard_axes + replica_axes).astype(mp.gather_dtype(f.dtype)) for f, b in zip(flats, bufs)]
     return [p for f, b in zip(flats, bufs) for p in f.unflatten(all_gather_flat(b, shard_axes))]
 
 
@@ -118,19 +177,18 @@ def _scatter_all(flats, bufs, grads, shard_axes, replica_axes, mp):
     return tuple(out)
 
 
-def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], shard_axes, replica_axes, mp=FULL_PRECISION) -> list[jax.Array]:
+def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], comm: UnitComm) -> list[jax.Array]:
     """All-gather a unit's FlatParameter shards; backward reduce-scatters (+ replica all-reduce).
 
     Args:
       flats: the unit's layouts, one per dtype.
       bufs: this device's shards, ``[L_k / N]`` each, ``PartitionSpec(shard_axes)`` outside.
-      shard_axes / replica_axes: mesh axes of the strategy.
-      mp: the :class:`~zshard.MixedPrecision` (gather in ``param_dtype``, reduce in ``reduce_dtype``).
+      comm: the axes and mixed precision (gather in ``param_dtype``, reduce in ``reduce_dtype``).
 
     Returns:
       The unit's parameters in logical shapes, in slot order (all flats concatenated).
     """
-    flats, shard_axes, replica_axes = tuple(flats), tuple(shard_axes), tuple(replica_axes)
+    flats, shard_axes, replica_axes, mp = tuple(flats), comm.shard_axes, comm.replica_axes, comm.mp
 
     @jax.custom_vjp
     def _gather(bufs):
@@ -144,6 +202,51 @@ def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], shard_axes
 
     _gather.defvjp(fwd, bwd)
     return _gather(tuple(bufs))
+
+
+def gather_param(slot: ParamSlot, shard: jax.Array, num_shards: int, comm: UnitComm) -> jax.Array:
+    """All-gather one parameter where it is read outside its unit's methods; backward
+    reduce-scatters its gradient (+ replica all-reduce of the shard), like :func:`gather`.
+
+    Args:
+      slot: the parameter's layout (logical shape, size, padded size).
+      shard: this device's padded slice, ``[n_pad/N]``, or ``[L, n_pad/N]`` for all layers
+        of a stacked parameter.
+      num_shards: ``N``, devices along ``comm.shard_axes``.
+      comm: axes and mixed precision.
+
+    Returns:
+      The parameter in its logical shape (``[L, *shape]`` for a stacked one), in the gather dtype.
+    """
+    shard_axes, replica_axes, mp = comm.shard_axes, comm.replica_axes, comm.mp
+    lead = shard.shape[:-1]
+
+    def full_of(b):
+        b = vary(b, shard_axes + replica_axes).astype(mp.gather_dtype(slot.dtype))
+        # [..., n_pad/N] --all_gather(shard_axes, tiled)--> [..., n_pad]
+        full = jax.lax.all_gather(b, shard_axes, axis=b.ndim - 1, tiled=True) if shard_axes else b
+        return full[..., : slot.size].reshape(lead + slot.shape)  # [..., n_pad] -> [..., n] -> [..., *shape]
+
+    @jax.custom_vjp
+    def _gather(b):
+        return full_of(b)
+
+    def fwd(b):
+        return full_of(b), None
+
+    def bwd(_, g):
+        g = g.astype(mp.grad_dtype(slot.dtype)).reshape(lead + (slot.size,))  # [..., *shape] -> [..., n]
+        pad = [(0, 0)] * len(lead) + [(0, shard.shape[-1] * num_shards - slot.size)]
+        g = vary(jnp.pad(g, pad), shard_axes + replica_axes)  # [..., n] -> [..., n_pad]
+        if shard_axes:
+            # [..., n_pad] --reduce_scatter(shard_axes, tiled)--> [..., n_pad/N]
+            g = jax.lax.psum_scatter(g, shard_axes, scatter_dimension=g.ndim - 1, tiled=True)
+        if replica_axes:
+            g = jax.lax.psum(g, replica_axes)  # [..., n_pad/N] --all_reduce(replica)--> [..., n_pad/N]
+        return (g.astype(shard.dtype),)
+
+    _gather.defvjp(fwd, bwd)
+    return _gather(shard)
 
 
 REMAT_POLICIES = ("none", "block", "dots")
@@ -183,13 +286,9 @@ def run_unit(
     flats: Sequence[FlatParameter],
     bufs: Sequence[jax.Array],
     inputs,
-    shard_axes,
-    replica_axes,
-    mp=FULL_PRECISION,
-    remat="block",
-    reshard: bool = True,
-    prefetch_after=None,
-    consumed: Callable[[], bool] = lambda: False,
+    comm: UnitComm,
+    after: PrefetchLink | None = None,
+    link: PrefetchLink | None = None,
 ):
     """Run ``apply(params, inputs)`` with the unit's parameters gathered just in time.
 
@@ -198,48 +297,46 @@ def run_unit(
         tracer (only static structure).
       flats / bufs: the unit's layouts and this device's FlatParameter shards ``[L_k/N]``.
       inputs: pytree of arrays, the unit's dynamic inputs.
-      shard_axes / replica_axes: mesh axes of the strategy.
-      remat: activation checkpointing inside the unit (see :func:`checkpointed`).
-      reshard: ``True`` (FULL_SHARD, HYBRID_SHARD: reshard after forward): the gathered
-        weights are never residuals, whatever ``remat``; backward all-gathers again.
-        ``False`` (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2): the gathered weights are kept from
-        forward to backward, which does not gather again.
-      prefetch_after: ``None``, or the token of an earlier unit's call (prefetch): the
-        forward gather then waits only for that unit's *input*, so it can be issued before
-        that unit computes; backward hands a token of this unit's output cotangent back to
-        it, so that unit's re-gather can be issued before this unit's backward computes.
-      consumed: called while tracing backward: whether a later unit took this call's token
-        (then its cotangent, which arrives before this unit's own, orders the re-gather).
+      comm: axes, mixed precision, remat policy and reshard-after-forward of the unit.
+        ``comm.reshard`` (FULL_SHARD, HYBRID_SHARD): the gathered weights are never
+        residuals, whatever ``comm.remat``; backward all-gathers again. Otherwise
+        (SHARD_GRAD_OP, HYBRID_SHARD_ZERO2) they are kept from forward to backward.
+      after: an earlier call's :class:`PrefetchLink` (prefetch): the forward gather waits
+        only for that call's *input*, so it can be issued before that unit computes;
+        backward hands a token of this call's output cotangent back to it, so that unit's
+        re-gather can be issued before this unit's backward computes. ``None``: no prefetch.
+      link: this call's own link, filled in here (``link.token``); a later call may take it.
 
     Returns:
-      ``(outputs, token)``: ``apply``'s outputs, and a float32 scalar zero that depends on
-      this call's inputs only (the handle a later unit prefetches after). Residuals are
-      ``bufs``, ``inputs``, the gathered weights only if ``not reshard``, and (for
-      ``remat != "block"``) the activations the policy saves; backward recomputes what was
-      not saved and reduce-scatters the parameter gradient.
+      ``apply``'s outputs. Residuals are ``bufs``, ``inputs``, the gathered weights only if
+      ``not comm.reshard``, and (for ``remat != "block"``) the activations the policy saves;
+      backward recomputes what was not saved and reduce-scatters the parameter gradient.
     """
-    flats, shard_axes, replica_axes = tuple(flats), tuple(shard_axes), tuple(replica_axes)
-    layout = {}  # set while tracing fwd: the pullback's structure and where the weights sat in it
+    flats = tuple(flats)
+    shard_axes, replica_axes, mp, remat, reshard = comm.shard_axes, comm.replica_axes, comm.mp, comm.remat, comm.reshard
+    link = link if link is not None else PrefetchLink()
+    pullback_layout = {}  # set while tracing fwd: the pullback's structure and where the weights sat in it
 
     @jax.custom_vjp
-    def _unit(bufs, inputs, after):
-        return apply(_gather_all(flats, bufs, shard_axes, replica_axes, mp), inputs), token(inputs)
+    def _unit(bufs, inputs, after_token):
+        return apply(_gather_all(flats, bufs, shard_axes, replica_axes, mp), inputs), schedule_token(inputs)
 
-    def fwd(bufs, inputs, after):
+    def fwd(bufs, inputs, after_token):
         # The gather may not start before the unit's input exists (or, prefetching, the
-        # input of the unit `after` came from), so the gathered copy is alive only around
-        # this unit (and the one before it).
-        params = _gather_all(flats, _after(bufs, inputs if isinstance(after, tuple) else after), shard_axes, replica_axes, mp)
+        # input of the earlier unit call), so the gathered copy is alive only around this
+        # unit (and the one before it). docs/design.md, "Forced schedule".
+        params = _gather_all(flats, _after(bufs, inputs if after is None else after_token), shard_axes, replica_axes, mp)
         kept = [] if reshard else params
-        out_token = token(inputs)
+        out_token = schedule_token(inputs)
         if remat == "block":
             return (apply(params, inputs), out_token), (bufs, kept, inputs, [])
         out, pullback = jax.vjp(checkpointed(apply, remat), params, inputs)
         # The pullback's leaves are the saved activations plus the gathered weights; keep
         # the activations, drop the weights (backward gathers them again, or kept has them).
-        leaves, layout["treedef"] = jax.tree.flatten(pullback)
-        layout["weight"] = [next((j for j, p in enumerate(params) if leaf is p), None) for leaf in leaves]
-        saved = [leaf for leaf, j in zip(leaves, layout["weight"]) if j is None]
+        # docs/design.md, "Pullback splice".
+        leaves, pullback_layout["treedef"] = jax.tree.flatten(pullback)
+        pullback_layout["weight"] = [next((j for j, p in enumerate(params) if leaf is p), None) for leaf in leaves]
+        saved = [leaf for leaf, j in zip(leaves, pullback_layout["weight"]) if j is None]
         return (out, out_token), (bufs, kept, inputs, saved)
 
     def bwd(res, cts):
@@ -249,7 +346,7 @@ def run_unit(
             # The re-gather depends on a cotangent, so it cannot be merged with the forward
             # gather: this unit's own, or (prefetch) the token a later unit handed back as
             # soon as its own backward began.
-            params = _gather_all(flats, _after(bufs, g_token if consumed() else g), shard_axes, replica_axes, mp)
+            params = _gather_all(flats, _after(bufs, g_token if link.taken else g), shard_axes, replica_axes, mp)
         else:
             params = kept
             # Kept weights: make the recompute depend on the cotangent instead, or XLA folds it
@@ -259,11 +356,24 @@ def run_unit(
             _, pullback = jax.vjp(apply, params, inputs)
         else:
             rest = iter(saved)
-            leaves = [next(rest) if j is None else params[j] for j in layout["weight"]]
-            pullback = jax.tree.unflatten(layout["treedef"], leaves)
+            leaves = [next(rest) if j is None else params[j] for j in pullback_layout["weight"]]
+            pullback = jax.tree.unflatten(pullback_layout["treedef"], leaves)
         d_params, d_inputs = pullback(g)
-        d_after = () if prefetch_after is None else token(g)  # the earlier unit's re-gather may start now
+        d_after = () if after is None else _like(schedule_token(g), after_vma)  # the earlier unit's re-gather may start now
         return _scatter_all(flats, bufs, d_params, shard_axes, replica_axes, mp), d_inputs, d_after
 
+    after_vma = frozenset() if after is None else varying_axes(after.token)
     _unit.defvjp(fwd, bwd)
-    return _unit(tuple(bufs), inputs, () if prefetch_after is None else prefetch_after)
+    out, link.token = _unit(tuple(bufs), inputs, () if after is None else after.token)
+    return out
+
+
+def _like(t: jax.Array, vma: frozenset) -> jax.Array:
+    """``t`` with the varying mesh axes ``vma`` of the value it is the cotangent of; a
+    constant zero where ``t`` varies over more (an earlier unit whose inputs were integers
+    only: its token was a constant, and nothing waits on it)."""
+    have = varying_axes(t)
+    if have <= vma:
+        return vary(t, tuple(sorted(vma)))
+    zero = jnp.zeros((), t.dtype)
+    return vary(zero, tuple(sorted(vma))) if vma else zero

@@ -101,6 +101,8 @@ class Plan:
       mp: the :class:`~zshard.MixedPrecision` policy.
       trainable: paths of the trainable parameters (the rest are frozen: gathered, never
         reduce-scattered, no optimizer state, unchanged by the step).
+      var_template: ``(path, abstract Variable)`` pairs of the model's non-parameter
+        variables (BatchNorm statistics, RNG keys and counts, counters), replicated.
     """
 
     mesh: Mesh
@@ -113,6 +115,12 @@ class Plan:
     opt_specs: Any = None
     mp: MixedPrecision = FULL_PRECISION
     trainable: frozenset = frozenset()
+    var_template: tuple = ()
+
+    @property
+    def variable_paths(self) -> tuple:
+        """Paths of the non-parameter variables (``ShardedState.variables``)."""
+        return tuple(p for p, _ in self.var_template)
 
     def split_trainable(self, params: dict) -> tuple[dict, dict]:
         """``params`` -> (trainable, frozen) nested dicts."""
@@ -169,18 +177,24 @@ class ShardedState:
         parameter, sharding ``PartitionSpec(shard_axes)`` (local ``[n_pad / N]``).
       opt_state: the Optax state of the local shards, partitioned like ``params``;
         scalar leaves (counts) replicated, ``PartitionSpec()``.
-      step: int32 scalar, optimizer steps taken, replicated.
+      step: int32 scalar, optimizer steps taken (a step skipped by ``skip_nonfinite`` is
+        not counted, like the optimizer's own counts), replicated.
       plan: the static :class:`Plan`.
+      variables: nested dict of the model's non-parameter variables (BatchNorm statistics,
+        RNG keys and counts, counters) in their own shapes and dtypes, replicated
+        (``PartitionSpec()``), identical on every device after each step.
     """
 
     params: dict
     opt_state: Any
     step: jax.Array
     plan: Plan = dataclasses.field(metadata=dict(static=True))
+    variables: dict = dataclasses.field(default_factory=dict)
 
     def specs(self) -> "ShardedState":
         """The PartitionSpec tree of this state (for ``shard_map`` in/out specs)."""
-        return ShardedState(self.plan.param_specs, self.plan.opt_specs, P(), self.plan)
+        var_specs = traverse_util.unflatten_dict({p: P() for p in self.plan.variable_paths}) if self.plan.var_template else {}
+        return ShardedState(self.plan.param_specs, self.plan.opt_specs, P(), self.plan, var_specs)
 
 
 def _spec(axes: tuple[str, ...], layers: int | None = None) -> P:
@@ -220,7 +234,10 @@ def _shared_reads(model, unit_paths) -> dict[tuple, list]:
 
 def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit, trainable=None) -> tuple[Unit, ...]:
     unit_paths = find_units(abstract_model, unit)
-    shared = _shared_reads(abstract_model, unit_paths)
+    param_paths = {p for p, _ in flat_state}
+    # Tied parameters; shared non-parameter variables (one Rngs for every block) are simply
+    # read and written by each unit call in turn.
+    shared = {u: [(r, c) for r, c in pairs if c in param_paths] for u, pairs in _shared_reads(abstract_model, unit_paths).items()}
     tied = {c for pairs in shared.values() for _, c in pairs}
     members: dict[tuple, list] = defaultdict(list)
     for path, var in flat_state:
@@ -314,7 +331,10 @@ def init(
     if isinstance(model, nnx.Module):
         abstract_model, concrete = model, True
     elif callable(model):
-        abstract_model, concrete = nnx.eval_shape(model), False
+        # Sharding annotations (nnx.with_partitioning, out_sharding metadata) are kept as
+        # metadata and not applied: zshard lays the parameters out itself.
+        with nnx.use_eager_sharding(False):
+            abstract_model, concrete = nnx.eval_shape(model), False
         if not isinstance(abstract_model, nnx.Module):
             what = type(abstract_model).__name__ if not isinstance(abstract_model, jax.ShapeDtypeStruct) else f"an array {abstract_model}"
             raise TypeError(f"zshard.init: the model callable must return an nnx.Module, it returned {what}")
@@ -322,15 +342,17 @@ def init(
         raise TypeError(f"zshard.init: model must be an nnx.Module or a callable building one, got {type(model).__name__}")
 
     graphdef, state = nnx.split(abstract_model)
-    flat_state = list(nnx.to_flat_state(state))
-    for path, var in flat_state:
-        if not isinstance(var, nnx.Param):
+    all_state = list(nnx.to_flat_state(state))
+    flat_state = [(p, v) for p, v in all_state if isinstance(v, nnx.Param)]
+    var_state = [(p, v) for p, v in all_state if not isinstance(v, nnx.Param)]
+    for path, var in var_state:
+        if isinstance(var, nnx.Intermediate):
             raise ValueError(
-                f"zshard.init: variable {path_str(path)!r} is a {type(var).__name__}, not an nnx.Param; "
-                f"this version shards parameters only. Keep Rngs, batch statistics and other state "
-                f"out of the model (pass rngs to __init__ only)."
+                f"zshard.init: the model holds a sow-ed intermediate {path_str(path)!r} ({type(var).__name__}); "
+                "pop it before sharding (nnx.pop(model, nnx.Intermediate)): intermediates belong to one forward pass"
             )
-    template = tuple((p, v.replace(_abstract(v.get_value()))) for p, v in flat_state)
+    template = tuple((p, v.replace(_abstract(v.get_raw_value()))) for p, v in flat_state)
+    var_template = tuple((p, v.replace(_abstract(v.get_raw_value()))) for p, v in var_state)
     num_shards = int(np.prod([mesh.shape[a] for a in strategy.shard_axes]))
     opt_shards = int(np.prod([mesh.shape[a] for a in strategy.opt_axes]))
     selected = frozenset(p for p, _ in nnx.to_flat_state(nnx.state(abstract_model, trainable)))
@@ -353,23 +375,33 @@ def init(
         lead = () if layers[path] is None else (layers[path],)
         return lead + (padded_size(int(np.prod(shape[len(lead):])), opt_shards) // shards,)
 
+    replicated = NamedSharding(mesh, P())
+    var_paths = [p for p, _ in var_template]
     if abstract:
         values = [
             jax.ShapeDtypeStruct(padded_shape(p, v.get_value().shape), v.get_value().dtype, sharding=sh)
             for (p, v), sh in zip(template, shardings)
         ]
+        var_values = [jax.ShapeDtypeStruct(v.get_raw_value().shape, v.get_raw_value().dtype, sharding=replicated) for _, v in var_template]
     elif concrete:
         values = [
-            jax.device_put(pad_flat(np.asarray(v.get_value()), opt_shards, layers[p]), sh)
+            jax.device_put(pad_flat(np.asarray(v.get_raw_value()), opt_shards, layers[p]), sh)
             for (p, v), sh in zip(flat_state, shardings)
         ]
+        var_values = [jax.device_put(v.get_raw_value(), replicated) for _, v in var_state]
     else:
 
         def build():
-            _, st = nnx.split(model())
-            return [pad_flat(v.get_value(), opt_shards, layers[p]) for p, v in nnx.to_flat_state(st)]
+            with nnx.use_eager_sharding(False):
+                _, st = nnx.split(model())
+            flat = dict(nnx.to_flat_state(st))
+            return (
+                [pad_flat(flat[p].get_raw_value(), opt_shards, layers[p]) for p in paths],
+                [flat[p].get_raw_value() for p in var_paths],
+            )
 
-        values = jax.jit(build, out_shardings=shardings)()
+        values, var_values = jax.jit(build, out_shardings=(shardings, [replicated] * len(var_paths)))()
+    variables = traverse_util.unflatten_dict(dict(zip(var_paths, var_values))) if var_paths else {}
     params = traverse_util.unflatten_dict(dict(zip(paths, values)))
 
     # The optimizer runs on per-parameter slices over strategy.opt_axes, viewed with the
@@ -401,11 +433,12 @@ def init(
     )
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"mixed_precision must be a zshard.MixedPrecision, got {type(mixed_precision).__name__}")
-    plan = Plan(mesh, strategy, tx, graphdef, template, units, param_specs, opt_specs, mixed_precision or FULL_PRECISION, train_paths)
+    plan = Plan(
+        mesh, strategy, tx, graphdef, template, units, param_specs, opt_specs, mixed_precision or FULL_PRECISION, train_paths, var_template
+    )
     init_opt = jax.shard_map(
         lambda p: init_optimizer(plan, plan.split_trainable(p)[0]), mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs
     )
-    replicated = NamedSharding(mesh, P())
     if abstract:
         opt_state = jax.tree.map(
             lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
@@ -413,10 +446,10 @@ def init(
             opt_specs,
             is_leaf=lambda x: isinstance(x, P),
         )
-        return ShardedState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), plan)
+        return ShardedState(params, opt_state, jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), plan, variables)
     opt_state = jax.jit(init_opt)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-    return ShardedState(params, opt_state, step, plan)
+    return ShardedState(params, opt_state, step, plan, variables)
 
 
 def unshard(state: ShardedState) -> nnx.Module:
@@ -442,4 +475,11 @@ def unshard(state: ShardedState) -> nnx.Module:
             values[path] = jnp.asarray(host[: int(np.prod(shape))].reshape(shape))
         else:
             values[path] = jnp.asarray(host[:, : int(np.prod(shape[1:]))].reshape(shape))
-    return nnx.merge(plan.graphdef, _fill(plan.template, values))
+    for path, value in traverse_util.flatten_dict(state.variables).items() if state.variables else ():
+        if not value.is_fully_addressable:
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+
+            value = multihost_utils.process_allgather(value, tiled=True)
+        values[path] = jax.device_put(value, jax.devices()[0]) if not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key) else value
+    with nnx.use_eager_sharding(False):
+        return nnx.merge(plan.graphdef, _fill(plan.template + plan.var_template, values))

@@ -14,7 +14,6 @@ Per device (DESIGN.md section 5):
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import numbers
 from typing import Any, Callable
@@ -26,218 +25,161 @@ from flax import nnx, traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.collectives import _vary, gather, remat_policy, run_unit
+from zshard.collectives import remat_policy, vary
+from zshard.divergence import check_uniform_collectives
+from zshard.intercept import StepOptions, materialize, read_variables
 from zshard.mesh import AXES
 from zshard.optim import apply_optimizer, global_norm
-from zshard.state import Plan, ShardedState, Unit, _fill
+from zshard.state import Plan, ShardedState
 
-__all__ = ["TrainStep", "make_train_step"]
-
-_INTERCEPTORS: dict[type, type] = {}
-
-# While tracing a step with gradient accumulation, units reduce-scatter over the shard axes
-# only; the cross-replica all-reduce of the accumulated shard happens once per step.
-_DEFER_REPLICA_REDUCE = contextvars.ContextVar("zshard_defer_replica_reduce", default=False)
-# The step's activation-checkpointing policy, read by every unit call while tracing.
-_REMAT = contextvars.ContextVar("zshard_remat", default="block")
-# Prefetch depth: a unit's forward gather may be issued this many unit calls early.
-_PREFETCH = contextvars.ContextVar("zshard_prefetch", default=1)
+__all__ = ["TokenMean", "TrainStep", "make_train_step"]
 
 
-def _replica_axes(plan: Plan) -> tuple[str, ...]:
-    return () if _DEFER_REPLICA_REDUCE.get() else plan.replica_axes
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenMean:
+    """A token-weighted loss: what ``loss_fn`` returns for a masked mean over tokens.
 
-
-def _intercepting_class(cls: type) -> type:
-    """A subclass of ``cls`` whose ``__call__`` runs the zshard unit call stored on the instance."""
-    if cls not in _INTERCEPTORS:
-
-        def __call__(self, *args, **kwargs):
-            return vars(self)["_zshard_unit_call"](*args, **kwargs)
-
-        _INTERCEPTORS[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
-    return _INTERCEPTORS[cls]
-
-
-_STACKED: dict = {}
-
-
-def _stacked_class(cls: type, plan: Plan, unit: Unit) -> type:
-    """A subclass of ``cls`` for a stacked unit: under ``nnx.scan`` each iteration's module
-    holds its own layer's local shards ``[n_pad / N]`` and gathers only that layer."""
-    key = (cls, unit)
-    if key not in _STACKED:
-
-        def __call__(self, *args, **kwargs):
-            own = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(self, nnx.Param))}
-            shards = {s.path: own[s.path[len(unit.path) :]] for s in unit.slots}
-            return _unit_call(plan, unit, _unit_bufs(unit, shards), cls.__call__)(*args, **kwargs)
-
-        _STACKED[key] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__})
-    return _STACKED[key]
-
-
-def _unit_bufs(unit: Unit, shards: dict) -> list[jax.Array]:
-    # per-parameter local shards [n_pad/N] -> this device's FlatParameter shard [L/N], per dtype
-    return [f.concat_shards([shards[s.path] for s in f.slots]) for f in unit.flats]
-
-
-def _unit_call(plan: Plan, unit: Unit, bufs: list, call: Callable, tied: list = (), chain: list | None = None) -> Callable:
-    """``module(*args, **kwargs)`` for a block unit, with its parameters gathered just in time.
-
-    ``tied``: the root unit's gathered values of ``unit.shared`` (weights the unit reads but
-    the root owns); they enter the unit call as inputs, so their gradient flows to the root.
-    ``chain``: the unit calls of this forward pass so far, in call order (prefetch: this
-    call's gather may be issued as soon as the input of the call ``prefetch`` places
-    earlier exists, and in backward as soon as this call's backward begins, the gather of
-    that earlier call may be issued). ``None``: no prefetch (stacked units).
+    ``loss_fn`` returns ``zshard.TokenMean(total, count)``: ``total`` the sum of the
+    per-token losses on this device's slice (float scalar), ``count`` the number of tokens
+    counted (scalar). The step's loss and gradient are then the global token mean
+    ``sum(total) / sum(count)`` over all devices and micro-batches, however unevenly the
+    valid tokens fall; ``metrics["tokens"]`` is the global count.
     """
-    rel = [s.path[len(unit.path) :] for s in unit.slots] + [r for r, _ in unit.shared]
 
-    def unit_call(*args, **kwargs):
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
-        static = [None if i in dynamic else x for i, x in enumerate(leaves)]
-
-        def apply(params, inputs):
-            inputs, tied_values = inputs[: len(dynamic)], inputs[len(dynamic) :]
-            params = list(params) + list(tied_values)
-            inputs = plan.mp.cast_inputs(inputs)  # compute in param_dtype (FSDP cast_forward_inputs)
-            full = list(static)
-            for i, x in zip(dynamic, inputs):
-                full[i] = x
-            a, kw = jax.tree.unflatten(treedef, full)
-            module = nnx.merge(unit.graphdef, _fill(unit.template, dict(zip(rel, params))))
-            out = call(module, *a, **kw)
-            # Floating outputs leave the unit in the dtype its floating inputs came in (the
-            # residual stream stays fp32 under bf16 compute; an nnx.scan carry keeps its type).
-            if plan.mp.param_dtype is not None and in_dtypes:
-                out = jax.tree.map(lambda y: y.astype(in_dtypes[0]) if jnp.issubdtype(y.dtype, jnp.floating) else y, out)
-            return out
-
-        inputs = [leaves[i] for i in dynamic]
-        in_dtypes = [x.dtype for x in inputs if jnp.issubdtype(x.dtype, jnp.floating)]
-        inputs += list(tied)
-        # FULL_SHARD / HYBRID_SHARD gather again in backward; SHARD_GRAD_OP and friends keep
-        # the gathered copy from forward to backward.
-        reshard = plan.strategy.reshard_after_forward
-        depth, after, record = _PREFETCH.get(), None, {"consumed": False}
-        if chain is not None and depth and len(chain) >= depth:
-            earlier = chain[-depth]
-            after, earlier["consumed"] = earlier["token"], True
-        out, record["token"] = run_unit(
-            apply, unit.flats, bufs, inputs, plan.shard_axes, _replica_axes(plan), plan.mp, _REMAT.get(), reshard,
-            prefetch_after=after, consumed=lambda: record["consumed"],
-        )
-        if chain is not None:
-            chain.append(record)
-        return out
-
-    return unit_call
+    total: Any
+    count: Any
 
 
-def materialize(plan: Plan, shards: dict) -> nnx.Module:
-    """Inside ``shard_map``: the model with the root unit gathered and every block unit intercepted.
+def _read_loss(out, has_aux: bool):
+    """``loss_fn``'s return value -> ``(loss or TokenMean, aux)``; refuses ambiguous forms.
 
-    Args:
-      plan: the sharding plan.
-      shards: flat dict ``path -> local shard [n_pad / N]``.
-
-    Returns:
-      An ``nnx.Module`` to hand to the user's loss. Block-unit parameters are placeholders
-      outside the block's own ``__call__``.
+    Raises:
+      TypeError / ValueError: a tuple without ``has_aux``, a non-scalar loss (named with its shape).
     """
-    root, blocks = (plan.units[0], plan.units[1:]) if plan.units[0].path == () else (None, plan.units)
-    values = {}
-    if root is not None:
-        gathered = gather(root.flats, _unit_bufs(root, shards), plan.shard_axes, _replica_axes(plan), plan.mp)
-        values = {s.path: v for s, v in zip(root.slots, gathered)}
-    for unit in blocks:
-        if unit.layers is not None:  # stacked: the module holds its local shards [L, n_pad/N]
-            values.update({s.path: shards[s.path] for s in unit.slots})
-    model = nnx.merge(plan.graphdef, _fill(plan.template, values))
-    chain: list = []  # the block-unit calls of this forward pass, in call order (prefetch)
-    for unit in blocks:
-        sub = model
-        for key in unit.path:
-            sub = sub[key] if isinstance(key, int) else getattr(sub, key)
-        cls = type(sub)
-        if unit.layers is not None:
-            object.__setattr__(sub, "__class__", _stacked_class(cls, plan, unit))
-            continue
-        tied = [values[c] for _, c in unit.shared]  # gathered with the root unit
-        call = _unit_call(plan, unit, _unit_bufs(unit, shards), cls.__call__, tied, chain)
-        object.__setattr__(sub, "_zshard_unit_call", call)
-        object.__setattr__(sub, "__class__", _intercepting_class(cls))
-    return model
+    if has_aux:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(
+                f"loss_fn returned {type(out).__name__}; with has_aux=True it must return (loss, aux), "
+                "loss a scalar (or zshard.TokenMean(sum, count)) and aux any pytree of arrays"
+            )
+        loss, aux = out
+    else:
+        if isinstance(out, (tuple, list)):
+            raise TypeError(
+                f"loss_fn returned a {type(out).__name__} of {len(out)}; zshard never guesses what a tuple means. "
+                "For (loss, aux) pass make_train_step(loss_fn, has_aux=True); for a token-weighted mean return "
+                "zshard.TokenMean(sum_of_losses, token_count)"
+            )
+        loss, aux = out, None
+    parts = (loss.total, loss.count) if isinstance(loss, TokenMean) else (loss,)
+    for what, x in zip(("loss", "count"), parts):
+        shape = np.shape(x)
+        if shape != ():
+            raise ValueError(
+                f"loss_fn returned a {what} of shape {shape}; it must be a scalar: the mean over this device's "
+                "slice of the batch (e.g. jnp.mean(per_example)), or zshard.TokenMean(jnp.sum(per_token * mask), "
+                "jnp.sum(mask))"
+            )
+    return loss, aux
 
 
-def _accumulate(plan: Plan, objective: Callable, params: dict, batch, k: int):
+def _reduce_aux(aux, count_axes_sum):
+    """Aux leaves across devices (and micro-batches, summed before): floating leaves are
+    averaged, integer and boolean leaves summed (counts)."""
+
+    def one(x):
+        x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return jax.lax.pmean(x, AXES)
+        return jax.lax.psum(x.astype(jnp.int32), AXES)
+
+    return jax.tree.map(one, aux) if count_axes_sum else aux
+
+
+def _sync_variables(plan: Plan, new: dict, old: dict) -> dict:
+    """Non-parameter variables after the step, identical on every device: floating ones
+    (BatchNorm statistics) averaged over all devices, integer ones (RNG counts, counters) the
+    largest value (they advance the same way on every device)."""
+    out = {}
+    for path, value in new.items():
+        value = jnp.asarray(value)
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            out[path] = old[path]
+        elif jnp.issubdtype(value.dtype, jnp.inexact):
+            out[path] = jax.lax.pmean(vary(value, AXES), AXES).astype(value.dtype)
+        else:
+            out[path] = jax.lax.pmax(vary(value, AXES), AXES).astype(value.dtype)
+    return out
+
+
+def _accumulate(plan: Plan, opts: StepOptions, objective: Callable, params: dict, variables: dict, batch, k: int):
     """Gradient accumulation over ``k`` micro-batches (``lax.scan``), on the shards.
 
     The accumulator is an fp32 copy of the gradient shards, never a full gradient; every
-    micro-batch reduce-scatters over the shard axes, and the replica axes are all-reduced
-    once per step, on the accumulated shard (FSDP2's ``set_requires_all_reduce(False)``).
-    Returns ``((loss total, count total), grads)`` summed over the micro-batches.
+    micro-batch reduce-scatters over the shard axes (``opts.defer_replica_reduce``), and the
+    replica axes are all-reduced once per step, on the accumulated shard (FSDP2's
+    ``set_requires_all_reduce(False)``). Non-parameter variables (BatchNorm statistics, RNG
+    counts) are carried from one micro-batch to the next.
+    Returns ``((loss total, count total), aux summed, variables, grads)``.
     """
     replica = plan.replica_axes
     # Differentiating w.r.t. replica-varying parameters lets each micro-batch's gradient
     # stay unsummed over replica.
-    params = jax.tree.map(lambda p: _vary(p, plan.shard_axes + replica), params)
+    params = jax.tree.map(lambda p: vary(p, plan.shard_axes + replica), params)
     micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)  # [B/W] -> [k, B/(W k), ...]
-    token = _DEFER_REPLICA_REDUCE.set(True)
-    try:
 
-        def body(carry, mb):
-            acc, totals = carry
-            (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, mb)
-            acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-            return (acc, jax.tree.map(jnp.add, totals, aux)), None
+    def body(carry, mb):
+        acc, totals, aux_sum, variables = carry
+        (_, (step_totals, aux, variables)), grads = jax.value_and_grad(objective, has_aux=True)(params, variables, mb)
+        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+        aux_sum = jax.tree.map(lambda a, x: a + jnp.asarray(x).astype(a.dtype), aux_sum, aux)
+        return (acc, jax.tree.map(jnp.add, totals, step_totals), aux_sum, variables), None
 
-        zeros = jax.tree.map(lambda p: _vary(jnp.zeros(p.shape, jnp.float32), plan.shard_axes + replica), params)
-        zero = _vary(jnp.zeros((), jnp.float32), AXES)
-        (acc, totals), _ = jax.lax.scan(body, (zeros, (zero, zero)), micro)
-    finally:
-        _DEFER_REPLICA_REDUCE.reset(token)
+    zeros = jax.tree.map(lambda p: vary(jnp.zeros(p.shape, jnp.float32), plan.shard_axes + replica), params)
+    zero = vary(jnp.zeros((), jnp.float32), AXES)
+    aux_shape = jax.eval_shape(lambda p, v, b: objective(p, v, b)[1][1], params, variables, jax.tree.map(lambda x: x[0], micro))
+    aux_zero = jax.tree.map(
+        lambda a: vary(jnp.zeros(a.shape, jnp.float32 if jnp.issubdtype(a.dtype, jnp.inexact) else jnp.int32), AXES), aux_shape
+    )
+    variables = jax.tree.map(lambda v: vary(v, AXES), variables)
+    (acc, totals, aux_sum, variables), _ = jax.lax.scan(body, (zeros, (zero, zero), aux_zero, variables), micro)
     if replica:
         # [n_pad/N] --all_reduce(replica)--> [n_pad/N], once per step
         acc = jax.lax.psum(acc, replica)
-    return totals, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+    # floating aux: mean over micro-batches; integer aux: summed
+    aux = jax.tree.map(lambda a: a / k if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux_sum)
+    return totals, aux, variables, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
 
 
-def _local_step(plan: Plan, opts: TrainStep, loss_fn: Callable, state: ShardedState, batch):
-    tokens = _REMAT.set(opts.remat), _PREFETCH.set(opts.prefetch)
-    try:
-        return _local_step_body(plan, opts, loss_fn, state, batch)
-    finally:
-        _REMAT.reset(tokens[0])
-        _PREFETCH.reset(tokens[1])
-
-
-def _local_step_body(plan: Plan, opts: TrainStep, loss_fn: Callable, state: ShardedState, batch):
-    world, k = plan.world, opts.grad_accum
-    token_weighted = []  # set while tracing: loss_fn returned (sum, count)
+def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
+    """One optimizer step on this device's shards (inside ``shard_map``)."""
+    world, k = plan.world, step.grad_accum
+    opts = StepOptions(step.remat, step.prefetch, defer_replica_reduce=k > 1)
+    token_weighted = []  # set while tracing: loss_fn returned zshard.TokenMean
 
     train, frozen = plan.split_trainable(state.params)
+    variables = traverse_util.flatten_dict(state.variables) if state.variables else {}
 
-    def objective(params, batch):
-        """What this device differentiates (trainable shards), and its ``(loss, count)``."""
-        model = materialize(plan, traverse_util.flatten_dict(plan.merge_params(params, frozen)))
-        out = loss_fn(model, batch)
-        if isinstance(out, (tuple, list)) and len(out) == 2:
-            # (sum, count): differentiate the sum; divide by the global count afterwards.
-            total, count = plan.mp.cast_loss(out[0]), jnp.asarray(out[1], jnp.float32)
+    def objective(params, variables, batch):
+        """What this device differentiates (trainable shards), with ``((loss, count), aux, variables)``."""
+        model = materialize(plan, traverse_util.flatten_dict(plan.merge_params(params, frozen)), variables, opts)
+        loss, aux = _read_loss(step.loss_fn(model, batch), step.has_aux)
+        new_variables = read_variables(plan, model, variables)
+        if isinstance(loss, TokenMean):
+            # differentiate the sum; divide by the global count afterwards
+            total, count = plan.mp.cast_loss(loss.total), jnp.asarray(loss.count, jnp.float32)
             token_weighted.append(True)
-            return total, (total, count)
-        loss = plan.mp.cast_loss(out)
+            return total, ((total, count), aux, new_variables)
+        loss = plan.mp.cast_loss(loss)
         # (local mean / (world * micro-batches)): the reduce-scatters and the accumulation
         # sum these into the gradient of the global mean.
-        return loss / (world * k), (loss, jnp.ones((), jnp.float32))
+        return loss / (world * k), ((loss, jnp.ones((), jnp.float32)), aux, new_variables)
 
     if k == 1:
-        (_, totals), grads = jax.value_and_grad(objective, has_aux=True)(train, batch)
+        (_, (totals, aux, new_variables)), grads = jax.value_and_grad(objective, has_aux=True)(train, variables, batch)
     else:
-        totals, grads = _accumulate(plan, objective, train, batch, k)
+        totals, aux, new_variables, grads = _accumulate(plan, opts, objective, train, variables, batch, k)
     loss_total, count = (jax.lax.psum(t, AXES) for t in totals)
     if token_weighted:  # global token mean across devices and micro-batches
         loss = loss_total / count
@@ -245,21 +187,33 @@ def _local_step_body(plan: Plan, opts: TrainStep, loss_fn: Callable, state: Shar
     else:
         loss = loss_total / (world * k)
     grad_norm = global_norm(grads, plan.shard_axes)
-    if opts.clip_norm is not None:
+    if step.clip_norm is not None:
         # optax.clip_by_global_norm semantics with the norm of the whole (unsharded) gradient
-        scale = jnp.where(grad_norm < opts.clip_norm, 1.0, opts.clip_norm / grad_norm)
+        scale = jnp.where(grad_norm < step.clip_norm, 1.0, step.clip_norm / grad_norm)
         grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
     train, opt_state = apply_optimizer(plan, train, grads, state.opt_state)
     params = plan.merge_params(train, frozen)  # frozen shards pass through untouched
+    new_variables = _sync_variables(plan, new_variables, variables)
     # loss and grad_norm are psum-ed: every device sees the same verdict.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if opts.skip_nonfinite:
+    taken = jnp.ones((), jnp.int32)
+    if step.skip_nonfinite:
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
-    new_state = dataclasses.replace(state, params=params, opt_state=opt_state, step=state.step + 1)
+        new_variables = keep(new_variables, variables)
+        taken = finite.astype(jnp.int32)  # a skipped step is not an optimizer step
+    new_state = dataclasses.replace(
+        state,
+        params=params,
+        opt_state=opt_state,
+        step=state.step + taken,
+        variables=traverse_util.unflatten_dict(new_variables) if new_variables else state.variables,
+    )
     metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
     if token_weighted:
         metrics["tokens"] = count
+    if step.has_aux:
+        metrics["aux"] = _reduce_aux(aux, True)
     return new_state, metrics
 
 
@@ -285,8 +239,10 @@ class TrainStep:
         skip_nonfinite: bool = False,
         remat="block",
         prefetch: int = 1,
+        has_aux: bool = False,
     ):
         self.remat = remat_policy(remat)
+        self.has_aux = bool(has_aux)
         if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
             raise ValueError(f"prefetch={prefetch!r}: must be a non-negative integer (units gathered ahead; 0 turns prefetch off)")
         self.prefetch = int(prefetch)
@@ -302,10 +258,11 @@ class TrainStep:
         self.clip_norm = clip_norm
         self.skip_nonfinite = bool(skip_nonfinite)
         self._jitted = jax.jit(self._step, donate_argnums=0)
+        self._checked: set = set()  # (plan, batch shapes) whose traced step passed the checks
 
     def _step(self, state: ShardedState, batch):
         fn = jax.shard_map(
-            lambda s, b: _local_step(state.plan, self, self.loss_fn, s, b),
+            lambda s, b: _local_step(state.plan, self, s, b),
             mesh=state.plan.mesh,
             in_specs=(state.specs(), P(AXES)),
             out_specs=(state.specs(), P()),
@@ -364,11 +321,24 @@ class TrainStep:
                 "this state was donated to an earlier step (its buffers are deleted); "
                 "use the state that step returned: state, metrics = step(state, batch)"
             )
-        return self._jitted(state, self.put_batch(state, batch))
+        batch = self.put_batch(state, batch)
+        self._check(state, batch)
+        return self._jitted(state, batch)
+
+    def _check(self, state: ShardedState, batch) -> None:
+        """Trace (no compile) once per plan and batch shape and refuse a unit under
+        device-dependent control flow (:func:`zshard.divergence.check_uniform_collectives`)."""
+        key = (state.plan, tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(batch)), jax.tree.structure(batch))
+        if key not in self._checked:
+            check_uniform_collectives(self._jitted.trace(state, batch).jaxpr.jaxpr)
+            self._checked.add(key)
 
     def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
         """The lowered step (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
-        return self._jitted.lower(state, self.put_batch(state, batch))
+        batch = self.put_batch(state, batch)
+        traced = self._jitted.trace(state, batch)
+        check_uniform_collectives(traced.jaxpr.jaxpr)
+        return traced.lower()
 
 
 def make_train_step(
@@ -379,15 +349,21 @@ def make_train_step(
     skip_nonfinite: bool = False,
     remat="block",
     prefetch: int = 1,
+    has_aux: bool = False,
 ) -> TrainStep:
     """Build the sharded step for ``loss_fn(model, batch) -> scalar mean loss``.
 
     Args:
       loss_fn: written for one device and an ordinary model: it receives this device's
         slice of the batch (``[B / (R*S*grad_accum), ...]``) and returns the mean loss over
-        it, or ``(sum, count)`` for token-weighted losses with masking: then the loss and the
-        gradient are the global token mean over all devices and micro-batches, however
-        unevenly the valid tokens fall (``metrics["tokens"]`` is the global count).
+        it (a scalar), or :class:`TokenMean` ``(sum, count)`` for token-weighted losses with
+        masking: then the loss and the gradient are the global token mean over all devices
+        and micro-batches, however unevenly the valid tokens fall (``metrics["tokens"]`` is
+        the global count). A tuple is never guessed: see ``has_aux``.
+      has_aux: ``loss_fn`` returns ``(loss, aux)`` (``jax.value_and_grad``'s convention);
+        ``aux`` is any pytree of arrays, returned in ``metrics["aux"]`` reduced over
+        devices (and micro-batches): floating leaves averaged, integer and boolean leaves
+        summed.
       grad_accum: micro-batches per step (gradient accumulation); the global batch must
         divide by ``R*S*grad_accum``. The optimizer (and its schedules) advance once per step.
       clip_norm: clip the gradient to this global L2 norm before the optimizer
@@ -415,8 +391,16 @@ def make_train_step(
 
     Raises:
       ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive,
-        ``remat`` not a known policy, ``prefetch`` negative.
+        ``remat`` not a known policy, ``prefetch`` negative. When the step is traced: a
+        non-scalar loss (named with its shape); a tuple returned without ``has_aux``
+        (``TypeError``).
     """
     return TrainStep(
-        loss_fn, grad_accum=grad_accum, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite, remat=remat, prefetch=prefetch
+        loss_fn,
+        grad_accum=grad_accum,
+        clip_norm=clip_norm,
+        skip_nonfinite=skip_nonfinite,
+        remat=remat,
+        prefetch=prefetch,
+        has_aux=has_aux,
     )

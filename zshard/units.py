@@ -41,17 +41,23 @@ def stacked_layers(module: nnx.Module) -> int | None:
     return layers if layers >= 2 and all(s[0] == layers for s in shapes) else None
 
 
+_CONTAINERS = (nnx.List, nnx.Dict)
+
+
 def _repeated_blocks(model: nnx.Module) -> list[tuple]:
-    # Elements of an nnx.List whose members are all modules of one class, at least two.
-    lists = {tuple(p) for p, n in nnx.iter_graph(model) if isinstance(n, nnx.List)}
+    # Modules held by a container (an nnx.List or nnx.Dict, nested containers included: a list
+    # of lists of blocks), grouped by their outermost container and class: each class with at
+    # least two members gives units. Containers themselves are never called, never units.
+    containers = {tuple(p) for p, n in nnx.iter_graph(model) if isinstance(n, _CONTAINERS)}
     groups: dict[tuple, list] = defaultdict(list)
     for path, mod in _modules(model):
-        if path[:-1] in lists and isinstance(path[-1], int):
-            groups[path[:-1]].append((path, type(mod)))
-    found = []
-    for members in groups.values():
-        if len(members) >= 2 and len({cls for _, cls in members}) == 1:
-            found.extend(p for p, _ in members)
+        if isinstance(mod, _CONTAINERS) or path[:-1] not in containers:
+            continue
+        top = path[:-1]
+        while top[:-1] in containers and top[:-1] != top:
+            top = top[:-1]
+        groups[top, type(mod)].append(path)
+    found = [p for members in groups.values() if len(members) >= 2 for p in members]
     # Stacked blocks (nnx.vmap-built, run with nnx.scan): one module holding L layers.
     found.extend(p for p, m in _modules(model) if stacked_layers(m) is not None)
     return found
@@ -75,7 +81,7 @@ def _size_based(model: nnx.Module, min_params: int) -> list[tuple]:
     # when it holds >= min_params parameters and no descendant is a unit already.
     found: list[tuple] = []
     for path, mod in sorted(_modules(model), key=lambda pm: -len(pm[0])):  # deepest first
-        if isinstance(mod, nnx.List) or any(f[: len(path)] == path for f in found):  # containers are never called
+        if isinstance(mod, _CONTAINERS) or any(f[: len(path)] == path for f in found):  # containers are never called
             continue
         if _num_params(mod) >= min_params:
             found.append(path)
@@ -110,7 +116,7 @@ def find_units(model: nnx.Module, unit: Any = None) -> list[tuple]:
     elif isinstance(unit, (int, np.integer)):
         found = _size_based(model, int(unit))
         if not found:
-            biggest = max((_num_params(m) for _, m in _modules(model) if not isinstance(m, nnx.List)), default=0)
+            biggest = max((_num_params(m) for _, m in _modules(model) if not isinstance(m, _CONTAINERS)), default=0)
             raise ValueError(f"unit={unit}: no submodule holds that many parameters (the largest holds {biggest:,}); lower it")
     elif isinstance(unit, type) or isinstance(unit, tuple):
         classes = unit if isinstance(unit, tuple) else (unit,)

@@ -8,7 +8,7 @@ importable from the current directory, or a ``.py`` file) returning
 - ``model_or_builder``: an ``nnx.Module``, or a zero-argument callable building one;
 - ``tx``: an ``optax.GradientTransformation``;
 - ``loss_fn(model, batch)``: written for one device, returns the scalar mean loss (or
-  ``(sum, count)``, as ``zshard.make_train_step`` accepts);
+  ``zshard.TokenMean(sum, count)``, as ``zshard.make_train_step`` accepts);
 - ``batch``: a pytree of arrays whose leading dimension is the global batch (divisible by
   the device count), used for every step.
 
@@ -54,6 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, traverse_util
+
+from zshard.step import TokenMean
 
 __all__ = ["TOLERANCE", "VerifyResult", "load_function", "main", "verify"]
 
@@ -135,12 +137,12 @@ def _flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
 
 
 def _mean_loss(loss_fn: Callable) -> Callable:
-    """``loss_fn`` as a scalar mean: ``(sum, count)`` -> ``sum / count``."""
+    """``loss_fn`` as a scalar mean: ``TokenMean(sum, count)`` -> ``sum / count``."""
 
     def loss(model, batch):
         out = loss_fn(model, batch)
-        if isinstance(out, tuple) and len(out) == 2:
-            return out[0] / out[1]
+        if isinstance(out, TokenMean):
+            return out.total / out.count
         return out
 
     return loss
@@ -161,7 +163,7 @@ def verify(model_or_builder, tx: optax.GradientTransformation, loss_fn: Callable
     Args:
       model_or_builder: an ``nnx.Module`` (not modified) or a zero-argument callable building one.
       tx: the optimizer (used, unchanged, by both runs).
-      loss_fn: ``loss_fn(model, batch) -> scalar`` mean loss (or ``(sum, count)``).
+      loss_fn: ``loss_fn(model, batch) -> scalar`` mean loss (or ``zshard.TokenMean(sum, count)``).
       batch: pytree of arrays, leading dimension = global batch, divisible by the mesh's devices.
       strategy: a ``zshard.Strategy`` name.
       mesh: a ``(replica, shard)`` ``jax.sharding.Mesh`` (``zshard.make_mesh``), or ``(R, S)``.

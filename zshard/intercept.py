@@ -1,0 +1,332 @@
+"""The NNX interception: the user's model, inside ``shard_map``, with units gathered just in time.
+
+:func:`materialize` rebuilds the model on each device for one forward pass:
+
+- the root unit (everything outside the block units) is all-gathered once and holds its
+  logical values;
+- every block unit's parameters hold this device's padded shards (``[n_pad/N]``, or
+  ``[L, n_pad/N]`` for stacked layers), so the module passes through ``nnx.remat``,
+  ``nnx.scan``, ``nnx.vmap`` and plain JAX transforms like any module;
+- each block unit's class is swapped for a subclass whose methods (``__call__``, and every
+  other method its classes define: ``attend``, ``decode``, helpers) gather the unit's
+  FlatParameter, run the original method on a plain copy of the module, and drop the
+  gathered copy (:func:`zshard.collectives.run_unit`); the backward reduce-scatters;
+- a unit parameter read anywhere else (the root reading ``blocks[0].bias``, a loss term)
+  is gathered where it is read (:func:`zshard.collectives.gather_param`, a Flax
+  ``on_get_value`` hook), so its value and gradient are exact;
+- non-parameter variables (BatchNorm statistics, RNG counts, counters) hold their
+  replicated values; RNG keys are folded with the device's index, so every device draws
+  its own stream; a unit's method gets them as inputs and hands back their new values.
+
+docs/design.md, "Data flow of one step", describes where this sits in the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from zshard.collectives import PrefetchLink, UnitComm, gather, gather_param, run_unit
+from zshard.mesh import AXES
+from zshard.units import path_str
+
+__all__ = ["StepOptions", "materialize", "device_index", "device_key", "unit_methods"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """The step's settings that shape every unit call, passed explicitly down to it.
+
+    Attributes:
+      remat: activation-checkpointing policy inside block units (``"block"``, ``"none"``,
+        ``"dots"`` or a ``jax.checkpoint`` policy).
+      prefetch: how many unit calls ahead a forward all-gather may be issued (0: off).
+      defer_replica_reduce: gradient accumulation: units reduce-scatter over the shard axes
+        only; the cross-replica all-reduce of the accumulated shard happens once per step.
+    """
+
+    remat: Any = "block"
+    prefetch: int = 1
+    defer_replica_reduce: bool = False
+
+    def comm(self, plan, *, reshard: bool | None = None) -> UnitComm:
+        """The :class:`~zshard.collectives.UnitComm` of a unit of ``plan`` under these options."""
+        return UnitComm(
+            plan.shard_axes,
+            () if self.defer_replica_reduce else plan.replica_axes,
+            plan.mp,
+            self.remat,
+            plan.strategy.reshard_after_forward if reshard is None else reshard,
+        )
+
+
+def device_index() -> jax.Array:
+    """Inside the step: this device's linear index over ``("replica", "shard")``, int32 in
+    ``[0, R*S)`` (row-major: ``replica * S + shard``)."""
+    return jax.lax.axis_index(AXES)
+
+
+def device_key(key: jax.Array) -> jax.Array:
+    """Inside the step: ``key`` folded with :func:`device_index` (``jax.random.fold_in``).
+
+    A key a ``loss_fn`` makes itself (``jax.random.key(0)``) is the same on every device,
+    as in any SPMD program; ``zshard.device_key(key)`` gives each device its own stream
+    (dropout masks, noise), reproducible for a given key and mesh. Model ``nnx.Rngs``
+    streams are folded this way already.
+    """
+    return jax.random.fold_in(key, device_index())
+
+
+# --- methods of a unit -----------------------------------------------------------------------------------
+
+_FLAX_BASES = ("flax.nnx.module", "flax.nnx.object", "flax.nnx.pytree", "flax.nnx.graph", "flax.nnx.helpers")
+
+
+def unit_methods(cls: type) -> tuple[str, ...]:
+    """The methods of ``cls`` that run with the unit gathered: ``__call__`` and every plain
+    method defined by ``cls`` or a base class below ``nnx.Module`` (``attend``, ``decode``,
+    helpers); not properties, static or class methods, nor ``nnx.Module``'s own API."""
+    names = {"__call__"} if callable(getattr(cls, "__call__", None)) else set()
+    for klass in cls.__mro__:
+        if klass is object or klass.__module__.startswith(_FLAX_BASES) or not issubclass(klass, nnx.Module):
+            continue
+        for name, attr in vars(klass).items():
+            if name.startswith("_") or not inspect.isfunction(attr):
+                continue
+            names.add(name)
+    return tuple(sorted(names))
+
+
+_INTERCEPTING: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+
+
+def _intercepting_class(cls: type) -> type:
+    """A subclass of ``cls`` whose unit methods gather the unit around the original method.
+
+    Cached per class (weakly): what a call needs is on the instance (``_zshard_unit``)."""
+    if cls not in _INTERCEPTING:
+
+        def method(name):
+            def intercepted(self, *args, **kwargs):
+                return vars(self)["_zshard_unit"].call(self, name, args, kwargs)
+
+            intercepted.__name__ = intercepted.__qualname__ = name
+            return intercepted
+
+        attrs = {name: method(name) for name in unit_methods(cls)}
+        _INTERCEPTING[cls] = type(cls.__name__, (cls,), {**attrs, "__module__": cls.__module__})
+    return _INTERCEPTING[cls]
+
+
+# --- one unit call --------------------------------------------------------------------------------------
+
+
+def _is_param(var) -> bool:
+    return isinstance(var, nnx.Param)
+
+
+@dataclasses.dataclass(eq=False, frozen=True)
+class UnitBinding:
+    """What a block unit's intercepted methods need, stored on the module (``_zshard_unit``).
+
+    Static (hashable by identity) so that nnx transforms carry it in the graph definition.
+
+    Attributes:
+      plan: the sharding plan.
+      unit: the :class:`~zshard.state.Unit`.
+      comm: its communication settings.
+      prefetch: prefetch depth (0: off; stacked units are never prefetched).
+      chain: the block-unit calls of this forward pass, in call order (prefetch links).
+    """
+
+    plan: Any
+    unit: Any
+    comm: UnitComm
+    prefetch: int
+    chain: list
+
+    def call(self, module: nnx.Module, name: str, args: tuple, kwargs: dict):
+        """``module.<name>(*args, **kwargs)`` with the unit's parameters gathered just in time."""
+        unit, plan = self.unit, self.plan
+        cls = type(module).__mro__[1]  # the user's class under the intercepting subclass
+        variables = dict(nnx.to_flat_state(nnx.state(module)))  # relative path -> Variable
+        own = {s.path[len(unit.path) :]: s for s in unit.slots}
+        shared = dict(unit.shared)  # relative path -> the root's model path (tied weights)
+        raw = {}
+        for rel, slot in own.items():
+            value = variables[rel].get_raw_value()
+            want = (unit.layers,) if unit.layers is not None and value.ndim == 2 else ()
+            if want:
+                raise ValueError(
+                    f"zshard: the stacked unit {unit.name!r} ({cls.__name__}, {unit.layers} layers) was called with all its "
+                    f"layers at once ({name}); run it one layer at a time under nnx.scan (or jax.lax.scan over "
+                    f"nnx.split state), as the model that built it with nnx.vmap intends"
+                )
+            raw[rel] = value
+        bufs = [f.concat_shards([raw[s.path[len(unit.path) :]] for s in f.slots]) for f in unit.flats]
+        # Tied weights (the root's gathered values) and non-parameter variables enter as inputs.
+        tied_rel = [r for r, _ in unit.shared]
+        tied = [variables[r].get_raw_value() for r in tied_rel]
+        other_rel = [p for p, v in variables.items() if not _is_param(v) and p not in shared]
+        others = [variables[p].get_raw_value() for p in other_rel]
+        rel_params = [s.path[len(unit.path) :] for s in unit.slots] + tied_rel
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+        static = [None if i in dynamic else x for i, x in enumerate(leaves)]
+        inputs = [leaves[i] for i in dynamic]
+        in_dtypes = [x.dtype for x in inputs if jnp.issubdtype(x.dtype, jnp.floating)]
+        template = {p: v for p, v in unit.template}
+        n_in, n_tied = len(inputs), len(tied)
+        mp = plan.mp
+        # The module as it is now (flags set by model.eval() / model.train(), attributes the
+        # user changed), with the template's variables: no gather-on-read hooks inside.
+        graphdef = nnx.graphdef(module)
+
+        def apply(params, all_inputs):
+            xs = mp.cast_inputs(list(all_inputs[:n_in]))  # compute in param_dtype (FSDP cast_forward_inputs)
+            tied_values = all_inputs[n_in : n_in + n_tied]
+            other_values = all_inputs[n_in + n_tied :]
+            values = dict(zip(rel_params, list(params) + list(tied_values)))
+            values.update(zip(other_rel, other_values))
+            with nnx.use_eager_sharding(False):
+                pairs = [(p, v.replace(values[p]) if p in values else v) for p, v in template.items()]
+                pairs += [(p, variables[p].replace(values[p])) for p in other_rel if p not in template]  # earlier sow-s
+                state = nnx.from_flat_state(pairs)
+                inner = nnx.merge(graphdef, state)
+            object.__setattr__(inner, "__class__", cls)  # a plain module: its own calls are not intercepted
+            vars(inner).pop("_zshard_unit", None)
+            full = list(static)
+            for i, x in zip(dynamic, xs):
+                full[i] = x
+            a, kw = jax.tree.unflatten(treedef, full)
+            out = getattr(cls, name)(inner, *a, **kw)
+            # Floating outputs leave the unit in the dtype its floating inputs came in (the
+            # residual stream stays fp32 under bf16 compute; an nnx.scan carry keeps its type).
+            if mp.param_dtype is not None and in_dtypes:
+                out = jax.tree.map(lambda y: y.astype(in_dtypes[0]) if jnp.issubdtype(y.dtype, jnp.floating) else y, out)
+            after = dict(nnx.to_flat_state(nnx.state(inner)))
+            new_others = [after[p].get_raw_value() for p in other_rel]
+            created = {p: v for p, v in after.items() if p not in template and not _is_param(v)}  # sow-ed intermediates
+            return out, new_others, created
+
+        link, earlier = PrefetchLink(trace=_trace()), None
+        if self.prefetch and unit.layers is None and len(self.chain) >= self.prefetch:
+            candidate = self.chain[-self.prefetch]
+            if candidate.trace == link.trace and candidate.token is not None:
+                earlier, candidate.taken = candidate, True
+        with jax.named_scope(f"zshard.unit.{unit.name}.{name}"):
+            out, new_others, created = run_unit(apply, unit.flats, bufs, inputs + tied + others, self.comm, earlier, link)
+        if unit.layers is None:
+            self.chain.append(link)
+        for p, v in zip(other_rel, new_others):
+            variables[p].set_raw_value(v)
+        for p, var in created.items():
+            _attach(module, p, var)
+        return out
+
+
+def _attach(module: nnx.Module, path: tuple, var) -> None:
+    """Put a variable the unit created (``sow``) at ``path`` under the intercepted module."""
+    node = module
+    for key in path[:-1]:
+        node = node[key] if isinstance(key, int) else getattr(node, key)
+    setattr(node, path[-1], var)
+
+
+def _fold(key: jax.Array, index: jax.Array) -> jax.Array:
+    """``jax.random.fold_in`` of every key of a key array (stacked layers hold ``[L]`` keys)."""
+    flat = key.reshape(-1)
+    return jax.vmap(lambda k: jax.random.fold_in(k, index))(flat).reshape(key.shape)
+
+
+def _trace():
+    return jax.extend.core.get_opaque_trace_state(convention="nnx")
+
+
+# --- parameters read outside their unit ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _GatherOnRead:
+    """Flax ``on_get_value`` hook of a block-unit parameter: its value, read outside the
+    unit's methods, is the parameter all-gathered where it is read (gradient reduce-scattered)."""
+
+    slot: Any
+    num_shards: int
+    comm: UnitComm
+
+    def __call__(self, var, value):
+        if np.shape(value) != np.shape(var.get_raw_value()):
+            raise ValueError(
+                f"zshard: parameter {path_str(self.slot.path)!r} is read with an index outside its unit; zshard gathers a "
+                f"unit's parameter read elsewhere as a whole: read it whole first (p = var[...]; p[i]), or read it "
+                f"inside a method of the unit"
+            )
+        with jax.named_scope(f"zshard.read.{path_str(self.slot.path)}"):
+            return gather_param(self.slot, value, self.num_shards, self.comm)
+
+
+# --- the model on one device -----------------------------------------------------------------------------
+
+
+def materialize(plan, shards: dict, variables: dict, opts: StepOptions) -> nnx.Module:
+    """Inside ``shard_map``: the model for one forward pass (see the module docstring).
+
+    Args:
+      plan: the sharding plan.
+      shards: flat dict ``path -> local shard`` (``[n_pad/N]``, ``[L, n_pad/N]`` stacked).
+      variables: flat dict ``path -> value`` of the non-parameter variables (replicated).
+      opts: the step's :class:`StepOptions`.
+
+    Returns:
+      An ``nnx.Module`` of the user's classes (block units' classes subclassed) to hand to
+      the user's function.
+    """
+    root, blocks = (plan.units[0], plan.units[1:]) if plan.units[0].path == () else (None, plan.units)
+    comm = opts.comm(plan)
+    values = dict(variables)
+    for path, var in plan.var_template:
+        if isinstance(var, nnx.RngKey):
+            values[path] = _fold(values[path], device_index())  # every device its own stream
+    if root is not None:
+        with jax.named_scope("zshard.unit.root.gather"):
+            gathered = gather(root.flats, [f.concat_shards([shards[s.path] for s in f.slots]) for f in root.flats], comm)
+        values.update({s.path: v for s, v in zip(root.slots, gathered)})
+    hooks = {}
+    for unit in blocks:
+        for s in unit.slots:
+            values[s.path] = shards[s.path]
+            hooks[s.path] = _GatherOnRead(s, plan.num_shards, comm)
+    with nnx.use_eager_sharding(False):  # zshard's layout, not the model's sharding annotations
+        state = nnx.from_flat_state(
+            [
+                (p, v.replace(values[p], on_get_value=hooks[p]) if p in hooks else v.replace(values[p]) if p in values else v)
+                for p, v in plan.template + plan.var_template
+            ]
+        )
+        model = nnx.merge(plan.graphdef, state)
+    chain: list = []  # the block-unit calls of this forward pass, in call order (prefetch)
+    for unit in blocks:
+        sub = model
+        for key in unit.path:
+            sub = sub[key] if isinstance(key, int) else getattr(sub, key)
+        binding = UnitBinding(plan, unit, comm, opts.prefetch, chain)
+        object.__setattr__(sub, "_zshard_unit", binding)
+        object.__setattr__(sub, "__class__", _intercepting_class(type(sub)))
+    return model
+
+
+def read_variables(plan, model: nnx.Module, before: dict) -> dict:
+    """After the forward pass: flat ``path -> value`` of the model's non-parameter variables
+    that the plan carries. RNG keys are the ones of ``before`` (the keys the model holds
+    were folded for this device; the stored keys never change, only counts advance)."""
+    current = dict(nnx.to_flat_state(nnx.state(model)))
+    return {p: before[p] if isinstance(v, nnx.RngKey) else current[p].get_raw_value() for p, v in plan.var_template}
+
