@@ -8,7 +8,7 @@ A run is described by one :class:`Config`, built from three layers, later ones w
    ``[checkpoint]``, ``[distributed]``, ``[logging]``);
 3. command-line flags: every field has one (``--steps`` or ``--training.steps``).
 
-Names users bring with them are accepted in files (the README has the table):
+Names users bring with them are accepted in files (docs/training.md has the table):
 
 - PyTorch FSDP: ``[mesh] sharding_strategy = "FULL_SHARD"`` (also ``SHARD_GRAD_OP``,
   ``NO_SHARD``, ``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``, or the enum's numbers 1-5 as
