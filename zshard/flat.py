@@ -1,6 +1,6 @@
 """The FlatParameter: one unit's parameters of one dtype as one flat, padded, sharded buffer.
 
-Layout (DESIGN.md section 4; the FlatParameter of PyTorch FSDP, arXiv 2304.11277 section 3.2).
+Layout (docs/design.md section 4; the FlatParameter of PyTorch FSDP, arXiv 2304.11277 section 3.2).
 With ``N`` devices in a shard group, every parameter of ``n`` elements is flattened and
 zero-padded to ``n_pad = ceil(n / N) * N`` elements, viewed as ``[N, n_pad / N]``; row ``r``
 goes to device ``r``. Device ``r``'s FlatParameter shard is the concatenation of row ``r``

@@ -278,7 +278,7 @@ def init(
       mesh: from :func:`zshard.make_mesh`, axes ``("replica", "shard")``.
       strategy: a :class:`Strategy` or its name (default ``"FULL_SHARD"``): ``NO_SHARD``,
         ``SHARD_OPT``, ``SHARD_GRAD_OP``, ``FULL_SHARD``, ``HYBRID_SHARD``,
-        ``HYBRID_SHARD_ZERO2`` (DESIGN.md section 3).
+        ``HYBRID_SHARD_ZERO2`` (docs/design.md section 3).
       unit: the wrap policy, what is gathered together: ``None`` (each element of an
         ``nnx.List`` of repeated blocks, and stacked modules), a module class / tuple of
         classes, a callable ``(path, module) -> bool``, or a minimum parameter count
