@@ -523,7 +523,7 @@ def scale_worker(n_devices: int, models, strategies) -> list[dict]:
 
     import zshard  # noqa: PLC0415
     from train.model import PLAN_PRESETS, GPTConfig, build_model, cross_entropy_loss  # noqa: PLC0415
-    from zshard.plan import peak_bytes  # noqa: PLC0415
+    from train.plan import peak_bytes  # noqa: PLC0415
 
     mesh = zshard.make_mesh(n_devices // HOST_DEVICES, HOST_DEVICES, devices=jax.devices()[:n_devices])
     tokens = jax.ShapeDtypeStruct((n_devices, SCALE_SEQ), jnp.int32)
