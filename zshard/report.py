@@ -371,7 +371,7 @@ def report(step, state, batch) -> Report:
         comm_bytes_per_step=comm,
         collectives=[{"kind": k, "axis": a, "count": n, "bytes": b} for (k, a), (n, b) in sorted(table.items())],
         units=[
-            {"name": u.name, "layers": u.layers or 1, "params": u.num_params, "padded": (u.layers or 1) * sum(f.padded_size for f in u.flats)}
+            {"name": u.name, "layers": u.layers or 1, "params": u.num_params(), "padded": (u.layers or 1) * sum(f.padded_size for f in u.flats)}
             for u in plan.units
         ],
         remat=_policy_name(getattr(step, "remat", "block")),

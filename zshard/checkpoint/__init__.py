@@ -7,7 +7,7 @@ shape, the scalar leaves (step counts) as they are, the step, and a JSON record 
 caller's ``extra``: data position, RNG state, run config). A checkpoint written by 1x8
 FULL_SHARD restores on 2x4 HYBRID_SHARD, 1x1 or NO_SHARD bit for bit.
 
-Layout of one checkpoint directory (Orbax ``CheckpointManager``, one folder per step)::
+Files of one checkpoint directory (Orbax ``CheckpointManager``, one folder per step)::
 
     DIR/<step>/state/   arrays (Orbax StandardCheckpointHandler, OCDBT + zarr):
         params.<parameter path>                       e.g. params.blocks.0.lin.kernel [19, 19]
@@ -21,7 +21,7 @@ How arrays move (never whole on one device): at save, one jitted program turns e
 over the same mesh axes along a dimension that divides evenly (replicated when none does),
 and Orbax writes each device's piece. At restore, Orbax reads each logical array straight
 into the *new* mesh's pieces and one jitted program pads and lays them out with the new
-plan's ``PartitionSpec``. The new layout comes from :func:`zshard.init` with
+plan's ``PartitionSpec``. The new placement comes from :func:`zshard.init` with
 ``abstract=True`` on the new mesh and strategy, never from the saved sharding.
 
 Writing is asynchronous (Orbax): :meth:`Checkpointer.save` returns once the arrays are

@@ -259,7 +259,7 @@ class Checkpointer:
           tx: the Optax transformation (its state structure must match the checkpoint's).
           step: which checkpoint.
           **init_kw: ``strategy``, ``zero_stage``, ``unit``, ``mixed_precision``,
-            ``trainable``, as for :func:`zshard.init`: the new layout.
+            ``trainable``, as for :func:`zshard.init`: the new placement.
 
         Returns:
           ``(state, extra)``: a :class:`~zshard.ShardedState` laid out for ``mesh`` and the
@@ -359,7 +359,7 @@ def restore(
     """Read checkpoint ``step`` (default: the latest complete one) onto ``mesh``.
 
     ``restore(DIR, zshard.make_mesh(2, 4), model=make_model, tx=tx, strategy="HYBRID_SHARD")``
-    builds the target layout with ``zshard.init(model, tx, mesh, abstract=True, **init_kw)``
+    builds the target state's placement with ``zshard.init(model, tx, mesh, abstract=True, **init_kw)``
     (nothing initialised, ``model`` only traced) and reads each logical array directly
     into its pieces on the new mesh. Parameters and optimizer state come back bitwise.
 
@@ -370,7 +370,7 @@ def restore(
       tx: the Optax transformation that wrote the optimizer state.
       step: which checkpoint (default: the latest complete one).
       **init_kw: ``strategy``, ``zero_stage``, ``unit``, ``mixed_precision``, ``trainable``
-        of the new layout, as for :func:`zshard.init`.
+        of the new placement, as for :func:`zshard.init`.
 
     Returns:
       ``(state, extra)``.
