@@ -1,7 +1,7 @@
 """Shared setup for the zshard test suite: 8 emulated CPU devices, small models, a reference step.
 
 ``XLA_FLAGS`` must hold ``--xla_force_host_platform_device_count=8`` before jax is imported
-anywhere (DESIGN.md section 7); pytest imports this file before any test module, so it is
+anywhere (docs/design.md section 7); pytest imports this file before any test module, so it is
 set here, at the very top, before the first ``import jax``.
 
 Test modules import the helpers below with ``from conftest import ...``.

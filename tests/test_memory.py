@@ -1,4 +1,4 @@
-"""Per-device memory of the compiled step (``compiled.memory_analysis()``), DESIGN.md section 6.
+"""Per-device memory of the compiled step (``compiled.memory_analysis()``), docs/design.md section 6.
 
 1. Model state: params + AdamW (mu, nu) take exactly (4 + 8) * sum(n_pad) / N bytes per
    device in fp32 (N = devices one parameter is split over), i.e. (4+8)*Psi/N up to padding;

@@ -106,3 +106,36 @@ def test_presets_build_meshes_here():
         if p.platform == "cpu" and p.devices == 8:
             mesh = zshard.make_mesh(*parse_mesh(name))
             assert dict(mesh.shape) == {"replica": p.replica, "shard": p.shard}
+
+
+def test_presets_are_found_after_a_non_editable_install(tmp_path):
+    # `pip install .` (not -e) copies only the packages and their package data: the presets
+    # must travel inside zshard. Built from a copy of the sources (nothing written in the
+    # checkout), installed with --target, and imported from a folder outside the checkout.
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    src = tmp_path / "src"
+    for name in ("zshard", "train"):
+        shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(site), str(src)]
+    res = subprocess.run(pip, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    probe = (
+        "import zshard, zshard.checkpoint, zshard.mesh as m, train.plan\n"
+        "assert zshard.__file__.startswith(SITE), zshard.__file__\n"
+        "mesh = zshard.make_mesh(*m.parse_mesh('cpu-2x4'))\n"
+        "print(sorted(m.mesh_presets()), dict(mesh.shape))\n"
+    ).replace("SITE", repr(str(site)))
+    env = {**os.environ, "PYTHONPATH": str(site), "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    res = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "'cpu-2x4'" in res.stdout and "{'replica': 2, 'shard': 4}" in res.stdout
+    assert not (root / "meshes").exists()  # one copy of the presets, inside the package

@@ -1,4 +1,4 @@
-"""Planning without hardware: abstract init, report on abstract inputs, `python -m zshard.plan`."""
+"""Planning without hardware: abstract init, report on abstract inputs, `python -m train.plan`."""
 
 import subprocess
 import sys
@@ -59,7 +59,7 @@ def test_abstract_init_matches_concrete(strategy):
 
 
 def test_plan_cli_reports_and_gives_a_verdict():
-    cmd = [sys.executable, "-m", "zshard.plan", "--model", "gpt2-124m", "--mesh", "2x4", "--strategy", "HYBRID_SHARD",
+    cmd = [sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "2x4", "--strategy", "HYBRID_SHARD",
            "--seq-len", "64", "--device-memory-gb", "80"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -72,9 +72,9 @@ def test_plan_cli_reports_and_gives_a_verdict():
 
 
 def test_plan_cli_bad_input():
-    out = subprocess.run([sys.executable, "-m", "zshard.plan", "--model", "llama-9b", "--mesh", "1x2"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "train.plan", "--model", "llama-9b", "--mesh", "1x2"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "choose one of gpt2-124m" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "zshard.plan", "--model", "gpt2-124m", "--mesh", "2x2", "--batch-size", "6"],
+    out = subprocess.run([sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "2x2", "--batch-size", "6"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "must divide by the 4 devices" in out.stderr

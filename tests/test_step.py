@@ -164,7 +164,7 @@ def test_init_does_not_touch_the_model():
 
 
 # --------------------------------------------------------------------------------------
-# DESIGN.md section 1, as written, with a user's own model
+# The README's API in ten lines, as written, with a user's own model
 # --------------------------------------------------------------------------------------
 
 

@@ -1,5 +1,5 @@
 """Every strategy on every mesh shape against a plain single-device Optax step, and the
-report of each against its ZeRO / FSDP formula (DESIGN.md section 3)."""
+report of each against its ZeRO / FSDP formula (docs/design.md section 3)."""
 
 import chex
 import numpy as np

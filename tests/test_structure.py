@@ -1,4 +1,4 @@
-"""The compiled step's collectives (DESIGN.md sections 3 and 6): count them in the HLO text.
+"""The compiled step's collectives (docs/design.md sections 3 and 6): count them in the HLO text.
 
 One step of an L-block residual MLP (d=64) plus a root unit (input and head layers):
 
@@ -8,7 +8,7 @@ One step of an L-block residual MLP (d=64) plus a root unit (input and head laye
 - HYBRID_SHARD: the same all-gathers / reduce-scatters, but inside each shard group only;
   across replica groups only the gradient *shards* are all-reduced, once: in total exactly
   sum over units of L_u/N elements. A full gradient crossing replicas is the "replica trap"
-  of DESIGN.md section 7.
+  of docs/design.md section 7.
 """
 
 from __future__ import annotations
@@ -292,7 +292,7 @@ def test_all_reduces(compiled):
 
 
 def test_hybrid_2x4_groups_literal():
-    """The groups of DESIGN.md, spelled out for the 2x4 mesh (independent of groups_of)."""
+    """The groups of docs/design.md section 3, spelled out for the 2x4 mesh (independent of groups_of)."""
     c = _compile("HYBRID_SHARD", 2, 4)
     for o in c.ops:
         if o.kind in ("all-gather", "reduce-scatter"):

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import zshard
-from verify_cases import CFG, _batch
+from verify_cases import CFG, token_batch
 from zshard.verify import TOLERANCE, load_function, main, verify
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ def test_whole_batch_statistic_is_reported_as_a_mismatch(capsys):
 def test_result_numbers():
     from train.model import GPT, cross_entropy_loss
 
-    good = verify(lambda: GPT(CFG, rngs=nnx.Rngs(0)), optax.sgd(0.1), cross_entropy_loss, _batch(),
+    good = verify(lambda: GPT(CFG, rngs=nnx.Rngs(0)), optax.sgd(0.1), cross_entropy_loss, token_batch(),
                   strategy="SHARD_GRAD_OP", mesh=zshard.make_mesh(4, 2), steps=2)
     assert good.passed and good.dtype == "float32" and good.tolerance == TOLERANCE["float32"] == 1e-5
     assert len(good.losses) == 2 and good.max_loss_diff <= 1e-5 and good.worst_param[1] <= 1e-5
@@ -52,7 +52,7 @@ def test_result_numbers():
         ("tests.verify_cases:nothing", "has no function 'nothing'; callables there:"),
         (f"{ROOT / 'tests' / 'verify_cases.py'}:gpt_missing", "has no function 'gpt_missing'"),
         ("tests.verify_cases:batch_centered_loss", "batch_centered_loss"),  # called with no arguments: TypeError
-        ("tests.verify_cases:_batch", "expected the 4-tuple (model_or_builder, tx, loss_fn, batch)"),
+        ("tests.verify_cases:token_batch", "expected the 4-tuple (model_or_builder, tx, loss_fn, batch)"),
     ],
 )
 def test_bad_input_exits_2(spec, needle, capsys):

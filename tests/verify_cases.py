@@ -14,14 +14,14 @@ from train.model import GPT, GPTConfig, cross_entropy_loss
 CFG = GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2)
 
 
-def _batch(batch: int = 8):
+def token_batch(batch: int = 8):
     tokens = np.random.default_rng(0).integers(0, 256, size=(batch, CFG.seq_len + 1), dtype=np.int32)
     return tokens[:, :-1], tokens[:, 1:]  # int32 [B, T] each
 
 
 def gpt():
     """The reference GPT, built under jit by zshard (a callable), AdamW: must pass."""
-    return (lambda: GPT(CFG, rngs=nnx.Rngs(0))), optax.adamw(1e-3), cross_entropy_loss, _batch()
+    return (lambda: GPT(CFG, rngs=nnx.Rngs(0))), optax.adamw(1e-3), cross_entropy_loss, token_batch()
 
 
 def batch_centered_loss(model, batch):
@@ -35,4 +35,4 @@ def batch_centered_loss(model, batch):
 
 def gpt_batch_statistic():
     """The same GPT (a built module) with a loss that reads a global batch statistic: must fail."""
-    return GPT(CFG, rngs=nnx.Rngs(0)), optax.adamw(1e-3), batch_centered_loss, _batch()
+    return GPT(CFG, rngs=nnx.Rngs(0)), optax.adamw(1e-3), batch_centered_loss, token_batch()

@@ -7,6 +7,10 @@
 Writes ``OUT/bench.json``, ``OUT/bench.md`` (the printed tables) and PNG plots into ``--out``
 (default ``runs/bench/``).
 
+Why one file of ~900 lines: it is one program whose sections share the peers, the timing
+rounds, the formulas and the report writer; each section is a few functions, in the order
+they run. Split it by section when a section grows on its own.
+
 Sections
 --------
 1. **Peers on 8 emulated CPU devices** (mesh 2x4), in one process, on the same GPT, the same
@@ -523,7 +527,7 @@ def scale_worker(n_devices: int, models, strategies) -> list[dict]:
 
     import zshard  # noqa: PLC0415
     from train.model import PLAN_PRESETS, GPTConfig, build_model, cross_entropy_loss  # noqa: PLC0415
-    from zshard.plan import peak_bytes  # noqa: PLC0415
+    from train.plan import peak_bytes  # noqa: PLC0415
 
     mesh = zshard.make_mesh(n_devices // HOST_DEVICES, HOST_DEVICES, devices=jax.devices()[:n_devices])
     tokens = jax.ShapeDtypeStruct((n_devices, SCALE_SEQ), jnp.int32)

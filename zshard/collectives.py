@@ -10,7 +10,7 @@ Two primitives, both on FlatParameter shards (see ``zshard.flat``):
   and reduce-scatters the parameter gradient. The gathered weights are never saved for
   backward (ZeRO-3 / FSDP ``reshard_after_forward=True``).
 
-Why custom VJPs (DESIGN.md section 7): left to autodiff, a parameter gathered over
+Why custom VJPs (docs/design.md section 7): left to autodiff, a parameter gathered over
 ``shard`` only but used with batch data that varies over ``replica`` is implicitly
 broadcast, and the transpose of that broadcast is an all-reduce of the *full* gradient over
 ``replica``. Here the cross-replica sum happens once, on the shard. And on CPU XLA
@@ -159,7 +159,7 @@ def _gather_all(flats, bufs, shard_axes, replica_axes, mp):
     # The gathered parameters meet batch data that varies over every mesh axis. Marking the
     # shard varying over replica *before* the gather keeps autodiff from inserting a
     # broadcast whose transpose would all-reduce the full gradient across replicas
-    # (DESIGN.md section 7, "the replica trap"); the backward sums only the shard instead.
+    # (docs/design.md section 7, "the replica trap"); the backward sums only the shard instead.
     bufs = [vary(b, shard_axes + replica_axes).astype(mp.gather_dtype(f.dtype)) for f, b in zip(flats, bufs)]
     return [p for f, b in zip(flats, bufs) for p in f.unflatten(all_gather_flat(b, shard_axes))]
 

@@ -1,6 +1,6 @@
 """The FlatParameter: one unit's parameters of one dtype as one flat, padded, sharded buffer.
 
-Layout (DESIGN.md section 4; the FlatParameter of PyTorch FSDP, arXiv 2304.11277 section 3.2).
+How it is laid out (docs/design.md section 4; the FlatParameter of PyTorch FSDP, arXiv 2304.11277 section 3.2).
 With ``N`` devices in a shard group, every parameter of ``n`` elements is flattened and
 zero-padded to ``n_pad = ceil(n / N) * N`` elements, viewed as ``[N, n_pad / N]``; row ``r``
 goes to device ``r``. Device ``r``'s FlatParameter shard is the concatenation of row ``r``
@@ -66,7 +66,7 @@ class ParamSlot:
 
 @dataclasses.dataclass(frozen=True)
 class FlatParameter:
-    """Layout of one unit's parameters of one dtype over ``num_shards`` devices.
+    """Where one unit's parameters of one dtype sit in its flat buffer, over ``num_shards`` devices.
 
     Attributes:
       unit: name of the unit (``"blocks.0"``, ``"root"``).
@@ -95,7 +95,7 @@ class FlatParameter:
 
         ``pad_multiple`` (a multiple of ``num_shards``; default ``num_shards``) is what each
         parameter is padded to: SHARD_OPT keeps whole parameters (``num_shards=1``) padded
-        to the world size, so that the optimizer can slice them.
+        to a multiple of the optimizer's shard count (all devices), so that it can slice them.
         """
         pad_multiple = pad_multiple or num_shards
         if pad_multiple % num_shards:

@@ -1,4 +1,4 @@
-"""Hardware -> the 2D ``("replica", "shard")`` device mesh, and the presets in ``meshes/``.
+"""Hardware -> the 2D ``("replica", "shard")`` device mesh, and the presets in ``zshard/meshes/``.
 
 The mesh is the only topology zshard knows. ``shard`` is the fast axis (devices of one
 host, NVLink): FULL_SHARD and HYBRID_SHARD all-gather parameters over it. ``replica`` is
@@ -23,7 +23,7 @@ REPLICA = "replica"
 SHARD = "shard"
 AXES = (REPLICA, SHARD)
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "meshes"
+PRESET_DIR = Path(__file__).resolve().parent / "meshes"  # package data: found after a non-editable install
 
 
 def _factorizations(n: int) -> str:
@@ -102,7 +102,7 @@ def make_mesh(replica: int | None = None, shard: int | None = None, *, devices=N
 
 @dataclasses.dataclass(frozen=True)
 class MeshPreset:
-    """A named topology from ``meshes/NAME.toml``.
+    """A named topology from ``zshard/meshes/NAME.toml``.
 
     Attributes:
       name: file stem, e.g. ``"cpu-2x4"``.
@@ -124,7 +124,7 @@ class MeshPreset:
 
 
 def mesh_presets() -> dict[str, MeshPreset]:
-    """All presets in ``meshes/``, by name."""
+    """All presets in ``zshard/meshes/``, by name."""
     out = {}
     for path in sorted(PRESET_DIR.glob("*.toml")):
         with open(path, "rb") as f:
@@ -140,7 +140,7 @@ def mesh_presets() -> dict[str, MeshPreset]:
 
 
 def mesh_preset(name: str) -> MeshPreset:
-    """The preset ``meshes/NAME.toml``; ``ValueError`` listing the known names if missing."""
+    """The preset ``zshard/meshes/NAME.toml``; ``ValueError`` listing the known names if missing."""
     presets = mesh_presets()
     if name not in presets:
         raise ValueError(f"unknown mesh preset {name!r}; known presets: {', '.join(presets)} (or give RxS, e.g. 2x4)")

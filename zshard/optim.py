@@ -19,10 +19,10 @@ __all__ = ["apply_optimizer", "check_elementwise", "global_norm", "init_optimize
 
 def _opt_slice(plan, tree):
     """SHARD_OPT: whole ``[n_pad]`` leaves -> this device's ``[n_pad / W]`` row over the opt axes."""
-    world, index = plan.opt_shards, jax.lax.axis_index(plan.strategy.opt_axes)
+    n_opt, index = plan.opt_shards, jax.lax.axis_index(plan.strategy.opt_axes)  # W = n_opt
 
     def mine(x):  # [..., n_pad] -> [..., W, n_pad/W] -> row `index`: [..., n_pad/W]
-        return jax.lax.dynamic_index_in_dim(x.reshape(x.shape[:-1] + (world, -1)), index, axis=x.ndim - 1, keepdims=False)
+        return jax.lax.dynamic_index_in_dim(x.reshape(x.shape[:-1] + (n_opt, -1)), index, axis=x.ndim - 1, keepdims=False)
 
     return jax.tree.map(mine, tree)
 

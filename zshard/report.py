@@ -8,7 +8,7 @@
 - every collective of the compiled HLO text: kind, the mesh axis its replica groups span,
   and the bytes one device sends with a ring algorithm (all-gather and reduce-scatter of a
   full buffer ``X`` over ``n`` devices: ``X(n-1)/n``; all-reduce: ``2X(n-1)/n``; Patarasuk &
-  Yuan 2009), against DESIGN.md section 3. Collectives inside a ``while`` body count once
+  Yuan 2009), against docs/design.md section 3. Collectives inside a ``while`` body count once
   per iteration (``known_trip_count``).
 
 XLA:CPU upcasts bf16 collectives to f32 while compiling (float normalisation); with
@@ -212,7 +212,7 @@ def _local_bytes(x) -> int:
 
 
 def _formula_comm(plan, k: int = 1) -> dict[str, float]:
-    """Bytes one device sends per step, DESIGN.md section 3 (ring algorithm).
+    """Bytes one device sends per step, docs/design.md section 3 (ring algorithm).
 
     ``Psi * b`` is counted per collective in the dtype it moves: gathers in the mixed
     precision ``param_dtype``, gradient reductions in ``reduce_dtype``, SHARD_OPT's gather of
@@ -371,7 +371,7 @@ def report(step, state, batch) -> Report:
         comm_bytes_per_step=comm,
         collectives=[{"kind": k, "axis": a, "count": n, "bytes": b} for (k, a), (n, b) in sorted(table.items())],
         units=[
-            {"name": u.name, "layers": u.layers or 1, "params": u.num_params, "padded": (u.layers or 1) * sum(f.padded_size for f in u.flats)}
+            {"name": u.name, "layers": u.layers or 1, "params": u.num_params(), "padded": (u.layers or 1) * sum(f.padded_size for f in u.flats)}
             for u in plan.units
         ],
         remat=_policy_name(getattr(step, "remat", "block")),

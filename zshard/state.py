@@ -4,6 +4,10 @@
 :class:`ShardedState`: each parameter padded, flattened and split over the shard axes of
 the strategy, grouped into units (FlatParameters), and the Optax state initialised on the
 local shards with the same PartitionSpecs. ``unshard`` goes back to a plain ``nnx.Module``.
+
+Over 400 lines for now: ``init`` (checks -> plan -> placement -> optimizer init) is to be
+split into a plan builder and ``init`` (issue 13); that split waits while several changes
+to this file are in flight.
 """
 
 from __future__ import annotations
@@ -74,7 +78,6 @@ class Unit:
     def slots(self):
         return [s for f in self.flats for s in f.slots]
 
-    @property
     def num_params(self) -> int:
         """Logical parameters of the unit, all layers."""
         return (self.layers or 1) * sum(f.size for f in self.flats)
@@ -82,7 +85,7 @@ class Unit:
 
 @dataclasses.dataclass(eq=False, frozen=True)
 class Plan:
-    """Everything static about a sharded model: mesh, strategy, units, layouts, optimizer.
+    """Everything static about a sharded model: mesh, strategy, units, FlatParameters, optimizer.
 
     Hashed by identity: it is the static part of :class:`ShardedState`, so one ``jit``
     cache entry per plan.
@@ -159,7 +162,7 @@ class Plan:
 
     def num_params(self) -> int:
         """Logical parameter count, no padding."""
-        return sum(u.num_params for u in self.units)
+        return sum(u.num_params() for u in self.units)
 
     def layers_of(self) -> dict[tuple, int | None]:
         """Parameter path -> ``L`` of its stacked unit (``None`` when not stacked)."""
@@ -295,7 +298,7 @@ def init(
       mesh: from :func:`zshard.make_mesh`, axes ``("replica", "shard")``.
       strategy: a :class:`Strategy` or its name (default ``"FULL_SHARD"``): ``NO_SHARD``,
         ``SHARD_OPT``, ``SHARD_GRAD_OP``, ``FULL_SHARD``, ``HYBRID_SHARD``,
-        ``HYBRID_SHARD_ZERO2`` (DESIGN.md section 3).
+        ``HYBRID_SHARD_ZERO2`` (docs/design.md section 3).
       unit: the wrap policy, what is gathered together: ``None`` (each element of an
         ``nnx.List`` of repeated blocks, and stacked modules), a module class / tuple of
         classes, a callable ``(path, module) -> bool``, or a minimum parameter count

@@ -1,6 +1,6 @@
 """The sharded train step: one ``jax.jit(jax.shard_map(...))`` over the whole mesh.
 
-Per device (DESIGN.md section 5):
+Per device (docs/design.md section 5):
 
 1. take its slice of the batch (leading dimension split over ``("replica", "shard")``);
 2. all-gather the root unit (embeddings, head, ...), rebuild the model with it; every block

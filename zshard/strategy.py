@@ -1,7 +1,7 @@
 """Sharding strategies: which mesh axes split the model state, and which only replicate it.
 
 Semantics follow PyTorch FSDP (arXiv 2304.11277, section 3.2) and ZeRO (arXiv 1910.02054,
-section 5); DESIGN.md section 3 has the table.
+section 5); docs/design.md section 3 has the table.
 """
 
 from __future__ import annotations

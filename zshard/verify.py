@@ -18,7 +18,7 @@ zshard (``zshard.init`` + ``zshard.make_train_step`` on the mesh) and the refere
 report prints each step's loss from both, the largest loss difference (relative,
 ``|a - b| / |b|``) and the largest parameter difference (relative L2 norm
 ``||a - b|| / ||b||`` per parameter, the worst one named), initial parameters included,
-against a tolerance set by the dtype: float32 1e-5 (DESIGN.md section 6), float16 1e-3,
+against a tolerance set by the dtype: float32 1e-5 (docs/design.md section 6), float16 1e-3,
 bfloat16 2e-2 (the parameters' lowest-precision float dtype, or ``--param-dtype`` with
 mixed precision; ``--tolerance`` overrides).
 
@@ -61,7 +61,7 @@ __all__ = ["TOLERANCE", "VerifyResult", "load_function", "main", "verify"]
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 1e-3, "bfloat16": 2e-2}
 """Largest relative difference that passes, by dtype (loss: ``|a-b|/|b|``; parameters:
-relative L2). float32: DESIGN.md section 6; the 16-bit ones allow for the rounding of
+relative L2). float32: docs/design.md section 6; the 16-bit ones allow for the rounding of
 mixed-precision compute over a few steps (the project's bf16 tests use 2e-2)."""
 
 
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("function", metavar="MODULE:FUNCTION",
                    help="a function returning (model_or_builder, tx, loss_fn, batch); MODULE dotted or a .py file")
     p.add_argument("--strategy", default="FULL_SHARD", help=f"one of {', '.join(s.value for s in Strategy)} (default FULL_SHARD)")
-    p.add_argument("--mesh", default="1x8", metavar="RxS", help="replica x shard, or a meshes/*.toml preset (default 1x8)")
+    p.add_argument("--mesh", default="1x8", metavar="RxS", help="replica x shard, or a zshard/meshes/*.toml preset (default 1x8)")
     p.add_argument("--steps", type=int, default=5, metavar="K", help="optimizer steps (default 5)")
     p.add_argument("--param-dtype", choices=["bfloat16", "float16"], default=None,
                    help="mixed precision on the zshard side (reduce in float32); sets the tolerance")

@@ -1,10 +1,10 @@
-"""Plan a run before renting the hardware: ``python -m zshard.plan``.
+"""Plan a run before renting the hardware: ``python -m train.plan``.
 
 Builds a preset model abstractly (nothing allocated: ``zshard.init(..., abstract=True)``),
 compiles one train step ahead of time on as many emulated CPU devices as the mesh needs,
 and prints :func:`zshard.report` plus a verdict: does the step fit in the device memory?
 
-    python -m zshard.plan --model llama-7b --mesh 8x8 --strategy HYBRID_SHARD --batch-size 64
+    python -m train.plan --model llama-7b --mesh 8x8 --strategy HYBRID_SHARD --batch-size 64
 
 Peak bytes per device are estimated as ``argument + output - alias + temp`` of the
 compiled step's ``memory_analysis()`` (donated outputs reuse their inputs' buffers).
@@ -12,7 +12,7 @@ Block units recompute their forward pass in backward (FULL_SHARD / HYBRID_SHARD)
 activations held are about one block's plus each block's input.
 
 The model presets (``train/model.py``, ``PLAN_PRESETS``) are GPT-2 and Llama shapes from
-their papers; this entry point imports them from the ``train`` package.
+their papers. The planner lives with the application (zshard does not import ``train``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def peak_bytes(per_device: dict) -> int:
 
 def _parse(argv):
     p = argparse.ArgumentParser(
-        prog="python -m zshard.plan",
+        prog="python -m train.plan",
         allow_abbrev=False,
         description="Compile one zshard train step of a preset model ahead of time on emulated "
         "devices and report per-device memory and communication against the ZeRO/FSDP formulas.",

@@ -1,0 +1,264 @@
+"""The logical layout of a sharded state: what a zshard checkpoint stores, and the programs
+that go between the state's padded shards and the logical arrays.
+
+One :class:`Entry` per leaf of ``{"params", "opt_state", "step"}``: a parameter (and each
+optimizer-state leaf of a parameter) is stored under its path in its logical shape,
+unpadded; scalar leaves (step counts) as they are. ``to_logical_fn`` turns the state's
+``[n_pad]`` / ``[L, n_pad]`` shards into logical arrays, split over the same mesh axes along
+a dimension that divides evenly; :func:`pad_to_state` is its inverse at restore. The
+checksums stored beside catch a flipped byte that Orbax restores silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import traverse_util
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zshard.flat import padded_size
+from zshard.state import ShardedState
+from zshard.units import path_str
+
+__all__ = [
+    "FORMAT", "Entry", "auto_axes", "checksums", "differences", "logical_layout", "logical_spec", "nested",
+    "pad_to_state", "relabel", "short_error", "state_tree", "to_logical_fn", "unpad_replicated",
+]  # fmt: skip
+
+FORMAT = 1
+"""Version of the logical layout, stored in every checkpoint's ``meta``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One stored array and how it maps to a leaf of the :class:`ShardedState`.
+
+    Attributes:
+      key: storage path, strings: ``("params", "blocks", "0", "lin", "kernel")``.
+      shape: logical shape (what is stored).
+      dtype: numpy dtype (the state leaf's).
+      param: the parameter path for a parameter or a parameter-like optimizer leaf, else
+        ``None`` (a scalar count, stored as is).
+      layers: ``L`` of a stacked parameter (each layer padded on its own), else ``None``.
+      axes: mesh axes the logical array is split over (``()``: replicated).
+    """
+
+    key: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    param: tuple | None
+    layers: int | None
+    axes: tuple[str, ...]
+
+
+class _Ref:
+    """A parameter path as an opaque pytree leaf."""
+
+    def __init__(self, path):
+        self.path = path
+
+
+_NONPARAM = object()
+
+
+def _key_str(entry) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def state_tree(state) -> dict:
+    return {"params": state.params, "opt_state": state.opt_state, "step": state.step}
+
+
+_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def logical_layout(state: ShardedState) -> tuple[list[Entry], Any]:
+    """Entries aligned with the leaves of ``state_tree(state)``, and that tree's treedef.
+
+    ``state`` may be concrete or abstract (``init(..., abstract=True)``): only shapes,
+    dtypes and the plan are read. Cached per plan.
+    """
+    plan = state.plan
+    if plan in _LAYOUTS:
+        return _LAYOUTS[plan]
+    template = {p: v.get_value() for p, v in plan.template}
+    layers = plan.layers_of()
+    # Which optimizer leaves belong to which parameter: Optax's own map over params-like
+    # subtrees (the same one zshard.init uses for the PartitionSpecs).
+    refs = traverse_util.unflatten_dict({p: _Ref(p) for p in template if p in plan.trainable})
+    masked = optax.MaskedNode
+    opt_refs = optax.tree_map_params(
+        plan.tx,
+        lambda leaf, ref: leaf if isinstance(leaf, masked) else ref,
+        state.opt_state,
+        refs,
+        transform_non_params=lambda _: _NONPARAM,
+        is_leaf=lambda x: isinstance(x, (_Ref, masked)),
+    )
+    ref_leaves = jax.tree.leaves(opt_refs, is_leaf=lambda x: isinstance(x, _Ref) or x is _NONPARAM)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state_tree(state))
+    ref_iter = iter(ref_leaves)  # the opt_state leaves, in order (dict keys sort: opt_state, params, step)
+    opt_axes = plan.strategy.opt_axes
+    entries, seen = [], {}
+    for kpath, leaf in leaves:
+        key = tuple(_key_str(k) for k in kpath)
+        shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
+        if key[0] == "params":
+            path = tuple(getattr(k, "key", None) for k in kpath[1:])
+            entry = Entry(key, tuple(template[path].shape), dtype, path, layers[path], plan.shard_axes)
+        elif key[0] == "opt_state":
+            ref = next(ref_iter)
+            if isinstance(ref, _Ref):
+                logical = tuple(template[ref.path].shape)
+                lead = 1 if layers[ref.path] is None else layers[ref.path]
+                n_pad = padded_size(int(np.prod(logical[(layers[ref.path] is not None) :], dtype=np.int64)), plan.opt_shards)
+                if int(np.prod(shape, dtype=np.int64)) != lead * n_pad:
+                    raise ValueError(
+                        f"optimizer state leaf {'.'.join(key)} has shape {shape}, not that of parameter "
+                        f"{path_str(ref.path)} {logical} (padded {lead} x {n_pad}); zshard checkpoints "
+                        f"elementwise optimizer states (adam, adamw, sgd, lion, ...) only"
+                    )
+                entry = Entry(key, logical, dtype, ref.path, layers[ref.path], opt_axes)
+            else:
+                entry = Entry(key, shape, dtype, None, None, ())
+        else:
+            entry = Entry(key, shape, dtype, None, None, ())
+        if key in seen:  # pragma: no cover - two pytree keys with the same string form
+            raise ValueError(f"two state leaves share the checkpoint name {'.'.join(key)}: {seen[key]} and {kpath}")
+        seen[key] = kpath
+        entries.append(entry)
+    _LAYOUTS[plan] = (entries, treedef)
+    return entries, treedef
+
+
+def logical_spec(mesh, shape: tuple[int, ...], axes: tuple[str, ...]) -> P:
+    """Split a logical array over ``axes`` along its largest evenly divisible dimension."""
+    n = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    if n == 1:
+        return P()
+    dims = [d for d in np.argsort(shape)[::-1] if shape[d] % n == 0 and shape[d] >= n]
+    if not dims:
+        return P()  # small or indivisible (biases): replicated
+    spec = [None] * len(shape)
+    spec[int(dims[0])] = axes
+    return P(*spec)
+
+
+def _unpad(x, e: Entry):
+    """State leaf -> logical array: ``[n_pad]`` / ``[L, n_pad]`` / ``[.., 1, n_pad]`` -> ``shape``."""
+    return x if e.param is None else _unpad_to(x, e.shape, e.layers)
+
+
+def _unpad_to(x, shape: tuple, layers: int | None):
+    lead = () if layers is None else (layers,)
+    n = int(np.prod(shape[len(lead) :], dtype=np.int64))
+    return x.reshape(lead + (-1,))[..., :n].reshape(shape)  # [.., n_pad] -> [.., n] -> shape
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def unpad_replicated(x, shape: tuple, layers: int | None, mesh: Mesh):
+    """One parameter's logical array, replicated on ``mesh`` (compiled once per shape)."""
+    return jax.lax.with_sharding_constraint(_unpad_to(x, shape, layers), NamedSharding(mesh, P()))
+
+
+def pad_to_state(x, e: Entry, stored_shape):
+    """Logical array -> state leaf of ``stored_shape``, zero padding (the inverse of ``_unpad``)."""
+    if e.param is None:
+        return x
+    lead = () if e.layers is None else (e.layers,)
+    flat = x.reshape(lead + (-1,))  # shape -> [.., n]
+    pad = int(np.prod(stored_shape, dtype=np.int64)) // int(np.prod(lead, dtype=np.int64)) - flat.shape[-1]
+    flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, pad)]) if pad else flat  # [.., n_pad]
+    return flat.reshape(stored_shape)
+
+
+def auto_axes(mesh: Mesh) -> Mesh:
+    """The same devices with ``Auto`` axes: the un/padding programs slice dimensions that do
+    not divide by the axis size, which Explicit axes refuse; the partitioner moves the data."""
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def relabel(mesh: Mesh, x):
+    """``x`` re-labelled onto ``mesh`` (same devices and spec: no data moves)."""
+    return jax.device_put(x, NamedSharding(mesh, x.sharding.spec))
+
+
+def _checksum(x) -> jax.Array:
+    """uint32 ``[2]``: the sum of ``x``'s bit patterns and their position-weighted sum, mod 2**32.
+
+    Integer sums wrap the same in any reduction order, so the value does not depend on the
+    mesh. Orbax's compressed chunks carry no checksum (a flipped byte in a data file
+    restores silently as other numbers); this one is stored in the checkpoint's JSON and
+    compared on every restore.
+    """
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)  # 8-byte: [..., 2]
+    flat = bits.reshape(-1)
+    weights = jnp.arange(1, flat.size + 1, dtype=jnp.uint32)
+    return jnp.stack([jnp.sum(flat, dtype=jnp.uint32), jnp.sum(flat * weights, dtype=jnp.uint32)])
+
+
+def checksums(values: list) -> list[list[int]]:
+    return np.asarray(jax.device_get(_checksums_jit(values))).tolist()
+
+
+_checksums_jit = jax.jit(lambda xs: jnp.stack([_checksum(x) for x in xs]) if xs else jnp.zeros((0, 2), jnp.uint32))
+
+
+def short_error(e: Exception) -> str:
+    """An exception in one line of at most 240 characters (TensorStore prints whole specs)."""
+    text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+_TO_LOGICAL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def to_logical_fn(state: ShardedState):
+    plan = state.plan
+    if plan not in _TO_LOGICAL:
+        entries, _ = logical_layout(state)
+        auto = auto_axes(plan.mesh)
+        shardings = [NamedSharding(auto, logical_spec(auto, e.shape, e.axes)) for e in entries]
+        unpad = jax.jit(lambda leaves: [_unpad(x, e) for x, e in zip(leaves, entries)], out_shardings=shardings)
+        _TO_LOGICAL[plan] = lambda leaves: unpad([relabel(auto, x) for x in leaves])
+    return _TO_LOGICAL[plan]
+
+
+def nested(entries: list[Entry], values: list) -> dict:
+    return traverse_util.unflatten_dict({e.key: v for e, v in zip(entries, values)})
+
+
+# ----------------------------------------------------------------------------------------
+
+
+def _fmt(shape, dtype) -> str:
+    return f"{list(shape)} {np.dtype(dtype).name}"
+
+
+def differences(want: dict, have: dict, stored: str, target: str) -> list[str]:
+    """One line per name whose ``(shape, dtype)`` differs between ``have`` (the ``stored``
+    side) and ``want`` (the ``target``), or that only one side has; parameters first."""
+    problems = []
+    for name in sorted(set(want) | set(have), key=lambda n: (not n.startswith("params."), n)):
+        if name not in have:
+            problems.append(f"  {name}: missing in the {stored}; the {target} has {_fmt(*want[name])}")
+        elif name not in want:
+            problems.append(f"  {name}: in the {stored} {_fmt(*have[name])}, not in the {target}")
+        elif want[name] != have[name]:
+            problems.append(f"  {name}: {stored} {_fmt(*have[name])}, {target} {_fmt(*want[name])}")
+    return problems

@@ -1,0 +1,171 @@
+"""Full parameters to and from a safetensors file: :func:`export` and :func:`load_params`.
+
+``export`` reads from a live :class:`~zshard.ShardedState` (one parameter gathered at a time)
+or from a checkpoint directory (one stored array read at a time, through the
+:class:`~zshard.checkpoint.Checkpointer`'s public methods), and writes through the
+``safetensors`` library from memory-mapped staging files.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx, traverse_util
+
+from zshard.checkpoint.checkpointer import Checkpointer
+from zshard.checkpoint.layout import FORMAT, auto_axes, checksums, differences, logical_layout, relabel, short_error, unpad_replicated
+from zshard.state import ShardedState
+from zshard.units import path_str
+
+__all__ = ["export", "load_params"]
+
+_ST_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+}  # fmt: skip
+
+
+def _export_tensors(source):
+    """``(name, shape, dtype, fetch)`` per parameter; ``fetch()`` -> one numpy array."""
+    if isinstance(source, ShardedState):
+        plan = source.plan
+        entries, _ = logical_layout(source)
+        flat = traverse_util.flatten_dict(source.params)
+        auto = auto_axes(plan.mesh)
+        for e in entries:
+            if e.key[0] != "params":
+                continue
+            # One parameter at a time: [n_pad] shards -> logical array, replicated, then host.
+            fetch = lambda e=e: np.asarray(  # noqa: E731
+                unpad_replicated(relabel(auto, flat[e.param]), e.shape, e.layers, auto).addressable_data(0)
+            )
+            yield path_str(e.param), e.shape, e.dtype, fetch
+        return
+    with Checkpointer(source) as ckpt:
+        step = ckpt.resolve_step()
+        sums = ckpt.read_meta(step)["zshard"].get("checksums", {})
+        stored = ckpt.stored_arrays(step)
+    where = ckpt.directory / str(step) / "state"
+    reader = ocp.PyTreeCheckpointer()
+    for key, m in stored.items():
+        if key[0] != "params":
+            continue
+        item = traverse_util.unflatten_dict({key: jax.ShapeDtypeStruct(m.shape, m.dtype)})
+        args = traverse_util.unflatten_dict({key: ocp.RestoreArgs(restore_type=np.ndarray)})
+
+        def fetch(item=item, args=args, key=key):
+            try:
+                out = reader.restore(where, args=ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True))
+            except Exception as e:
+                raise ValueError(f"checkpoint {str(where)!r}: {'.'.join(key)} cannot be read ({short_error(e)})") from e
+            value = np.asarray(traverse_util.flatten_dict(out)[key])
+            if checksums([jnp.asarray(value)])[0] != sums.get(".".join(key)):
+                raise ValueError(f"checkpoint {str(where)!r} is corrupt: {'.'.join(key)} reads back with other contents than were saved (checksum mismatch)")
+            return value
+
+        yield ".".join(key[1:]), tuple(m.shape), np.dtype(m.dtype), fetch
+
+
+def export(source: ShardedState | str | os.PathLike, file: str | os.PathLike) -> Path:
+    """Write the full parameters to a safetensors ``file``, one tensor at a time.
+
+    Each parameter is stored under its path (``"blocks.0.lin.kernel"``) in its logical
+    shape and dtype. Tensors are gathered one at a time (each replicated on the mesh for a
+    moment, then copied to host) and staged in memory-mapped files beside ``file``, from
+    which the ``safetensors`` library writes the file: anonymous host memory holds about
+    one tensor, never the model (the staged pages are file-backed; the OS can evict them).
+    The file is written under a temporary name and renamed: never half-written. With several
+    processes, every one must call it (the gathers are collective); process 0 writes.
+
+    Args:
+      source: a :class:`~zshard.ShardedState`, or a checkpoint directory (its latest step).
+      file: the output path, e.g. ``model.safetensors`` (its directory must exist).
+
+    Returns:
+      The path written.
+
+    Raises:
+      FileNotFoundError: the checkpoint directory or the output's directory is missing.
+      ValueError: the checkpoint is truncated or corrupt; a dtype safetensors cannot hold.
+    """
+    from safetensors import TensorSpec, serialize_file  # noqa: PLC0415
+
+    file = Path(file)
+    if not file.parent.is_dir():
+        raise FileNotFoundError(f"export: directory {str(file.parent)!r} of {str(file)!r} does not exist; create it first")
+    if file.is_dir():
+        raise ValueError(f"export: {str(file)!r} is a directory; give a file path such as model.safetensors")
+    writer = jax.process_index() == 0  # every process takes part in the gathers; one writes
+    with tempfile.TemporaryDirectory(dir=file.parent, prefix=f".{file.name}.") as tmp:
+        specs, maps = {}, []
+        for i, (name, shape, dtype, fetch) in enumerate(_export_tensors(source)):
+            if dtype.name not in _ST_DTYPES:
+                raise ValueError(f"export: parameter {name} has dtype {dtype.name}, which safetensors cannot store")
+            value = np.ascontiguousarray(fetch(), dtype=dtype)  # one tensor in host memory
+            if not writer:
+                continue
+            staged = np.lib.format.open_memmap(os.path.join(tmp, f"{i}.npy"), mode="w+", dtype=dtype, shape=value.shape or (1,))
+            staged[...] = value.reshape(staged.shape)
+            staged.flush()
+            del value
+            maps.append(staged)
+            specs[name] = TensorSpec(dtype=dtype.name, shape=list(shape), data_ptr=staged.ctypes.data, data_len=staged.nbytes if shape else dtype.itemsize)
+        if not writer:
+            return file
+        partial = os.path.join(tmp, "out.safetensors")
+        serialize_file(specs, partial, metadata={"format": "zshard", "zshard_format": str(FORMAT)})
+        del maps
+        os.replace(partial, file)
+    return file
+
+
+def load_params(file: str | os.PathLike, model: nnx.Module) -> nnx.Module:
+    """Fill ``model``'s parameters from a safetensors file written by :func:`export`.
+
+    Reads one tensor at a time. ``model`` is an ordinary ``nnx.Module`` of the same
+    structure (e.g. ``GPT(cfg, rngs=nnx.Rngs(0))``); it is updated in place and returned.
+
+    Raises:
+      FileNotFoundError: ``file`` does not exist.
+      ValueError: the file is not a readable safetensors file (truncated, corrupt), or its
+        tensors do not match the model's parameters (each path missing, extra, or with a
+        differing shape / dtype named); the model is then left unchanged.
+    """
+    from safetensors import safe_open  # noqa: PLC0415
+
+    file = Path(file)
+    if not file.is_file():
+        raise FileNotFoundError(f"load_params: no file {str(file)!r}")
+    flat = list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    want = {path_str(p): (tuple(v.get_value().shape), np.dtype(v.get_value().dtype)) for p, v in flat}
+    try:
+        with safe_open(file, framework="flax") as f:
+            have = {}
+            for name in f.keys():
+                sl = f.get_slice(name)
+                have[name] = (tuple(sl.get_shape()), _from_st_dtype(sl.get_dtype()))
+            problems = differences(want, have, "file", "model")
+            if problems:
+                raise ValueError(
+                    f"load_params: {str(file)!r} does not match the model; {len(problems)} difference(s):\n"
+                    + "\n".join(problems[:20]) + "\nthe model was left unchanged"
+                )
+            values = {p: f.get_tensor(path_str(p)) for p, _ in flat}
+    except ValueError:
+        raise
+    except Exception as e:  # safetensors raises SafetensorError / OSError on a damaged file
+        raise ValueError(f"load_params: {str(file)!r} is not a readable safetensors file ({short_error(e)})") from e
+    nnx.update(model, nnx.from_flat_state([(p, v.replace(values[p])) for p, v in flat]))
+    return model
+
+
+def _from_st_dtype(code: str) -> np.dtype:
+    names = {v: k for k, v in _ST_DTYPES.items()}
+    return np.dtype(jnp.dtype(names.get(code.upper(), code.lower())))
