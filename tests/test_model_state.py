@@ -80,11 +80,17 @@ def run(make_model, tx, loss_fn, batches, strategy, shape, grad_accum=1, **kw):
     return losses, state
 
 
+def close(got, want, tol, name):
+    """Relative L2 within ``tol`` (the suite's criterion), or every element within 1e-6: a
+    bias just before a BatchNorm has a zero gradient, so its value is float noise."""
+    assert rel_l2(got, want) <= tol or np.max(np.abs(np.asarray(got) - np.asarray(want))) <= 1e-6, (name, rel_l2(got, want))
+
+
 def assert_close(losses, ref_losses, model, ref_model, tol=1e-5):
     np.testing.assert_allclose(losses, ref_losses, rtol=tol)
     got, want = flat_params(model), flat_params(ref_model)
     for p, v in want.items():
-        assert rel_l2(got[p], v) <= tol, p
+        close(got[p], v, tol, p)
     for (p, v), (_, w) in zip(_others(model).items(), _others(ref_model).items()):
         if isinstance(v, nnx.RngKey):
             chex.assert_trees_all_equal(jax.random.key_data(v.get_raw_value()), jax.random.key_data(w.get_raw_value()))
@@ -180,7 +186,7 @@ def test_sync_batchnorm_equals_single_device_global_batch(strategy, shape):
     np.testing.assert_allclose(losses, ref.losses, rtol=1e-5)
     model = zshard.unshard(state)
     for p, v in ref.params.items():
-        assert rel_l2(flat_params(model)[p], v) <= 1e-5, p
+        close(flat_params(model)[p], v, 1e-5, p)
     for a, b in [(model.bn.mean, ref.model.bn.mean), (model.blocks[1].bn.var, ref.model.blocks[1].bn.var)]:
         np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=1e-5, atol=1e-7)
 
@@ -311,3 +317,51 @@ def test_sharding_annotations_build_and_train_without_a_mesh_of_ones_own():
     np.testing.assert_allclose(losses, ref.losses, rtol=1e-5)
     model = zshard.unshard(state)
     assert model.up.kernel.get_metadata()["out_sharding"] == ("embed", "mlp")  # kept as metadata
+
+
+# --- checkpoints carry the variables --------------------------------------------------------------------
+
+
+class BNDropNet(DropNet):
+    def __init__(self, *, rngs: nnx.Rngs):
+        super().__init__(rngs=rngs)
+        self.bn = nnx.BatchNorm(D, rngs=rngs)
+
+    def __call__(self, x):
+        return super().__call__(x) + self.bn(self.inp(x)).sum(-1, keepdims=True)
+
+
+def test_checkpoint_resume_continues_streams_and_statistics_on_another_mesh(tmp_path):
+    make = lambda: BNDropNet(rngs=nnx.Rngs(0, dropout=3))  # noqa: E731
+    tx = optax.adam(1e-2)
+    batches = mlp_batches(4)
+    straight, _ = run(make, tx, mse_loss, batches, "FULL_SHARD", (1, 8))
+
+    state = zshard.init(make, tx, zshard.make_mesh(1, 8))
+    step = zshard.make_train_step(mse_loss)
+    for b in batches[:2]:
+        state, _ = step(state, b)
+    zshard.save(state, tmp_path / "ckpt")
+    restored, _ = zshard.restore(tmp_path / "ckpt", zshard.make_mesh(2, 4), model=make, tx=tx, strategy="HYBRID_SHARD")
+    chex.assert_trees_all_equal(
+        jax.tree.map(lambda x: np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x),
+                     restored.variables),
+        jax.tree.map(lambda x: np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x),
+                     state.variables),
+    )
+    step2 = zshard.make_train_step(mse_loss)
+    resumed = []
+    for b in batches[2:]:
+        restored, m = step2(restored, b)
+        resumed.append(float(m["loss"]))
+    np.testing.assert_allclose(resumed, straight[2:], rtol=1e-5)  # same masks, same statistics
+    # export keeps what inference needs (statistics), not the RNG state; load_params reads it back
+    zshard.export(restored, tmp_path / "model.safetensors")
+    loaded = zshard.load_params(tmp_path / "model.safetensors", make())
+    np.testing.assert_array_equal(np.asarray(loaded.bn.mean[...]), np.asarray(zshard.unshard(restored).bn.mean[...]))
+    zshard.export(tmp_path / "ckpt", tmp_path / "from_ckpt.safetensors")
+    from safetensors import safe_open  # noqa: PLC0415
+
+    with safe_open(tmp_path / "from_ckpt.safetensors", framework="numpy") as f:
+        names = set(f.keys())
+    assert "bn.mean" in names and not any("rngs" in n for n in names)

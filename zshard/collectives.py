@@ -289,6 +289,7 @@ def run_unit(
     comm: UnitComm,
     after: PrefetchLink | None = None,
     link: PrefetchLink | None = None,
+    name: str = "unit",
 ):
     """Run ``apply(params, inputs)`` with the unit's parameters gathered just in time.
 
@@ -306,6 +307,8 @@ def run_unit(
         backward hands a token of this call's output cotangent back to it, so that unit's
         re-gather can be issued before this unit's backward computes. ``None``: no prefetch.
       link: this call's own link, filled in here (``link.token``); a later call may take it.
+      name: the unit's name, for ``jax.named_scope`` (``zshard.unit.<name>.forward`` /
+        ``.backward``: profiles and HLO read by unit and phase).
 
     Returns:
       ``apply``'s outputs. Residuals are ``bufs``, ``inputs``, the gathered weights only if
@@ -322,6 +325,10 @@ def run_unit(
         return apply(_gather_all(flats, bufs, shard_axes, replica_axes, mp), inputs), schedule_token(inputs)
 
     def fwd(bufs, inputs, after_token):
+        with jax.named_scope(f"zshard.unit.{name}.forward"):
+            return _fwd(bufs, inputs, after_token)
+
+    def _fwd(bufs, inputs, after_token):
         # The gather may not start before the unit's input exists (or, prefetching, the
         # input of the earlier unit call), so the gathered copy is alive only around this
         # unit (and the one before it). docs/design.md, "Forced schedule".
@@ -340,7 +347,12 @@ def run_unit(
         return (out, out_token), (bufs, kept, inputs, saved)
 
     def bwd(res, cts):
+        with jax.named_scope(f"zshard.unit.{name}.backward"):
+            return _bwd(res, cts)
+
+    def _bwd(res, cts):
         bufs, kept, inputs, saved = res
+        primal_inputs = inputs
         g, g_token = cts
         if reshard:
             # The re-gather depends on a cotangent, so it cannot be merged with the forward
@@ -353,12 +365,19 @@ def run_unit(
             # into the forward pass and keeps every activation alive.
             inputs, saved = _after_tree(inputs, g), _after_tree(saved, g)
         if remat == "block":
-            _, pullback = jax.vjp(apply, params, inputs)
+            out, pullback = jax.vjp(apply, params, inputs)
+            # The recompute's inputs may vary over more mesh axes than in forward (tied to the
+            # cotangent above): give each cotangent the type of the output it belongs to.
+            g = jax.tree.map(lambda c, o: vary(c, tuple(varying_axes(o))) if _is_real(c) else c, g, out)
         else:
             rest = iter(saved)
             leaves = [next(rest) if j is None else params[j] for j in pullback_layout["weight"]]
             pullback = jax.tree.unflatten(pullback_layout["treedef"], leaves)
         d_params, d_inputs = pullback(g)
+        # An input that is the same on every device (an invariant value, e.g. a BatchNorm
+        # statistic) was used by every device: its cotangent is the sum over the axes the
+        # computation varied over (the transpose of the implicit broadcast).
+        d_inputs = jax.tree.map(_cotangent_like, d_inputs, primal_inputs)
         d_after = () if after is None else _like(schedule_token(g), after_vma)  # the earlier unit's re-gather may start now
         return _scatter_all(flats, bufs, d_params, shard_axes, replica_axes, mp), d_inputs, d_after
 
@@ -366,6 +385,19 @@ def run_unit(
     _unit.defvjp(fwd, bwd)
     out, link.token = _unit(tuple(bufs), inputs, () if after is None else after.token)
     return out
+
+
+def _is_real(c) -> bool:
+    return hasattr(c, "dtype") and c.dtype != jax.dtypes.float0
+
+
+def _cotangent_like(c, primal):
+    """``c`` summed over the mesh axes it varies over and ``primal`` does not."""
+    if not _is_real(c):
+        return c
+    extra = tuple(sorted(varying_axes(c) - varying_axes(primal)))
+    c = jax.lax.psum(c, extra) if extra else c
+    return vary(c, tuple(sorted(varying_axes(primal))))
 
 
 def _like(t: jax.Array, vma: frozenset) -> jax.Array:

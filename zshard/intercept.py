@@ -222,7 +222,7 @@ class UnitBinding:
             if candidate.trace == link.trace and candidate.token is not None:
                 earlier, candidate.taken = candidate, True
         with jax.named_scope(f"zshard.unit.{unit.name}.{name}"):
-            out, new_others, created = run_unit(apply, unit.flats, bufs, inputs + tied + others, self.comm, earlier, link)
+            out, new_others, created = run_unit(apply, unit.flats, bufs, inputs + tied + others, self.comm, earlier, link, unit.name)
         if unit.layers is None:
             self.chain.append(link)
         for p, v in zip(other_rel, new_others):

@@ -33,6 +33,7 @@ from zshard.checkpoint.layout import (
     short_error,
     state_tree,
     to_logical_fn,
+    variables_from_tree,
 )
 from zshard.state import ShardedState, init
 from zshard.units import path_str
@@ -163,6 +164,7 @@ class Checkpointer:
                 "strategy": plan.strategy.value,
                 "mesh": dict(plan.mesh.shape),
                 "params": {path_str(p): list(v.get_value().shape) for p, v in plan.template},
+                "variables": {path_str(p): type(v).__name__ for p, v in plan.var_template},  # kinds: export skips RNG state
                 "checksums": {".".join(e.key): c for e, c in zip(entries, sums)},
             },
             "extra": extra,
@@ -304,7 +306,7 @@ class Checkpointer:
             out_shardings=[NamedSharding(auto, leaf.sharding.spec) for leaf in leaves],
         )
         values = jax.tree.unflatten(treedef, [jax.device_put(x, leaf.sharding) for x, leaf in zip(to_state(logical), leaves)])
-        state = ShardedState(values["params"], values["opt_state"], values["step"], target.plan)
+        state = ShardedState(values["params"], values["opt_state"], values["step"], target.plan, variables_from_tree(values, target))
         return state, meta["extra"]
 
     @staticmethod

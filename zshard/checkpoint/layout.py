@@ -1,9 +1,10 @@
 """The logical layout of a sharded state: what a zshard checkpoint stores, and the programs
 that go between the state's padded shards and the logical arrays.
 
-One :class:`Entry` per leaf of ``{"params", "opt_state", "step"}``: a parameter (and each
-optimizer-state leaf of a parameter) is stored under its path in its logical shape,
-unpadded; scalar leaves (step counts) as they are. ``to_logical_fn`` turns the state's
+One :class:`Entry` per leaf of ``{"params", "opt_state", "step", "variables"}``: a parameter
+(and each optimizer-state leaf of a parameter) is stored under its path in its logical
+shape, unpadded; scalar leaves (step counts) and the model's non-parameter variables
+(replicated: BatchNorm statistics, RNG keys as their data and counts) as they are. ``to_logical_fn`` turns the state's
 ``[n_pad]`` / ``[L, n_pad]`` shards into logical arrays, split over the same mesh axes along
 a dimension that divides evenly; :func:`pad_to_state` is its inverse at restore. The
 checksums stored beside catch a flipped byte that Orbax restores silently.
@@ -30,7 +31,7 @@ from zshard.units import path_str
 
 __all__ = [
     "FORMAT", "Entry", "auto_axes", "checksums", "differences", "logical_layout", "logical_spec", "nested",
-    "pad_to_state", "relabel", "short_error", "state_tree", "to_logical_fn", "unpad_replicated",
+    "pad_to_state", "relabel", "short_error", "state_tree", "to_logical_fn", "unpad_replicated", "variables_from_tree",
 ]  # fmt: skip
 
 FORMAT = 1
@@ -76,8 +77,35 @@ def _key_str(entry) -> str:
     return str(entry)
 
 
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_data(x):
+    """A typed PRNG key array -> its ``uint32`` data (``[..., 2]`` for threefry), what Orbax
+    stores; an abstract one -> the abstract data, with the key's sharding."""
+    if not _is_key(x):
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        data = jax.eval_shape(jax.random.key_data, x)
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
+    return jax.random.key_data(x)
+
+
 def state_tree(state) -> dict:
-    return {"params": state.params, "opt_state": state.opt_state, "step": state.step}
+    """What a checkpoint stores of ``state``: parameters, optimizer state, step and the
+    non-parameter variables (RNG keys as their ``uint32`` data)."""
+    tree = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
+    if state.variables:
+        tree["variables"] = jax.tree.map(_key_data, state.variables)
+    return tree
+
+
+def variables_from_tree(values: dict, target) -> dict:
+    """The ``variables`` of a restored :func:`state_tree`, RNG keys wrapped back like ``target``'s."""
+    if not target.variables:
+        return {}
+    return jax.tree.map(lambda v, t: jax.random.wrap_key_data(v) if _is_key(t) else v, values["variables"], target.variables)
 
 
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -47,15 +47,21 @@ def _export_tensors(source):
                 unpad_replicated(relabel(auto, flat[e.param]), e.shape, e.layers, auto).addressable_data(0)
             )
             yield path_str(e.param), e.shape, e.dtype, fetch
+        kinds = dict(plan.var_template)
+        for path, value in traverse_util.flatten_dict(source.variables).items() if source.variables else ():
+            if not isinstance(kinds[path], nnx.RngState):  # statistics and counters; not RNG state
+                yield path_str(path), tuple(value.shape), np.dtype(value.dtype), lambda v=value: np.asarray(v.addressable_data(0))
         return
     with Checkpointer(source) as ckpt:
         step = ckpt.resolve_step()
-        sums = ckpt.read_meta(step)["zshard"].get("checksums", {})
+        meta = ckpt.read_meta(step)["zshard"]
+        sums = meta.get("checksums", {})
         stored = ckpt.stored_arrays(step)
+    rng_state = {name for name, kind in meta.get("variables", {}).items() if kind in _RNG_KINDS}
     where = ckpt.directory / str(step) / "state"
     reader = ocp.PyTreeCheckpointer()
     for key, m in stored.items():
-        if key[0] != "params":
+        if key[0] not in ("params", "variables") or (key[0] == "variables" and ".".join(key[1:]) in rng_state):
             continue
         item = traverse_util.unflatten_dict({key: jax.ShapeDtypeStruct(m.shape, m.dtype)})
         args = traverse_util.unflatten_dict({key: ocp.RestoreArgs(restore_type=np.ndarray)})
@@ -73,11 +79,15 @@ def _export_tensors(source):
         yield ".".join(key[1:]), tuple(m.shape), np.dtype(m.dtype), fetch
 
 
+_RNG_KINDS = {"RngKey", "RngCount", "RngState"}
+
+
 def export(source: ShardedState | str | os.PathLike, file: str | os.PathLike) -> Path:
     """Write the full parameters to a safetensors ``file``, one tensor at a time.
 
     Each parameter is stored under its path (``"blocks.0.lin.kernel"``) in its logical
-    shape and dtype. Tensors are gathered one at a time (each replicated on the mesh for a
+    shape and dtype; so are the model's other variables that inference needs (BatchNorm
+    statistics, counters), not its RNG state. Tensors are gathered one at a time (each replicated on the mesh for a
     moment, then copied to host) and staged in memory-mapped files beside ``file``, from
     which the ``safetensors`` library writes the file: anonymous host memory holds about
     one tensor, never the model (the staged pages are file-backed; the OS can evict them).
@@ -127,7 +137,8 @@ def export(source: ShardedState | str | os.PathLike, file: str | os.PathLike) ->
 
 
 def load_params(file: str | os.PathLike, model: nnx.Module) -> nnx.Module:
-    """Fill ``model``'s parameters from a safetensors file written by :func:`export`.
+    """Fill ``model``'s parameters (and BatchNorm statistics and other non-RNG variables)
+    from a safetensors file written by :func:`export`.
 
     Reads one tensor at a time. ``model`` is an ordinary ``nnx.Module`` of the same
     structure (e.g. ``GPT(cfg, rngs=nnx.Rngs(0))``); it is updated in place and returned.
@@ -143,7 +154,7 @@ def load_params(file: str | os.PathLike, model: nnx.Module) -> nnx.Module:
     file = Path(file)
     if not file.is_file():
         raise FileNotFoundError(f"load_params: no file {str(file)!r}")
-    flat = list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    flat = [(p, v) for p, v in nnx.to_flat_state(nnx.state(model)) if not isinstance(v, (nnx.RngState, nnx.Intermediate))]
     want = {path_str(p): (tuple(v.get_value().shape), np.dtype(v.get_value().dtype)) for p, v in flat}
     try:
         with safe_open(file, framework="flax") as f:
