@@ -8,6 +8,7 @@
 """
 
 from zshard.checkpoint import export, load_params, restore, save
+from zshard.evaluate import EvalStep, make_eval_step
 from zshard.mesh import make_mesh
 from zshard.precision import MixedPrecision
 from zshard.report import Report, report
@@ -25,9 +26,11 @@ __all__ = [
     "TokenMean",
     "TrainStep",
     "device_key",
+    "EvalStep",
     "export",
     "init",
     "load_params",
+    "make_eval_step",
     "make_mesh",
     "make_train_step",
     "report",

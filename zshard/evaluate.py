@@ -1,0 +1,132 @@
+"""The sharded forward pass: evaluation (``make_eval_step``) and any forward-only function.
+
+Forward only, inside the same ``jax.shard_map`` as the train step (DESIGN.md section 5,
+steps 1-2): each device takes its slice of the batch, the root unit is all-gathered once,
+every block unit is all-gathered just before its ``__call__`` and dropped after it. No
+gradient, so no backward re-gather and no reduce-scatter: per call, one all-gather per
+unit (per layer for stacked units) plus the scalar all-reduces of the result.
+
+The model is built by :func:`zshard.step.materialize` (the train step's own machinery), so
+units, mixed precision (gather and compute in ``param_dtype``) and strategies are those
+of the train step. The forward gathers are tied to the unit's input by a data dependency
+(the ``fwd`` rule of :func:`zshard.collectives.run_unit`, taken through ``jax.vjp`` whose
+pullback is never called): without it the XLA CPU scheduler issues every gather at the
+start and the temporary memory is the whole model (DESIGN.md section 7, the remat trap).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, traverse_util
+from jax.sharding import PartitionSpec as P
+
+from zshard.mesh import AXES
+from zshard.state import ShardedState
+from zshard.step import TrainStep, materialize
+
+__all__ = ["EvalStep", "make_eval_step", "forward"]
+
+
+def forward(state: ShardedState, params: dict, fn: Callable, *args):
+    """Inside ``shard_map``: ``fn(model, *args)`` on the model materialised from the local shards.
+
+    Args:
+      state: the :class:`ShardedState` (only its plan is read).
+      params: this device's parameter shards, nested like ``state.params`` (``[n_pad / N]`` each).
+      fn: ``fn(model, *args) -> pytree of arrays``, written for one device.
+      args: pytrees of this device's arrays.
+
+    Returns:
+      ``fn``'s value. Each block unit is gathered once, just before it runs (forced by data
+      dependency on its input, see the module docstring); nothing is differentiated.
+    """
+    plan = state.plan
+    flat = traverse_util.flatten_dict(params)
+    # Trace through jax.vjp w.r.t. the floating shards: the custom-VJP unit calls then use
+    # their fwd rule (each gather issued after the unit's input exists). The pullback is
+    # never called, so residuals and backward are dead code that XLA removes.
+    floats = {p: x for p, x in flat.items() if jnp.issubdtype(x.dtype, jnp.inexact)}
+    others = {p: x for p, x in flat.items() if p not in floats}
+
+    def run(floats):
+        return fn(materialize(plan, {**others, **floats}), *args)
+
+    out, _ = jax.vjp(run, floats)
+    return out
+
+
+def _reduce(plan, out) -> dict:
+    """``fn``'s value -> the global result over all devices (``psum`` over the mesh)."""
+    if isinstance(out, (tuple, list)) and len(out) == 2:
+        # token-weighted: (sum, count) -> global sum / global count
+        total, count = (jax.lax.psum(jnp.asarray(x, jnp.float32), AXES) for x in out)
+        return {"loss": total / count, "tokens": count}
+    if isinstance(out, dict):
+        if "loss" not in out:
+            raise ValueError(f"eval fn returned a dict without 'loss' (keys {sorted(out)}); add the loss under 'loss'")
+        return {k: jax.lax.psum(jnp.asarray(v, jnp.float32), AXES) / plan.world for k, v in out.items()}
+    return {"loss": jax.lax.psum(plan.mp.cast_loss(out).astype(jnp.float32), AXES) / plan.world}
+
+
+class EvalStep:
+    """``eval(state, batch) -> metrics``: ``fn`` on the sharded model, forward only.
+
+    ``batch``: a pytree whose leaves have the global batch as leading dimension, split over
+    all ``R*S`` devices (``PartitionSpec(("replica", "shard"))``), as for the train step.
+    ``metrics["loss"]``: float32 scalar, replicated: the mean over devices of ``fn``'s
+    per-device scalar (each device's batch slice has the same size, so this is the global
+    mean of a per-example mean loss); when ``fn`` returns ``(sum, count)`` it is
+    ``sum(sum) / sum(count)`` over devices (the token-weighted mean) and
+    ``metrics["tokens"]`` is the global count; when ``fn`` returns a dict of scalars, each
+    is the mean over devices. The state is not donated and not changed.
+
+    Raises:
+      ValueError: a batch leaf is a scalar or its leading dimension does not divide by the
+        device count (before any compile); a dict result without ``"loss"``.
+    """
+
+    grad_accum = 1  # read by the batch placement shared with the train step
+    put_batch = TrainStep.put_batch
+
+    def __init__(self, fn: Callable[[nnx.Module, Any], Any]):
+        if not callable(fn):
+            raise TypeError(f"make_eval_step: fn must be a callable fn(model, batch), got {type(fn).__name__}")
+        self.fn = fn
+        self._jitted = jax.jit(self._eval)
+
+    def _eval(self, state: ShardedState, batch):
+        plan = state.plan
+
+        def local(params, batch):
+            return _reduce(plan, forward(state, params, self.fn, batch))
+
+        return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(AXES)), out_specs=P())(state.params, batch)
+
+    def __call__(self, state: ShardedState, batch) -> dict:
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state.params)):
+            raise ValueError("this state was donated to a train step (its buffers are deleted); evaluate the state that step returned")
+        return self._jitted(state, self.put_batch(state, batch))
+
+    def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
+        """The lowered eval step (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
+        return self._jitted.lower(state, self.put_batch(state, batch))
+
+
+def make_eval_step(fn: Callable[[nnx.Module, Any], Any]) -> EvalStep:
+    """Build the sharded, forward-only evaluation of ``fn(model, batch)``.
+
+    Args:
+      fn: written for one device and an ordinary model (as ``loss_fn`` of
+        :func:`zshard.make_train_step`): receives this device's slice of the batch
+        (``[B / (R*S), ...]``) and returns a scalar mean, ``(sum, count)`` (token-weighted),
+        or a dict of scalars with ``"loss"``.
+
+    Returns:
+      :class:`EvalStep`; ``eval(state, batch)["loss"]`` is the global loss (float32).
+      Per call and device: one all-gather per unit (the root unit's stays for the call),
+      no reduce-scatter; temporary memory about two gathered units plus activations.
+    """
+    return EvalStep(fn)
