@@ -5,6 +5,11 @@ GPT: pre-norm transformer blocks (Radford et al. 2019, GPT-2 section 2.3): causa
 multi-head self-attention and a 4x GELU MLP, learned absolute positions.
 Llama (Touvron et al. 2023, arXiv 2302.13971 section 2.2): RMSNorm, SwiGLU MLP, rotary
 positions (Su et al. 2021), grouped-query attention (Llama 2, arXiv 2307.09288), no biases.
+
+Both take an optional KV cache for autoregressive decoding (``model(tokens, cache=cache,
+pos=pos)`` -> ``(logits, cache)``; :func:`init_cache` makes an empty one): the keys and
+values of positions ``< pos`` are read from the cache, those of ``tokens`` written into it at
+``pos .. pos+T-1``. Without ``cache`` the models are unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["GPTConfig", "GPT", "Block", "LlamaConfig", "Llama", "MODEL_PRESETS", "PLAN_PRESETS", "cross_entropy_loss"]
+__all__ = [
+    "GPTConfig", "GPT", "Block", "LlamaConfig", "Llama", "MODEL_PRESETS", "PLAN_PRESETS", "cross_entropy_loss", "init_cache",
+    "from_hf", "to_hf",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +39,10 @@ class GPTConfig:
       tie_embeddings: the output projection is the token embedding (``wte.attend``), as in GPT-2.
       scan: stack the blocks (``nnx.vmap``) and run them with ``nnx.scan``: compile time
         stays flat in depth; otherwise an ``nnx.List`` run by a Python loop.
+      qkv_bias: a bias on the fused q/k/v projection (GPT-2 has one).
+      norm_eps: LayerNorm epsilon (GPT-2: 1e-5).
+      gelu_approximate: ``True``: the tanh approximation of GELU (GPT-2's ``gelu_new``);
+        ``False``: the exact erf form.
     """
 
     vocab_size: int = 256
@@ -40,6 +52,9 @@ class GPTConfig:
     n_heads: int = 4
     tie_embeddings: bool = False
     scan: bool = False
+    qkv_bias: bool = False
+    norm_eps: float = 1e-6
+    gelu_approximate: bool = True
 
 
 MODEL_PRESETS = {
@@ -63,18 +78,74 @@ def make_blocks(block_cls, cfg, rngs: nnx.Rngs):
     return stacked(rngs)
 
 
-def run_blocks(blocks, x, scan: bool):
-    """Apply the blocks in order: a Python loop, or ``nnx.scan`` over the layer axis."""
+def run_blocks(blocks, x, scan: bool, cache=None, pos=None):
+    """Apply the blocks in order: a Python loop, or ``nnx.scan`` over the layer axis.
+
+    With ``cache`` (from :func:`init_cache`): returns ``(x, new cache)``.
+    """
+    if cache is None:
+        if not scan:
+            for block in blocks:
+                x = block(x)
+            return x
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x)
+
+        return body(x, blocks)
     if not scan:
-        for block in blocks:
-            x = block(x)
-        return x
+        new = []
+        for block, c in zip(blocks, cache):
+            x, c = block(x, c, pos)
+            new.append(c)
+        return x, new
 
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    def body(x, block):
-        return block(x)
+    # stacked cache (k, v): [B, L, Tmax, nkv, hs] each, scanned over its layer axis 1
+    @nnx.scan(in_axes=(nnx.Carry, 0, 1, None), out_axes=(nnx.Carry, 1))
+    def body_cached(x, block, c, pos):
+        return block(x, c, pos)
 
-    return body(x, blocks)
+    return body_cached(x, blocks, tuple(cache), pos)
+
+
+def init_cache(cfg, batch: int, length: int, dtype=jnp.float32):
+    """An empty KV cache for ``batch`` sequences of up to ``length`` tokens.
+
+    Returns:
+      ``cfg.n_layers`` pairs ``(k, v)``, each ``[batch, length, n_kv_heads, head_size]`` in
+      ``dtype`` (a list; with ``cfg.scan`` one stacked pair ``[batch, n_layers, length, ...]``).
+      Bytes: ``2 * n_layers * batch * length * n_kv_heads * head_size * itemsize``.
+    """
+    kv = getattr(cfg, "n_kv_heads", cfg.n_heads)
+    shape = (batch, length, kv, cfg.d_model // cfg.n_heads)
+    if cfg.scan:
+        stacked = (batch, cfg.n_layers) + shape[1:]
+        return (jnp.zeros(stacked, dtype), jnp.zeros(stacked, dtype))
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.n_layers)]
+
+
+def _attend(q, k, v, cache, pos):
+    """Causal attention of ``q`` (B, T, nh, hs) over ``k, v`` (B, T, nkv, hs), through the cache.
+
+    Returns ``(y (B, T, nh*hs), new cache or None)``. With a cache ``(ck, cv)`` of
+    ``(B, Tmax, nkv, hs)``, ``k, v`` are written at ``pos`` and the query at ``pos + i``
+    attends to cache positions ``<= pos + i``.
+    """
+    B, T, nh, hs = q.shape
+    if cache is None:
+        mask = jnp.tril(jnp.ones((T, T), bool))  # (T, T)
+    else:
+        ck, cv = cache
+        ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, pos, 0, 0))  # (B, Tmax, nkv, hs)
+        cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, pos, 0, 0))
+        k, v, cache = ck.astype(q.dtype), cv.astype(q.dtype), (ck, cv)
+        mask = jnp.arange(k.shape[1])[None, :] <= pos + jnp.arange(T)[:, None]  # (T, Tmax)
+    rep = nh // k.shape[2]
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)  # (B, S, nh, hs)
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hs).astype(q.dtype)  # (B, nh, T, S)
+    att = jax.nn.softmax(jnp.where(mask, att, jnp.finfo(att.dtype).min), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(B, T, nh * hs), cache  # (B, T, nh, hs) -> (B, T, C)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -82,62 +153,73 @@ class CausalSelfAttention(nnx.Module):
         self.n_heads = cfg.n_heads
         # No qkv bias: a key bias only shifts each softmax row, so its true gradient is 0 and
         # Adam would amplify rounding noise in it (as in LLaMA, no attention biases).
-        self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, use_bias=False, rngs=rngs)
+        # (GPT-2 checkpoints have one: qkv_bias=True.)
+        self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, use_bias=cfg.qkv_bias, rngs=rngs)
         self.proj = nnx.Linear(cfg.d_model, cfg.d_model, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, cache=None, pos=None):
         B, T, C = x.shape
         hs = C // self.n_heads
         q, k, v = jnp.split(self.qkv(x), 3, axis=-1)  # 3 x (B, T, C)
         q, k, v = (t.reshape(B, T, self.n_heads, hs) for t in (q, k, v))  # (B, T, nh, hs)
-        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hs).astype(x.dtype)  # (B, nh, T, T)
-        causal = jnp.tril(jnp.ones((T, T), dtype=bool))
-        att = jax.nn.softmax(jnp.where(causal, att, jnp.finfo(att.dtype).min), axis=-1)
-        y = jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(B, T, C)  # (B, T, nh, hs) -> (B, T, C)
-        return self.proj(y)
+        y, cache = _attend(q, k, v, cache, pos)  # (B, T, C)
+        return self.proj(y) if cache is None else (self.proj(y), cache)
 
 
 class MLP(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.fc = nnx.Linear(cfg.d_model, 4 * cfg.d_model, rngs=rngs)
         self.proj = nnx.Linear(4 * cfg.d_model, cfg.d_model, rngs=rngs)
+        self.approximate = cfg.gelu_approximate
 
     def __call__(self, x):
-        return self.proj(jax.nn.gelu(self.fc(x)))
+        return self.proj(jax.nn.gelu(self.fc(x), approximate=self.approximate))
 
 
 class Block(nnx.Module):
-    """Pre-norm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``. ``x``: (B, T, d_model)."""
+    """Pre-norm block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``. ``x``: (B, T, d_model).
+
+    With ``cache`` (this layer's ``(k, v)``) and ``pos``: returns ``(x, new cache)``."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
-        self.ln1 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        self.ln1 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
         self.attn = CausalSelfAttention(cfg, rngs=rngs)
-        self.ln2 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def __call__(self, x, cache=None, pos=None):
+        if cache is None:
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+        a, cache = self.attn(self.ln1(x), cache, pos)
+        x = x + a
+        return x + self.mlp(self.ln2(x)), cache
 
 
 class GPT(nnx.Module):
-    """Tokens (B, T) int32 -> logits (B, T, vocab_size) float32."""
+    """Tokens (B, T) int32 -> logits (B, T, vocab_size) float32.
+
+    ``model(tokens, cache=c, pos=p)`` (``c`` from :func:`init_cache`, ``p`` an int32 scalar,
+    the position of ``tokens[:, 0]``) -> ``(logits, new cache)``."""
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
         self.wpe = nnx.Embed(cfg.seq_len, cfg.d_model, rngs=rngs)
         self.blocks = make_blocks(Block, cfg, rngs)
-        self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, cache=None, pos=None):
         T = tokens.shape[1]
-        x = self.wte(tokens) + self.wpe(jnp.arange(T))[None]  # (B, T, C)
-        x = run_blocks(self.blocks, x, self.cfg.scan)
+        start = 0 if cache is None else pos
+        x = self.wte(tokens) + self.wpe(start + jnp.arange(T))[None]  # (B, T, C)
+        x = run_blocks(self.blocks, x, self.cfg.scan, cache, pos)
+        x, cache = (x, None) if cache is None else x
         x = self.ln_f(x)
-        return self.wte.attend(x) if self.cfg.tie_embeddings else self.head(x)  # (B, T, vocab)
+        logits = self.wte.attend(x) if self.cfg.tie_embeddings else self.head(x)  # (B, T, vocab)
+        return logits if cache is None else (logits, cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +236,8 @@ class LlamaConfig:
       d_ff: hidden width of the SwiGLU MLP.
       rope_theta: RoPE base.
       scan: stacked blocks run with ``nnx.scan`` (see :class:`GPTConfig`).
+      norm_eps: RMSNorm epsilon (Hugging Face ``rms_norm_eps``).
+      tie_embeddings: the output projection is the token embedding (``embed.attend``).
     """
 
     vocab_size: int = 32000
@@ -165,13 +249,19 @@ class LlamaConfig:
     d_ff: int = 11008
     rope_theta: float = 10000.0
     scan: bool = False
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
 
 
-def _rope(x, theta: float):
-    """Rotary position embedding of ``x`` (B, T, h, hs) over its T axis."""
+def _rope(x, theta: float, start=0):
+    """Rotary position embedding of ``x`` (B, T, h, hs), positions ``start .. start+T-1``.
+
+    Half-split layout (x1 = first half of each head, x2 = second), as Hugging Face's
+    ``rotate_half``; frequencies ``theta ** (-2i / hs)`` (Su et al. 2021, arXiv 2104.09864 eq. 34).
+    """
     B, T, h, hs = x.shape
     freqs = theta ** (-jnp.arange(0, hs // 2, dtype=jnp.float32) / (hs // 2))  # (hs/2,)
-    ang = jnp.arange(T, dtype=jnp.float32)[:, None] * freqs[None]  # (T, hs/2)
+    ang = (start + jnp.arange(T, dtype=jnp.float32))[:, None] * freqs[None]  # (T, hs/2)
     cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]  # (1, T, 1, hs/2)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
@@ -183,28 +273,27 @@ class LlamaBlock(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         hs = cfg.d_model // cfg.n_heads
         self.cfg = cfg
-        self.attn_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+        self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
         self.wq = nnx.Linear(cfg.d_model, cfg.n_heads * hs, use_bias=False, rngs=rngs)
         self.wkv = nnx.Linear(cfg.d_model, 2 * cfg.n_kv_heads * hs, use_bias=False, rngs=rngs)
         self.wo = nnx.Linear(cfg.n_heads * hs, cfg.d_model, use_bias=False, rngs=rngs)
-        self.mlp_norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
         self.w_gate_up = nnx.Linear(cfg.d_model, 2 * cfg.d_ff, use_bias=False, rngs=rngs)
         self.w_down = nnx.Linear(cfg.d_ff, cfg.d_model, use_bias=False, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, cache=None, pos=None):
         cfg = self.cfg
         B, T, C = x.shape
-        hs, rep = C // cfg.n_heads, cfg.n_heads // cfg.n_kv_heads
+        hs = C // cfg.n_heads
+        start = 0 if cache is None else pos
         h = self.attn_norm(x)
-        q = _rope(self.wq(h).reshape(B, T, cfg.n_heads, hs), cfg.rope_theta)  # (B, T, nh, hs)
+        q = _rope(self.wq(h).reshape(B, T, cfg.n_heads, hs), cfg.rope_theta, start)  # (B, T, nh, hs)
         k, v = jnp.split(self.wkv(h).reshape(B, T, 2 * cfg.n_kv_heads, hs), 2, axis=2)  # (B, T, nkv, hs)
-        k = jnp.repeat(_rope(k, cfg.rope_theta), rep, axis=2)  # (B, T, nh, hs)
-        v = jnp.repeat(v, rep, axis=2)
-        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hs).astype(x.dtype)  # (B, nh, T, T)
-        att = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((T, T), bool)), att, jnp.finfo(att.dtype).min), axis=-1)
-        x = x + self.wo(jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(B, T, C))
+        y, new = _attend(q, _rope(k, cfg.rope_theta, start), v, cache, pos)  # (B, T, C); keys repeated to nh inside
+        x = x + self.wo(y)
         gate, up = jnp.split(self.w_gate_up(self.mlp_norm(x)), 2, axis=-1)  # 2 x (B, T, d_ff)
-        return x + self.w_down(jax.nn.silu(gate) * up)
+        out = x + self.w_down(jax.nn.silu(gate) * up)
+        return out if cache is None else (out, new)
 
 
 class Llama(nnx.Module):
@@ -214,13 +303,17 @@ class Llama(nnx.Module):
         self.cfg = cfg
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
         self.blocks = make_blocks(LlamaBlock, cfg, rngs)
-        self.norm = nnx.RMSNorm(cfg.d_model, rngs=rngs)
-        self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
+        self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, cache=None, pos=None):
         x = self.embed(tokens)  # (B, T, C)
-        x = run_blocks(self.blocks, x, self.cfg.scan)
-        return self.head(self.norm(x))  # (B, T, vocab)
+        x = run_blocks(self.blocks, x, self.cfg.scan, cache, pos)
+        x, cache = (x, None) if cache is None else x
+        x = self.norm(x)
+        logits = self.embed.attend(x) if self.cfg.tie_embeddings else self.head(x)  # (B, T, vocab)
+        return logits if cache is None else (logits, cache)
 
 
 # Shapes from the papers: GPT-2 (Radford et al. 2019, table 2; vocab 50257, context 1024,
@@ -247,3 +340,11 @@ def cross_entropy_loss(model: GPT, batch) -> jax.Array:
     logits = model(inputs).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def __getattr__(name):  # from_hf / to_hf live in train/hf.py (imported on first use)
+    if name in ("from_hf", "to_hf"):
+        from train import hf  # noqa: PLC0415
+
+        return getattr(hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

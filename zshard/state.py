@@ -30,6 +30,7 @@ from zshard.optim import check_elementwise, init_optimizer, view_rank
 from zshard.precision import FULL_PRECISION, MixedPrecision
 from zshard.strategy import Strategy
 from zshard.units import find_units, path_str, stacked_layers
+from zshard.weights import check_weights, place_weights
 
 __all__ = ["Plan", "Unit", "ShardedState", "init", "unshard"]
 
@@ -276,6 +277,23 @@ def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit, traina
     return tuple(units)
 
 
+def _initial_variables(model, concrete: bool, var_state, var_paths, replicated) -> list:
+    """The model's non-parameter variables (RNG state, statistics), replicated; ``params=`` only
+    replaces parameters. A callable ``model`` runs under ``jit`` (its parameters are dead code)."""
+    if not var_paths:
+        return []
+    if concrete:
+        return [jax.device_put(v.get_raw_value(), replicated) for _, v in var_state]
+
+    def build():
+        with nnx.use_eager_sharding(False):
+            _, st = nnx.split(model())
+        flat = dict(nnx.to_flat_state(st))
+        return [flat[p].get_raw_value() for p in var_paths]
+
+    return jax.jit(build, out_shardings=[replicated] * len(var_paths))()
+
+
 def init(
     model: nnx.Module | Callable[[], nnx.Module],
     tx: optax.GradientTransformation,
@@ -287,6 +305,7 @@ def init(
     mixed_precision: MixedPrecision | None = None,
     trainable: Any = nnx.Param,
     abstract: bool = False,
+    params: Any = None,
 ) -> ShardedState:
     """Shard a model and initialise the optimizer on the shards.
 
@@ -316,6 +335,14 @@ def init(
       abstract: allocate nothing: every leaf is a ``jax.ShapeDtypeStruct`` carrying its
         sharding (pass a callable ``model``; it is only traced with ``nnx.eval_shape``), for
         ``step.lower`` / :func:`zshard.report` of models larger than the machine.
+      params: pretrained weights instead of the model's own initial values: a mapping from
+        each dotted parameter path (``"blocks.0.attn.qkv.kernel"``) to a zero-argument
+        callable returning that parameter in its logical shape (e.g. from
+        ``train.model.from_hf``). Names, and shapes of callables with a ``.shape``
+        attribute, are checked before anything is read; each callable is called once and its
+        array written straight into its shards (``zshard.weights``), so host memory holds
+        about the largest tensor. Values are cast to the parameter's dtype. The model (a
+        callable is then only traced with ``nnx.eval_shape``) gives structure and dtypes.
 
     Returns:
       :class:`ShardedState`; every parameter ``[n_pad]`` with ``PartitionSpec(shard_axes)``
@@ -326,6 +353,8 @@ def init(
       ValueError: bad mesh, unknown strategy, a ``unit`` class not in the model, or a
         model variable that is not an ``nnx.Param`` (named by path).
       TypeError: ``model`` is neither a module nor a callable.
+      ValueError (``params``): every missing, extra or misshapen tensor, named with both
+        shapes, before anything is placed.
     """
     _check_mesh(mesh)
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
@@ -380,12 +409,17 @@ def init(
 
     replicated = NamedSharding(mesh, P())
     var_paths = [p for p, _ in var_template]
+    if params is not None:
+        check_weights(template, params)
     if abstract:
         values = [
             jax.ShapeDtypeStruct(padded_shape(p, v.get_value().shape), v.get_value().dtype, sharding=sh)
             for (p, v), sh in zip(template, shardings)
         ]
         var_values = [jax.ShapeDtypeStruct(v.get_raw_value().shape, v.get_raw_value().dtype, sharding=replicated) for _, v in var_template]
+    elif params is not None:
+        values = place_weights(template, params, shardings, layers, opt_shards)
+        var_values = _initial_variables(model, concrete, var_state, var_paths, replicated)
     elif concrete:
         values = [
             jax.device_put(pad_flat(np.asarray(v.get_raw_value()), opt_shards, layers[p]), sh)
