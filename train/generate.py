@@ -1,0 +1,196 @@
+"""Autoregressive sampling with a KV cache for the GPT and Llama of ``train/model.py``, on
+the sharded state.
+
+Two ways to hold the parameters while decoding (``gather_once``):
+
+- ``False`` (default, sharded): every decoding step is one call of the sharded forward
+  (``zshard.evaluate.forward``): the root unit and each block unit are all-gathered just in
+  time and dropped, as in training. Per device: parameters at rest ``Psi / N`` plus about
+  two gathered units; per generated token, all-gathers of the whole model,
+  ``Psi * (N - 1) / N`` elements received per device. Use it when the model does not fit
+  on one device, or for a few tokens (sampling during training).
+- ``True``: every parameter is all-gathered once per :func:`generate` call, then all tokens
+  are decoded with the whole model on every device. Per device: ``Psi`` (the whole model)
+  plus the cache; no communication per token. Use it when the whole model fits with the
+  cache beside it and many tokens are generated: the gathers are paid once, not per token.
+
+Either way the batch is split over all devices of the mesh (rows padded up to a multiple
+of the device count; the padding rows are dropped), each device keeps the KV cache of its
+own rows, ``[rows, length, n_kv_heads, head_size]`` per layer for keys and values.
+
+Sampling is reproducible for a seed: the token of row ``r`` at step ``t`` is drawn with
+``jax.random.fold_in(fold_in(key(seed), r), t)``, independent of the mesh, the strategy and
+``gather_once`` (and equal to :func:`generate_local` on one device).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, traverse_util
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from train.model import GPTConfig, init_cache
+from zshard.evaluate import forward
+from zshard.mesh import AXES
+from zshard.units import path_str
+
+__all__ = ["generate", "generate_local"]
+
+
+def _pick(logits, rows, t, seed, temperature):
+    """Next token per row from ``logits`` [b, V]: argmax when ``temperature == 0``, else a draw
+    from ``softmax(logits / temperature)`` keyed by (seed, row, step). Returns int32 [b]."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), r), t))(rows)  # [b]
+    drawn = jax.vmap(lambda k, lg: jax.random.categorical(k, lg / jnp.maximum(temperature, 1e-6)))(keys, logits)
+    return jnp.where(temperature > 0, drawn.astype(jnp.int32), greedy)
+
+
+def _config(plan):
+    """The model config (``.cfg``) of a plan, without materialising any parameter."""
+    return nnx.merge(plan.graphdef, nnx.from_flat_state(list(plan.template))).cfg
+
+
+def _check(cfg, prompts: np.ndarray, n: int):
+    if prompts.ndim != 2 or prompts.shape[1] < 1:
+        raise ValueError(f"generate: prompts must be int [batch, tokens] with at least one token, got shape {prompts.shape}")
+    if n < 1:
+        raise ValueError(f"generate: n={n}: generate at least one token")
+    if isinstance(cfg, GPTConfig) and prompts.shape[1] + n > cfg.seq_len:
+        raise ValueError(
+            f"generate: prompt {prompts.shape[1]} + {n} new tokens > seq_len {cfg.seq_len} (the GPT's position table); "
+            f"shorten the prompt or generate fewer tokens"
+        )
+    if prompts.min() < 0 or prompts.max() >= cfg.vocab_size:
+        raise ValueError(f"generate: prompt tokens must lie in [0, {cfg.vocab_size}), got [{prompts.min()}, {prompts.max()}]")
+
+
+# ----------------------------------------------------------------------------------------
+# One device, plain model (the reference)
+# ----------------------------------------------------------------------------------------
+
+
+@functools.partial(nnx.jit, static_argnames=("length",))
+def _local_step(model, tokens, cache, pos, t, rows, seed, temperature, length=None):
+    if cache is None:
+        cache = init_cache(model.cfg, tokens.shape[0], length)
+    logits, cache = model(tokens, cache=cache, pos=pos)  # [b, T, V]
+    return _pick(logits[:, -1], rows, t, seed, temperature), cache
+
+
+def generate_local(model: nnx.Module, prompts, n: int, *, temperature: float = 0.0, seed: int = 0) -> np.ndarray:
+    """:func:`generate` for a plain ``nnx.Module`` on one device (no sharding).
+
+    Returns int32 ``[batch, n]``, the generated tokens (the prompt excluded).
+    """
+    prompts = np.asarray(prompts, np.int32)
+    _check(model.cfg, prompts, n)
+    b, t0 = prompts.shape
+    rows, seed, temp = jnp.arange(b, dtype=jnp.int32), jnp.int32(seed), jnp.float32(temperature)
+    tok, cache = _local_step(model, jnp.asarray(prompts), None, jnp.int32(0), jnp.int32(0), rows, seed, temp, length=t0 + n)
+    out = [tok]
+    for t in range(1, n):
+        tok, cache = _local_step(model, tok[:, None], cache, jnp.int32(t0 + t - 1), jnp.int32(t), rows, seed, temp)
+        out.append(tok)
+    return np.asarray(jnp.stack(out, axis=1))
+
+
+# ----------------------------------------------------------------------------------------
+# Sharded
+# ----------------------------------------------------------------------------------------
+
+
+@jax.jit
+def _gather_all(state) -> dict:
+    """Every parameter whole on every device: ``{path: logical array}``, replicated."""
+    plan = state.plan
+    layers = plan.layers_of()
+    shapes = {p: tuple(v.get_value().shape) for p, v in plan.template}
+
+    def local(params):
+        out = {}
+        for path, x in traverse_util.flatten_dict(params).items():
+            # [.., n_pad/N] --all_gather(shard, tiled)--> [.., n_pad]
+            full = jax.lax.all_gather(x, plan.shard_axes, axis=x.ndim - 1, tiled=True) if plan.shard_axes else x
+            lead = () if layers[path] is None else (layers[path],)
+            n = int(np.prod(shapes[path][len(lead):], dtype=np.int64))
+            out[path_str(path)] = full[..., :n].reshape(shapes[path])  # [.., n_pad] -> [.., n] -> shape
+        return out
+
+    # The tiled all-gather leaves identical copies on every device of a shard group, and the
+    # groups hold the same parameters: replicated in fact, though jax types the result as
+    # varying over the gathered axes, hence check_vma=False.
+    return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs,), out_specs=P(), check_vma=False)(state.params)
+
+
+@functools.partial(jax.jit, static_argnames=("gather_once",), donate_argnames=("cache",))
+def _sharded_step(state, full, tokens, cache, pos, t, rows, seed, temperature, gather_once=False):
+    """One decoding step over the mesh: tokens [B, T] (rows split over all devices) -> next [B]."""
+    plan = state.plan
+
+    def step(model, tokens, cache, rows):
+        logits, cache = model(tokens, cache=cache, pos=pos)  # [b, T, V]
+        return _pick(logits[:, -1], rows, t, seed, temperature), cache
+
+    def local(params, full, tokens, cache, rows):
+        if gather_once:  # the whole model is here already
+            flat = [(p, v.replace(full[path_str(p)])) for p, v in plan.template]
+            return step(nnx.merge(plan.graphdef, nnx.from_flat_state(flat)), tokens, cache, rows)
+        return forward(state, params, step, tokens, cache, rows)  # each unit gathered just in time
+
+    batch = P(AXES)
+    return jax.shard_map(
+        local, mesh=plan.mesh,
+        in_specs=(plan.param_specs, P(), batch, batch, batch),
+        out_specs=(batch, batch),
+    )(state.params, full, tokens, cache, rows)
+
+
+def generate(state, prompts, n: int, *, temperature: float = 0.0, seed: int = 0, gather_once: bool = False) -> np.ndarray:
+    """Sample ``n`` tokens after each prompt from a sharded GPT / Llama (``train.model``).
+
+    Args:
+      state: a ``zshard.ShardedState`` of a ``train.model`` GPT or Llama (not donated, not changed).
+      prompts: int ``[batch, tokens]``, every prompt of the same length.
+      n: tokens to generate per prompt.
+      temperature: ``0``: greedy (argmax); ``> 0``: sample from ``softmax(logits / temperature)``.
+      seed: the sampling seed (same seed, same tokens, on any mesh and strategy).
+      gather_once: ``False``: parameters gathered per unit per decoding step (memory of a
+        sharded model); ``True``: the whole model gathered once per call (memory of the
+        whole model per device, no communication per token). See the module docstring.
+
+    Returns:
+      int32 ``[batch, n]``: the generated tokens (without the prompt).
+
+    Raises:
+      ValueError: ``prompts`` not ``[batch, tokens]``, tokens outside the vocabulary, or
+        (GPT) prompt + ``n`` longer than the position table ``seq_len``.
+    """
+    plan = state.plan
+    cfg = _config(plan)
+    prompts = np.asarray(prompts, np.int32)
+    _check(cfg, prompts, n)
+    b, t0 = prompts.shape
+    world = plan.world
+    bp = -(-b // world) * world  # rows padded to a multiple of the devices (padding rows dropped)
+    padded = np.zeros((bp, t0), np.int32)
+    padded[:b] = prompts
+    batch = NamedSharding(plan.mesh, P(AXES))
+    cache = jax.jit(lambda: init_cache(cfg, bp, t0 + n), out_shardings=batch)()  # each device: its rows
+    rows = jax.device_put(np.arange(bp, dtype=np.int32), batch)
+    full = _gather_all(state) if gather_once else {}
+    seed, temp = jnp.int32(seed), jnp.float32(temperature)
+    tok, cache = _sharded_step(state, full, jax.device_put(padded, batch), cache, jnp.int32(0), jnp.int32(0), rows, seed, temp,
+                               gather_once=gather_once)
+    out = [tok]
+    for t in range(1, n):
+        tok, cache = _sharded_step(state, full, tok[:, None], cache, jnp.int32(t0 + t - 1), jnp.int32(t), rows, seed, temp,
+                                   gather_once=gather_once)
+        out.append(tok)
+    return np.asarray(jnp.stack(out, axis=1))[:b]
