@@ -72,10 +72,10 @@ L, D = 4, 512  # a block: 512*512 + 512 fp32 = 1.05 MB
 
 
 @functools.cache
-def _compiled(strategy, r, s, n_blocks=L):
+def _compiled(strategy, r, s, n_blocks=L, prefetch=1):
     state = zshard.init(lambda: ResMLP(64, D, 64, n_blocks=n_blocks, rngs=nnx.Rngs(0)), optax.sgd(1e-3),
                         zshard.make_mesh(r, s), strategy=strategy)
-    compiled = zshard.make_eval_step(mse_loss).lower(state, mlp_batches(1, 16, 64, 64)[0]).compile()
+    compiled = zshard.make_eval_step(mse_loss, prefetch=prefetch).lower(state, mlp_batches(1, 16, 64, 64)[0]).compile()
     return state, compiled
 
 
@@ -108,6 +108,10 @@ def test_eval_memory_two_blocks_not_the_model():
     assert mem8.argument_size_in_bytes < model_bytes / 8 + 0.1 * block_bytes, info  # the shards only
 
     # the unsharded forward on one device takes the whole model as its argument
+    # without prefetch: about one unit at a time (measured 2.4 blocks)
+    mem0 = _compiled("FULL_SHARD", 1, 8, n_blocks=8, prefetch=0)[1].memory_analysis()
+    assert mem0.temp_size_in_bytes <= 2.5 * block_bytes, f"prefetch=0: temp {mem0.temp_size_in_bytes / 1e6:.2f} MB"
+
     ref = ResMLP(64, D, 64, n_blocks=8, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(ref)
     full = jax.jit(lambda p, b: mse_loss(nnx.merge(graphdef, p), b)).lower(params, mlp_batches(1, 16, 64, 64)[0]).compile()

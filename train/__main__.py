@@ -184,6 +184,8 @@ class Setup:
       mesh: ``jax.sharding.Mesh`` of shape ``(replica, shard)``.
       out: the output directory (not created yet).
       strategy: the strategy's name (``zshard.Strategy`` value).
+      builder: with ``model.init_from``: the model builder of ``train.model.from_hf``, else ``None``.
+      weights: with ``model.init_from``: its ``{path: tensor}`` (read when the state is built).
     """
 
     cfg: object
@@ -196,6 +198,8 @@ class Setup:
     mesh: object
     out: Path
     strategy: str
+    builder: object = None
+    weights: object = None
 
 
 def validate(parser: argparse.ArgumentParser, run) -> Setup:
@@ -222,6 +226,9 @@ def validate(parser: argparse.ArgumentParser, run) -> Setup:
     cfg = dataclasses.replace(MODEL_PRESETS[run.model.preset], seq_len=run.model.seq_len)
     if run.model.scan is not None:
         cfg = dataclasses.replace(cfg, scan=run.model.scan)
+    builder = weights = None
+    if run.model.init_from is not None:
+        builder, weights, cfg = _init_from(parser, run)
 
     source = data.describe_source(run.data.path)
     try:
@@ -238,7 +245,26 @@ def validate(parser: argparse.ArgumentParser, run) -> Setup:
     out = Path(run.logging.out)
     if out.exists() and not out.is_dir():
         parser.error(f"logging.out (--out) {str(out)!r} exists and is not a directory; give a directory path")
-    return Setup(cfg, source, train_data, eval_data, devices, replica, shard, mesh, out, strategy)
+    return Setup(cfg, source, train_data, eval_data, devices, replica, shard, mesh, out, strategy, builder, weights)
+
+
+def _init_from(parser: argparse.ArgumentParser, run):
+    """``model.init_from``: ``(builder, weights, model config)`` of a Hugging Face directory; exit 2 on a problem."""
+    from train.model import GPTConfig, from_hf  # noqa: PLC0415
+
+    key = "model.init_from (--init-from)"
+    try:
+        builder, weights = from_hf(run.model.init_from)
+    except (OSError, ValueError) as e:
+        parser.error(f"{key} {run.model.init_from!r}: {e}")
+    cfg = builder.config
+    if cfg.vocab_size < 256:
+        parser.error(f"{key}: the checkpoint's vocab_size is {cfg.vocab_size}; the byte-level data needs >= 256 tokens")
+    if isinstance(cfg, GPTConfig) and run.model.seq_len > cfg.seq_len:
+        parser.error(f"model.seq_len (--seq-len) {run.model.seq_len} > the checkpoint's n_positions {cfg.seq_len}; lower --seq-len")
+    if run.model.scan:
+        parser.error(f"model.scan (--scan): a Hugging Face checkpoint is loaded layer by layer (scan=false); drop --scan")
+    return builder, weights, cfg
 
 
 def make_optimizer(run):
@@ -265,78 +291,57 @@ def make_optimizer(run):
     return tx, warmup, schedule
 
 
-def make_evaluator(state, batches: list, device):
+def make_evaluator(state, batches: list, prefetch: int = 1):
     """``evaluate(state) -> float``: mean next-byte cross-entropy (nats) over ``batches``.
 
-    The model is gathered whole (``zshard.unshard``) and run on ``device`` with one jitted
-    forward pass per batch: simple, and cheap for the models here.
+    Runs the sharded, forward-only ``zshard.make_eval_step`` (each unit gathered just in
+    time, never the whole model on one device). ``evaluate.compiled`` is the compiled eval
+    step (its ``memory_analysis()`` goes to the summary).
 
     Args:
-      state: a ``zshard.ShardedState`` (its plan fixes the model's structure).
-      batches: ``(inputs, targets)`` pairs, int32 ``[B, T]`` each.
-      device: where the evaluation runs.
+      state: a ``zshard.ShardedState``.
+      batches: global ``(inputs, targets)`` pairs, int32 ``[B, T]`` each (with several
+        processes, each passes its own rows ``[i*B/P, (i+1)*B/P)`` to the step).
+      prefetch: units gathered ahead (``training.prefetch``, as the train step).
     """
     import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
 
     import zshard  # noqa: PLC0415
     from train.model import cross_entropy_loss  # noqa: PLC0415
 
-    batches = [jax.device_put(b, device) for b in batches]
-    graphdef = nnx.split(zshard.unshard(state))[0]
-
-    @jax.jit
-    def loss(params, batch):
-        return cross_entropy_loss(nnx.merge(graphdef, params), batch)
+    i, procs = jax.process_index(), jax.process_count()
+    local = [tuple(x[i * (len(x) // procs):(i + 1) * (len(x) // procs)] for x in b) for b in batches]
+    step = zshard.make_eval_step(cross_entropy_loss, prefetch=prefetch)
 
     def evaluate(state) -> float:
-        params = jax.device_put(nnx.split(zshard.unshard(state))[1], device)
-        return float(jnp.mean(jnp.stack([loss(params, b) for b in batches])))
+        return float(np.mean([float(step(state, b)["loss"]) for b in local]))
 
+    evaluate.compiled = step.lower(state, local[0]).compile()
     return evaluate
 
 
-def make_sampler(state, seq_len: int, device):
+def make_sampler(seq_len: int):
     """``sample(state, prompt, n, temperature, seed) -> bytes``: ``n`` bytes generated after ``prompt``.
 
-    The model is gathered whole (``zshard.unshard``) onto ``device``. Each new byte runs one
-    jitted forward pass over a fixed window of ``seq_len`` tokens (int32 ``[1, seq_len]``,
-    the last ``seq_len`` bytes so far, zero-padded after them; causal attention makes the
-    padding invisible), so it compiles once. The next byte is the argmax of the logits when
-    ``temperature == 0``, else drawn from ``softmax(logits / temperature)`` with a numpy
-    Generator seeded by ``seed``.
+    Sharded generation with a KV cache (``train.generate.generate``: each unit gathered per
+    decoding step, never the whole model). The context is at most ``seq_len`` bytes: when
+    it is full, generation continues from the last ``seq_len // 2`` bytes. Greedy when
+    ``temperature == 0``; the draws depend only on ``seed`` (and the chunk).
     """
-    import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
-
-    import zshard  # noqa: PLC0415
-
-    graphdef = nnx.split(zshard.unshard(state))[0]
-
-    @jax.jit
-    def next_logits(params, window, pos):
-        logits = nnx.merge(graphdef, params)(window)  # [1, T, vocab]
-        return logits[0, pos].astype(np.float32)  # [vocab]
+    from train.generate import generate  # noqa: PLC0415
 
     def sample(state, prompt: bytes, n: int, temperature: float, seed: int) -> bytes:
-        params = jax.device_put(nnx.split(zshard.unshard(state))[1], device)
-        rng = np.random.default_rng(seed)
-        tokens = list(prompt)
-        for _ in range(n):
-            ctx = tokens[-seq_len:]
-            window = np.zeros((1, seq_len), np.int32)
-            window[0, : len(ctx)] = ctx
-            logits = np.asarray(next_logits(params, window, len(ctx) - 1), np.float64)
-            if temperature == 0:
-                nxt = int(np.argmax(logits))
-            else:
-                z = logits / temperature
-                p = np.exp(z - z.max())
-                nxt = int(rng.choice(len(p), p=p / p.sum()))
-            tokens.append(nxt)
-        return bytes(tokens[len(prompt):])
+        tokens, chunk = list(prompt[-(seq_len // 2):] if len(prompt) >= seq_len else prompt), 0
+        new: list[int] = []
+        while len(new) < n:
+            ctx = tokens[-(seq_len // 2):] if len(tokens) >= seq_len else tokens
+            k = min(n - len(new), seq_len - len(ctx))
+            out = generate(state, [ctx], k, temperature=temperature, seed=(seed * 1000 + chunk) % 2**31)[0]
+            tokens += out.tolist()
+            new += out.tolist()
+            chunk += 1
+        return bytes(new)
 
     return sample
 
@@ -380,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     out, n, platform, strategy = setup.out, len(setup.devices), setup.devices[0].platform, setup.strategy
     t_cfg, lg = run.training, run.logging
     print(
-        f"{PROG}: {run.model.preset} GPT, {strategy} on a {setup.replica}x{setup.shard} (replica x shard) mesh of "
+        f"{PROG}: {run.model.init_from or run.model.preset + ' GPT'}, {strategy} on a {setup.replica}x{setup.shard} (replica x shard) mesh of "
         f"{n} {platform} devices; data: {setup.source}: {len(setup.train_data):,} train / "
         f"{len(setup.eval_data):,} held-out bytes",
         file=sys.stderr,
@@ -391,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     mp = None
     if t_cfg.param_dtype or t_cfg.reduce_dtype:
         mp = zshard.MixedPrecision(param_dtype=t_cfg.param_dtype, reduce_dtype=t_cfg.reduce_dtype)
-    make_model = lambda: GPT(setup.cfg, rngs=nnx.Rngs(t_cfg.seed))  # noqa: E731
+    make_model = setup.builder or (lambda: GPT(setup.cfg, rngs=nnx.Rngs(t_cfg.seed)))  # noqa: E731
     # the batches of data.train_batches, with a position a checkpoint can hold
     batches = checkpointing.BatchStream(  # this process's rows of each global batch
         setup.train_data, t_cfg.batch_size, run.model.seq_len, t_cfg.seed,
@@ -401,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     if ckpt is not None and ckpt.resuming:  # state, batch position and records of the checkpoint
         state, records = ckpt.restore(make_model, tx, setup.mesh, batches, strategy=strategy, mixed_precision=mp)
     else:
-        state = zshard.init(make_model, tx, setup.mesh, strategy=strategy, mixed_precision=mp)
+        state = zshard.init(make_model, tx, setup.mesh, strategy=strategy, mixed_precision=mp, params=setup.weights)
     start = 0 if ckpt is None else ckpt.start  # the step this run continues after
     step = zshard.make_train_step(
         cross_entropy_loss,
@@ -429,9 +434,10 @@ def main(argv: list[str] | None = None) -> int:
         print(report.table(), file=sys.stderr)
 
     eval_set = data.eval_batches(setup.eval_data, t_cfg.batch_size, run.model.seq_len, run.data.eval_batches)
-    evaluate = make_evaluator(state, eval_set, jax.local_devices()[0])
+    evaluate = make_evaluator(state, eval_set, t_cfg.prefetch)
+    eval_mem = evaluate.compiled.memory_analysis()
     eval_loss0 = records[0]["eval_loss"] if start else evaluate(state)
-    sample = make_sampler(state, run.model.seq_len, jax.local_devices()[0])
+    sample = make_sampler(run.model.seq_len)
     prompt = lg.prompt.encode() if lg.prompt is not None else bytes(setup.eval_data[: min(64, run.model.seq_len // 2)])
 
     first_step = start + 1
@@ -594,6 +600,10 @@ def main(argv: list[str] | None = None) -> int:
         "final_eval_loss": evals[-1]["eval_loss"],  # at step final_eval_step
         "final_eval_step": evals[-1]["step"],
         "per_device_bytes": per_device_bytes,  # from the compiled step's memory_analysis()
+        "eval_per_device_bytes": None if eval_mem is None else {  # the sharded eval step's
+            k: int(getattr(eval_mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp")},
+        "model_bytes": sum(int(v.get_value().size) * v.get_value().dtype.itemsize for _, v in state.plan.template),
+        "init_from": run.model.init_from,
         **({"report": report.to_dict()} if report is not None else {}),
         "compile_s": compile_s,
         "train_s": train_s,  # the training loop, evaluations included

@@ -103,6 +103,8 @@ class ModelConfig:
     """tokens (bytes) per sequence; also the size of the model's position table"""
     scan: bool | None = None
     """stack the blocks (nnx.vmap) and run them with nnx.scan (compile time flat in depth); unset: the preset's choice"""
+    init_from: str | None = None
+    """Hugging Face model directory (gpt2 or llama, config.json + safetensors) to fine-tune; its config.json replaces the preset (vocab_size >= 256 for byte data)"""
 
 
 @dataclasses.dataclass

@@ -183,14 +183,20 @@ def generate(state, prompts, n: int, *, temperature: float = 0.0, seed: int = 0,
     padded[:b] = prompts
     batch = NamedSharding(plan.mesh, P(AXES))
     cache = jax.jit(lambda: init_cache(cfg, bp, t0 + n), out_shardings=batch)()  # each device: its rows
-    rows = jax.device_put(np.arange(bp, dtype=np.int32), batch)
+    put = lambda a: jax.make_array_from_callback(a.shape, batch, lambda index: a[index])  # noqa: E731  (multi-process safe)
+    rows = put(np.arange(bp, dtype=np.int32))
     full = _gather_all(state) if gather_once else {}
     seed, temp = jnp.int32(seed), jnp.float32(temperature)
-    tok, cache = _sharded_step(state, full, jax.device_put(padded, batch), cache, jnp.int32(0), jnp.int32(0), rows, seed, temp,
+    tok, cache = _sharded_step(state, full, put(padded), cache, jnp.int32(0), jnp.int32(0), rows, seed, temp,
                                gather_once=gather_once)
     out = [tok]
     for t in range(1, n):
         tok, cache = _sharded_step(state, full, tok[:, None], cache, jnp.int32(t0 + t - 1), jnp.int32(t), rows, seed, temp,
                                    gather_once=gather_once)
         out.append(tok)
-    return np.asarray(jnp.stack(out, axis=1))[:b]
+    tokens = jnp.stack(out, axis=1)  # [bp, n], rows split over the devices
+    if not tokens.is_fully_addressable:  # several processes: every process gets every row
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        return np.asarray(multihost_utils.process_allgather(tokens, tiled=True))[:b]
+    return np.asarray(tokens)[:b]
