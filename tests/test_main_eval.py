@@ -1,0 +1,66 @@
+"""``python -m train`` evaluates and samples on the sharded state, and fine-tunes Hugging Face
+checkpoints (``--init-from``). Each run is a subprocess with its own 8 emulated devices."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import optax
+
+import zshard
+from conftest import ROOT, rel_l2
+from test_train import run
+from train import data
+from train.model import cross_entropy_loss, from_hf
+
+FIXTURES = ROOT / "tests" / "fixtures" / "hf"
+
+
+def test_eval_and_sampling_fit_a_bound_the_whole_model_exceeds(tmp_path, corpus):
+    out = tmp_path / "run"
+    res = run(tmp_path, "--model", "tiny", "--steps", "2", "--seq-len", "32", "--batch-size", "16", "--mesh", "1x8",
+              "--data", str(corpus), "--eval-every", "2", "--eval-batches", "1", "--sample-every", "2",
+              "--sample-tokens", "20", "--prefetch", "0", "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    model, ev = summary["model_bytes"], summary["eval_per_device_bytes"]
+    assert model == 4 * summary["num_params"]
+    # the sharded eval step holds its shards, one unit at a time and activations: the whole
+    # model alone (what an unsharded evaluation takes as arguments) exceeds it
+    assert ev["argument"] + ev["temp"] + ev["output"] < model, (ev, model)
+    samples = (out / "samples.txt").read_text()
+    assert "=== step 2: 20 bytes after" in samples
+
+
+def test_init_from_hf_checkpoint(tmp_path, corpus):
+    out = tmp_path / "run"
+    args = ["--init-from", str(FIXTURES / "gpt2"), "--steps", "2", "--seq-len", "32", "--batch-size", "16",
+            "--mesh", "2x4", "--strategy", "HYBRID_SHARD", "--data", str(corpus), "--eval-every", "2",
+            "--eval-batches", "2", "--sample-every", "2", "--sample-tokens", "40", "--lr", "1e-3", "--out", str(out)]
+    res = run(tmp_path, *args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["init_from"] == str(FIXTURES / "gpt2") and summary["model"]["config"]["qkv_bias"] is True
+    # the initial eval loss is that of the checkpoint's weights on the held-out batches
+    _, held_out = data.split_corpus(data.load_corpus(str(corpus)))
+    builder, weights = from_hf(FIXTURES / "gpt2")
+    state = zshard.init(builder, optax.sgd(0.0), zshard.make_mesh(1, 8), params=weights)
+    step = zshard.make_eval_step(cross_entropy_loss)
+    want = np.mean([float(step(state, b)["loss"]) for b in data.eval_batches(held_out, 16, 32, 2)])
+    assert rel_l2(summary["initial_eval_loss"], want) < 1e-5, (summary["initial_eval_loss"], want)
+    assert "=== step 2: 40 bytes after" in (out / "samples.txt").read_text()  # 16-byte prompt + 40 > 32: two chunks
+
+
+def test_init_from_small_vocab_refused(tmp_path):
+    small = tmp_path / "small"
+    shutil.copytree(FIXTURES / "gpt2", small)
+    cfg = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps(dict(cfg, vocab_size=100)))
+    res = run(tmp_path, "--init-from", str(small), "--out", str(tmp_path / "run"), timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "vocab_size is 100; the byte-level data needs >= 256 tokens" in res.stderr
+    assert not (tmp_path / "run").exists()
+    res = run(tmp_path, "--init-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "run"), timeout=120)
+    assert res.returncode == 2 and "config.json" in res.stderr
