@@ -1,7 +1,7 @@
 """``zshard.make_eval_step``: forward only, on the sharded state (zshard/evaluate.py).
 
 1. The loss equals a plain single-device forward on the same weights (fp32, 1e-5 relative),
-   for every strategy and mesh shape, token-weighted ``(sum, count)`` losses included.
+   for every strategy and mesh shape, token-weighted ``zshard.TokenMean`` losses included.
 2. HLO: one all-gather per unit per call, no reduce-scatter, only scalar all-reduces.
 3. Memory: the compiled eval step's temporary bytes stay at about two blocks, far below the
    whole model; the unsharded forward needs the whole model as arguments.
@@ -52,7 +52,7 @@ def test_eval_token_weighted_and_state_unchanged():
     def masked(model, batch):
         x, y, m = batch
         err = jnp.sum(jnp.square(model(x) - y), axis=-1)  # [b]
-        return jnp.sum(err * m), jnp.sum(m)
+        return zshard.TokenMean(jnp.sum(err * m), jnp.sum(m))
 
     got = zshard.make_eval_step(masked)(state, (x, y, mask))
     err = np.sum(np.square(np.asarray(_model()(jnp.asarray(x))) - y), axis=-1)

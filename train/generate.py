@@ -54,7 +54,7 @@ def _pick(logits, rows, t, seed, temperature):
 
 def _config(plan):
     """The model config (``.cfg``) of a plan, without materialising any parameter."""
-    return nnx.merge(plan.graphdef, nnx.from_flat_state(list(plan.template))).cfg
+    return nnx.merge(plan.graphdef, nnx.from_flat_state(list(plan.template) + list(plan.var_template))).cfg
 
 
 def _check(cfg, prompts: np.ndarray, n: int):
@@ -131,6 +131,7 @@ def _gather_all(state) -> dict:
 
 @functools.partial(jax.jit, static_argnames=("gather_once",), donate_argnames=("cache",))
 def _sharded_step(state, full, tokens, cache, pos, t, rows, seed, temperature, gather_once=False):
+    # (state.variables: the GPT and Llama have none; generation reads, never writes them)
     """One decoding step over the mesh: tokens [B, T] (rows split over all devices) -> next [B]."""
     plan = state.plan
 
@@ -138,18 +139,20 @@ def _sharded_step(state, full, tokens, cache, pos, t, rows, seed, temperature, g
         logits, cache = model(tokens, cache=cache, pos=pos)  # [b, T, V]
         return _pick(logits[:, -1], rows, t, seed, temperature), cache
 
-    def local(params, full, tokens, cache, rows):
+    def local(params, variables, full, tokens, cache, rows):
         if gather_once:  # the whole model is here already
+            var_flat = traverse_util.flatten_dict(variables) if variables else {}
             flat = [(p, v.replace(full[path_str(p)])) for p, v in plan.template]
+            flat += [(p, v.replace(var_flat[p])) for p, v in plan.var_template]
             return step(nnx.merge(plan.graphdef, nnx.from_flat_state(flat)), tokens, cache, rows)
-        return forward(state, params, step, tokens, cache, rows)  # each unit gathered just in time
+        return forward(state, params, variables, step, tokens, cache, rows)  # each unit gathered just in time
 
     batch = P(AXES)
     return jax.shard_map(
         local, mesh=plan.mesh,
-        in_specs=(plan.param_specs, P(), batch, batch, batch),
+        in_specs=(plan.param_specs, state.specs().variables, P(), batch, batch, batch),
         out_specs=(batch, batch),
-    )(state.params, full, tokens, cache, rows)
+    )(state.params, state.variables, full, tokens, cache, rows)
 
 
 def generate(state, prompts, n: int, *, temperature: float = 0.0, seed: int = 0, gather_once: bool = False) -> np.ndarray:

@@ -295,7 +295,7 @@ def to_hf(state_or_model, path) -> Path:
         tensors = {path_str(p): (lambda v=v: np.asarray(v)) for p, v in flat.items()}
     else:
         plan = state_or_model.plan
-        mc = nnx.merge(plan.graphdef, nnx.from_flat_state(list(plan.template))).cfg
+        mc = nnx.merge(plan.graphdef, nnx.from_flat_state(list(plan.template) + list(plan.var_template))).cfg
         tensors = {name: fetch for name, _, _, fetch in fetch_params(state_or_model)}
     if mc.scan:
         raise ValueError("to_hf: a scanned (stacked-layer) model; build it with scan=False to export")

@@ -6,7 +6,7 @@ every block unit is all-gathered just before its ``__call__`` and dropped after 
 gradient, so no backward re-gather and no reduce-scatter: per call, one all-gather per
 unit (per layer for stacked units) plus the scalar all-reduces of the result.
 
-The model is built by :func:`zshard.step.materialize` (the train step's own machinery), so
+The model is built by :func:`zshard.intercept.materialize` (the train step's own machinery), so
 units, mixed precision (gather and compute in ``param_dtype``) and strategies are those
 of the train step. The forward gathers are tied to the unit's input by a data dependency
 (the ``fwd`` rule of :func:`zshard.collectives.run_unit`, taken through ``jax.vjp`` whose
@@ -25,20 +25,23 @@ from jax.sharding import PartitionSpec as P
 
 from zshard.mesh import AXES
 from zshard.state import ShardedState
-from zshard import step as _step
-from zshard.step import TrainStep, materialize
+from zshard.intercept import StepOptions, materialize
+from zshard.step import TokenMean, TrainStep
 
 __all__ = ["EvalStep", "make_eval_step", "forward"]
 
 
-def forward(state: ShardedState, params: dict, fn: Callable, *args):
+def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *args, prefetch: int = 1):
     """Inside ``shard_map``: ``fn(model, *args)`` on the model materialised from the local shards.
 
     Args:
       state: the :class:`ShardedState` (only its plan is read).
       params: this device's parameter shards, nested like ``state.params`` (``[n_pad / N]`` each).
+      variables: the non-parameter variables, nested like ``state.variables`` (replicated);
+        read, never written back (evaluation does not change the state).
       fn: ``fn(model, *args) -> pytree of arrays``, written for one device.
       args: pytrees of this device's arrays.
+      prefetch: units gathered ahead (:class:`zshard.intercept.StepOptions`).
 
     Returns:
       ``fn``'s value. Each block unit is gathered once, just before it runs (forced by data
@@ -46,6 +49,8 @@ def forward(state: ShardedState, params: dict, fn: Callable, *args):
     """
     plan = state.plan
     flat = traverse_util.flatten_dict(params)
+    var_flat = traverse_util.flatten_dict(variables) if variables else {}
+    opts = StepOptions(prefetch=prefetch)
     # Trace through jax.vjp w.r.t. the floating shards: the custom-VJP unit calls then use
     # their fwd rule (each gather issued after the unit's input exists). The pullback is
     # never called, so residuals and backward are dead code that XLA removes.
@@ -53,7 +58,7 @@ def forward(state: ShardedState, params: dict, fn: Callable, *args):
     others = {p: x for p, x in flat.items() if p not in floats}
 
     def run(floats):
-        return fn(materialize(plan, {**others, **floats}), *args)
+        return fn(materialize(plan, {**others, **floats}, var_flat, opts), *args)
 
     out, _ = jax.vjp(run, floats)
     return out
@@ -61,14 +66,19 @@ def forward(state: ShardedState, params: dict, fn: Callable, *args):
 
 def _reduce(plan, out) -> dict:
     """``fn``'s value -> the global result over all devices (``psum`` over the mesh)."""
-    if isinstance(out, (tuple, list)) and len(out) == 2:
-        # token-weighted: (sum, count) -> global sum / global count
-        total, count = (jax.lax.psum(jnp.asarray(x, jnp.float32), AXES) for x in out)
+    if isinstance(out, TokenMean):
+        # token-weighted: global sum / global count
+        total, count = (jax.lax.psum(jnp.asarray(x, jnp.float32), AXES) for x in (out.total, out.count))
         return {"loss": total / count, "tokens": count}
     if isinstance(out, dict):
         if "loss" not in out:
             raise ValueError(f"eval fn returned a dict without 'loss' (keys {sorted(out)}); add the loss under 'loss'")
         return {k: jax.lax.psum(jnp.asarray(v, jnp.float32), AXES) / plan.world for k, v in out.items()}
+    if isinstance(out, (tuple, list)) or jnp.shape(out) != ():
+        raise TypeError(
+            f"eval fn returned {type(out).__name__} of shape {jnp.shape(out) if not isinstance(out, (tuple, list)) else len(out)}; "
+            "return a scalar mean, zshard.TokenMean(sum, count), or a dict of scalars with 'loss'"
+        )
     return {"loss": jax.lax.psum(plan.mp.cast_loss(out).astype(jnp.float32), AXES) / plan.world}
 
 
@@ -79,14 +89,15 @@ class EvalStep:
     all ``R*S`` devices (``PartitionSpec(("replica", "shard"))``), as for the train step.
     ``metrics["loss"]``: float32 scalar, replicated: the mean over devices of ``fn``'s
     per-device scalar (each device's batch slice has the same size, so this is the global
-    mean of a per-example mean loss); when ``fn`` returns ``(sum, count)`` it is
-    ``sum(sum) / sum(count)`` over devices (the token-weighted mean) and
+    mean of a per-example mean loss); when ``fn`` returns ``zshard.TokenMean(sum, count)``
+    it is ``sum(sum) / sum(count)`` over devices (the token-weighted mean) and
     ``metrics["tokens"]`` is the global count; when ``fn`` returns a dict of scalars, each
     is the mean over devices. The state is not donated and not changed.
 
     Raises:
       ValueError: a batch leaf is a scalar or its leading dimension does not divide by the
         device count (before any compile); a dict result without ``"loss"``.
+      TypeError: ``fn`` returned a tuple or a non-scalar.
     """
 
     grad_accum = 1  # read by the batch placement shared with the train step
@@ -101,19 +112,15 @@ class EvalStep:
         self._jitted = jax.jit(self._eval)
 
     def _eval(self, state: ShardedState, batch):
-        token = _step._PREFETCH.set(self.prefetch)  # the unit calls read it while tracing
-        try:
-            return self._eval_traced(state, batch)
-        finally:
-            _step._PREFETCH.reset(token)
-
-    def _eval_traced(self, state: ShardedState, batch):
         plan = state.plan
 
-        def local(params, batch):
-            return _reduce(plan, forward(state, params, self.fn, batch))
+        def local(params, variables, batch):
+            return _reduce(plan, forward(state, params, variables, self.fn, batch, prefetch=self.prefetch))
 
-        return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs, P(AXES)), out_specs=P())(state.params, batch)
+        specs = state.specs()
+        return jax.shard_map(local, mesh=plan.mesh, in_specs=(specs.params, specs.variables, P(AXES)), out_specs=P())(
+            state.params, state.variables, batch
+        )
 
     def __call__(self, state: ShardedState, batch) -> dict:
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state.params)):
@@ -131,8 +138,8 @@ def make_eval_step(fn: Callable[[nnx.Module, Any], Any], *, prefetch: int = 1) -
     Args:
       fn: written for one device and an ordinary model (as ``loss_fn`` of
         :func:`zshard.make_train_step`): receives this device's slice of the batch
-        (``[B / (R*S), ...]``) and returns a scalar mean, ``(sum, count)`` (token-weighted),
-        or a dict of scalars with ``"loss"``.
+        (``[B / (R*S), ...]``) and returns a scalar mean, ``zshard.TokenMean(sum, count)``
+        (token-weighted), or a dict of scalars with ``"loss"``.
       prefetch: as for :func:`zshard.make_train_step`: a unit's all-gather may be issued
         this many unit calls early (overlap on GPU). Each gathered unit is held twice (the
         all-gather output ``[N, L/N]`` and its parameters), so the temporary memory is about
