@@ -1,6 +1,6 @@
 """The sharded forward pass: evaluation (``make_eval_step``) and any forward-only function.
 
-Forward only, inside the same ``jax.shard_map`` as the train step (DESIGN.md section 5,
+Forward only, inside the same ``jax.shard_map`` as the train step (docs/design.md section 5,
 steps 1-2): each device takes its slice of the batch, the root unit is all-gathered once,
 every block unit is all-gathered just before its ``__call__`` and dropped after it. No
 gradient, so no backward re-gather and no reduce-scatter: per call, one all-gather per
@@ -11,7 +11,8 @@ units, mixed precision (gather and compute in ``param_dtype``) and strategies ar
 of the train step. The forward gathers are tied to the unit's input by a data dependency
 (the ``fwd`` rule of :func:`zshard.collectives.run_unit`, taken through ``jax.vjp`` whose
 pullback is never called): without it the XLA CPU scheduler issues every gather at the
-start and the temporary memory is the whole model (DESIGN.md section 7, the remat trap).
+start and the temporary memory is twice the model (docs/design.md section 8.1, forced schedule;
+docs/eval-and-hf.md, design notes).
 """
 
 from __future__ import annotations
