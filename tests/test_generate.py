@@ -61,6 +61,7 @@ def test_sharded_generation_equals_single_device(cfg, strategy, r, s):
     np.testing.assert_array_equal(once, ref)
     if cfg is GPT_CFG:
         np.testing.assert_array_equal(generate(state, PROMPTS, 6, temperature=0.8, seed=3), got)  # reproducible
+        np.testing.assert_array_equal(generate(state, PROMPTS, 6, temperature=0.8, seed=3, prefetch=0), got)
         assert not np.array_equal(generate(state, PROMPTS, 6, temperature=0.8, seed=4), got)  # the seed matters
         greedy = generate(state, PROMPTS, 6)
         np.testing.assert_array_equal(greedy, generate_local(_make(cfg)(), PROMPTS, 6))

@@ -321,13 +321,14 @@ def make_evaluator(state, batches: list, prefetch: int = 1):
     return evaluate
 
 
-def make_sampler(seq_len: int):
+def make_sampler(seq_len: int, prefetch: int = 1):
     """``sample(state, prompt, n, temperature, seed) -> bytes``: ``n`` bytes generated after ``prompt``.
 
     Sharded generation with a KV cache (``train.generate.generate``: each unit gathered per
     decoding step, never the whole model). The context is at most ``seq_len`` bytes: when
     it is full, generation continues from the last ``seq_len // 2`` bytes. Greedy when
-    ``temperature == 0``; the draws depend only on ``seed`` (and the chunk).
+    ``temperature == 0``; the draws depend only on ``seed`` (and the chunk). ``prefetch``:
+    units gathered ahead (``training.prefetch``).
     """
     from train.generate import generate  # noqa: PLC0415
 
@@ -337,7 +338,7 @@ def make_sampler(seq_len: int):
         while len(new) < n:
             ctx = tokens[-(seq_len // 2):] if len(tokens) >= seq_len else tokens
             k = min(n - len(new), seq_len - len(ctx))
-            out = generate(state, [ctx], k, temperature=temperature, seed=(seed * 1000 + chunk) % 2**31)[0]
+            out = generate(state, [ctx], k, temperature=temperature, seed=(seed * 1000 + chunk) % 2**31, prefetch=prefetch)[0]
             tokens += out.tolist()
             new += out.tolist()
             chunk += 1
@@ -437,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluate = make_evaluator(state, eval_set, t_cfg.prefetch)
     eval_mem = evaluate.compiled.memory_analysis()
     eval_loss0 = records[0]["eval_loss"] if start else evaluate(state)
-    sample = make_sampler(run.model.seq_len)
+    sample = make_sampler(run.model.seq_len, t_cfg.prefetch)
     prompt = lg.prompt.encode() if lg.prompt is not None else bytes(setup.eval_data[: min(64, run.model.seq_len // 2)])
 
     first_step = start + 1

@@ -129,8 +129,8 @@ def _gather_all(state) -> dict:
     return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs,), out_specs=P(), check_vma=False)(state.params)
 
 
-@functools.partial(jax.jit, static_argnames=("gather_once",), donate_argnames=("cache",))
-def _sharded_step(state, full, tokens, cache, pos, t, rows, seed, temperature, gather_once=False):
+@functools.partial(jax.jit, static_argnames=("gather_once", "prefetch"), donate_argnames=("cache",))
+def _sharded_step(state, full, tokens, cache, pos, t, rows, seed, temperature, gather_once=False, prefetch=1):
     # (state.variables: the GPT and Llama have none; generation reads, never writes them)
     """One decoding step over the mesh: tokens [B, T] (rows split over all devices) -> next [B]."""
     plan = state.plan
@@ -145,7 +145,7 @@ def _sharded_step(state, full, tokens, cache, pos, t, rows, seed, temperature, g
             flat = [(p, v.replace(full[path_str(p)])) for p, v in plan.template]
             flat += [(p, v.replace(var_flat[p])) for p, v in plan.var_template]
             return step(nnx.merge(plan.graphdef, nnx.from_flat_state(flat)), tokens, cache, rows)
-        return forward(state, params, variables, step, tokens, cache, rows)  # each unit gathered just in time
+        return forward(state, params, variables, step, tokens, cache, rows, prefetch=prefetch)  # each unit gathered just in time
 
     batch = P(AXES)
     return jax.shard_map(
@@ -155,7 +155,9 @@ def _sharded_step(state, full, tokens, cache, pos, t, rows, seed, temperature, g
     )(state.params, state.variables, full, tokens, cache, rows)
 
 
-def generate(state, prompts, n: int, *, temperature: float = 0.0, seed: int = 0, gather_once: bool = False) -> np.ndarray:
+def generate(
+    state, prompts, n: int, *, temperature: float = 0.0, seed: int = 0, gather_once: bool = False, prefetch: int = 1
+) -> np.ndarray:
     """Sample ``n`` tokens after each prompt from a sharded GPT / Llama (``train.model``).
 
     Args:
@@ -167,6 +169,8 @@ def generate(state, prompts, n: int, *, temperature: float = 0.0, seed: int = 0,
       gather_once: ``False``: parameters gathered per unit per decoding step (memory of a
         sharded model); ``True``: the whole model gathered once per call (memory of the
         whole model per device, no communication per token). See the module docstring.
+      prefetch: sharded mode: units gathered ahead, as for ``zshard.make_eval_step``
+        (``0``: about one gathered unit at a time).
 
     Returns:
       int32 ``[batch, n]``: the generated tokens (without the prompt).
@@ -191,11 +195,11 @@ def generate(state, prompts, n: int, *, temperature: float = 0.0, seed: int = 0,
     full = _gather_all(state) if gather_once else {}
     seed, temp = jnp.int32(seed), jnp.float32(temperature)
     tok, cache = _sharded_step(state, full, put(padded), cache, jnp.int32(0), jnp.int32(0), rows, seed, temp,
-                               gather_once=gather_once)
+                               gather_once=gather_once, prefetch=prefetch)
     out = [tok]
     for t in range(1, n):
         tok, cache = _sharded_step(state, full, tok[:, None], cache, jnp.int32(t0 + t - 1), jnp.int32(t), rows, seed, temp,
-                                   gather_once=gather_once)
+                                   gather_once=gather_once, prefetch=prefetch)
         out.append(tok)
     tokens = jnp.stack(out, axis=1)  # [bp, n], rows split over the devices
     if not tokens.is_fully_addressable:  # several processes: every process gets every row
