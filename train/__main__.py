@@ -262,9 +262,7 @@ def _init_from(parser: argparse.ArgumentParser, run):
         parser.error(f"{key}: the checkpoint's vocab_size is {cfg.vocab_size}; the byte-level data needs >= 256 tokens")
     if isinstance(cfg, GPTConfig) and run.model.seq_len > cfg.seq_len:
         parser.error(f"model.seq_len (--seq-len) {run.model.seq_len} > the checkpoint's n_positions {cfg.seq_len}; lower --seq-len")
-    if run.model.scan:
-        parser.error(f"model.scan (--scan): a Hugging Face checkpoint is loaded layer by layer (scan=false); drop --scan")
-    return builder, weights, cfg
+    return builder, weights, cfg  # (model.preset and model.scan do not apply: the checkpoint's layers are a list)
 
 
 def make_optimizer(run):
@@ -342,7 +340,7 @@ def make_sampler(seq_len: int, prefetch: int = 1):
             tokens += out.tolist()
             new += out.tolist()
             chunk += 1
-        return bytes(new)
+        return bytes(t if t < 256 else ord("?") for t in new)  # a checkpoint's non-byte tokens print as '?'
 
     return sample
 
