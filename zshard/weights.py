@@ -11,6 +11,7 @@ see ``zshard.flat``) and each device's piece is copied straight to it
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterator, Mapping
 
 import jax
@@ -93,6 +94,15 @@ def _auto(mesh: Mesh) -> Mesh:
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _logical_replicated(x, shape: tuple, layers: int | None, mesh: Mesh):
+    """``[n_pad]`` / ``[L, n_pad]`` sharded -> the logical array, replicated (compiled once per shape)."""
+    lead = () if layers is None else (layers,)
+    n = int(np.prod(shape[len(lead):], dtype=np.int64))
+    # [.., n_pad/N] --all_gather(shard)--> [.., n_pad] -> [.., n] -> shape (collectives inserted by the partitioner)
+    return jax.lax.with_sharding_constraint(x.reshape(lead + (-1,))[..., :n].reshape(shape), NamedSharding(mesh, P()))
+
+
 def fetch_params(state) -> Iterator[tuple[str, tuple, np.dtype, Callable[[], np.ndarray]]]:
     """``(dotted path, logical shape, dtype, fetch)`` per parameter of a :class:`ShardedState`.
 
@@ -110,10 +120,7 @@ def fetch_params(state) -> Iterator[tuple[str, tuple, np.dtype, Callable[[], np.
         shape, dtype = tuple(var.get_value().shape), np.dtype(var.get_value().dtype)
 
         def fetch(path=path, shape=shape):
-            x = jax.device_put(flat[path], NamedSharding(mesh, flat[path].sharding.spec))
-            lead = () if layers[path] is None else (layers[path],)
-            n = int(np.prod(shape[len(lead):], dtype=np.int64))
-            unpad = jax.jit(lambda x: x.reshape(lead + (-1,))[..., :n].reshape(shape), out_shardings=NamedSharding(mesh, P()))
-            return np.asarray(unpad(x).addressable_data(0))  # [.., n_pad] -> [.., n] -> shape
+            x = jax.device_put(flat[path], NamedSharding(mesh, flat[path].sharding.spec))  # same pieces, Auto axes
+            return np.asarray(_logical_replicated(x, shape, layers[path], mesh).addressable_data(0))
 
         yield path_str(path), shape, dtype, fetch
