@@ -234,3 +234,39 @@ def test_skipped_step_is_not_counted():
     assert int(state.step) == 1
     assert int(state.opt_state[0].count) == 1
     chex.assert_trees_all_equal(int(state.step), int(state.opt_state[0].count))
+
+
+def test_array_methods_on_a_parameter_read_outside_its_unit_are_gathered():
+    """``kernel.sum()`` / ``kernel.T`` on the Variable (Flax reads array attributes from the raw
+    value, which inside the step is this device's shard) are exact, like ``kernel[...]``."""
+
+    def loss(model, batch):
+        k = model.blocks[0].lin.kernel
+        return mse_loss(model, batch) + 0.1 * k.sum() ** 2 + 0.01 * jnp.sum(k.T[0]) + 0.0 * k.shape[0]
+
+    make = lambda: Net("loop", rngs=nnx.Rngs(0))  # noqa: E731
+    batches = mlp_batches(2)
+    z = zshard_run(make, optax.sgd(0.05), zshard.make_mesh(1, 8), "FULL_SHARD", loss, batches)
+    assert_same(z, reference_run(make, optax.sgd(0.05), loss, batches))
+
+
+def test_unshard_runs_a_model_with_state(tmp_path):
+    from test_model_state import BNDropNet  # noqa: PLC0415
+
+    state = zshard.init(lambda: BNDropNet(rngs=nnx.Rngs(0, dropout=1)), optax.sgd(0.1), zshard.make_mesh(1, 8))
+    state, _ = zshard.make_train_step(mse_loss)(state, mlp_batches(1)[0])
+    model = zshard.unshard(state)
+    x = jnp.ones((4, 13))
+    assert model(x).shape == (4, 3)
+    assert nnx.jit(lambda m, v: m(v))(model, x).shape == (4, 3)
+
+
+def test_bad_returns_and_batches_are_named():
+    state = zshard.init(lambda: Net("loop", rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(1, 8))
+    x, y = mlp_batches(1)[0]
+    with pytest.raises(TypeError, match=r"array of shape \(\); with has_aux=True"):
+        zshard.make_train_step(mse_loss, has_aux=True)(state, (x, y))
+    with pytest.raises(TypeError, match="dtype int32; it must be floating"):
+        zshard.make_train_step(lambda m, b: jnp.sum(b[0] > 0).astype(jnp.int32))(state, (x, y))
+    with pytest.raises(ValueError, match=r"batch\[2\] is a scalar"):
+        zshard.make_train_step(mse_loss)(state, (x, y, 2.0))

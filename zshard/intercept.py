@@ -273,6 +273,32 @@ class _GatherOnRead:
             return gather_param(self.slot, value, self.num_shards, self.comm)
 
 
+_READING: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+
+
+def _gather_on_read_class(cls: type) -> type:
+    """A subclass of the Variable class ``cls`` whose array attributes (``v.sum()``, ``v.T``,
+    ``v.astype``) come from the gathered parameter too: Flax's ``Variable.__getattr__`` reads
+    them from the raw value, which here is this device's shard."""
+    if cls not in _READING:
+
+        def __getattr__(self, name):
+            metadata = object.__getattribute__(self, "_var_metadata")
+            if name in metadata:
+                return metadata[name]
+            return getattr(self.get_value(), name)
+
+        _READING[cls] = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "__module__": cls.__module__})
+    return _READING[cls]
+
+
+def _reading(var, value, hook):
+    """``var`` holding the shard ``value``, gathered wherever it is read (hook and class)."""
+    new = var.replace(value, on_get_value=hook)
+    object.__setattr__(new, "__class__", _gather_on_read_class(type(var)))
+    return new
+
+
 # --- the model on one device -----------------------------------------------------------------------------
 
 
@@ -307,7 +333,7 @@ def materialize(plan, shards: dict, variables: dict, opts: StepOptions) -> nnx.M
     with nnx.use_eager_sharding(False):  # zshard's layout, not the model's sharding annotations
         state = nnx.from_flat_state(
             [
-                (p, v.replace(values[p], on_get_value=hooks[p]) if p in hooks else v.replace(values[p]) if p in values else v)
+                (p, _reading(v, values[p], hooks[p]) if p in hooks else v.replace(values[p]) if p in values else v)
                 for p, v in plan.template + plan.var_template
             ]
         )

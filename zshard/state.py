@@ -513,10 +513,13 @@ def unshard(state: ShardedState) -> nnx.Module:
         else:
             values[path] = jnp.asarray(host[:, : int(np.prod(shape[1:]))].reshape(shape))
     for path, value in traverse_util.flatten_dict(state.variables).items() if state.variables else ():
-        if not value.is_fully_addressable:
+        is_key = jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+        data = jax.random.key_data(value) if is_key else value
+        if not data.is_fully_addressable:
             from jax.experimental import multihost_utils  # noqa: PLC0415
 
-            value = multihost_utils.process_allgather(value, tiled=True)
-        values[path] = jax.device_put(value, jax.devices()[0]) if not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key) else value
+            data = multihost_utils.process_allgather(data, tiled=True)
+        host = jnp.asarray(np.asarray(jax.device_get(data)))  # off the mesh: a plain single-device array
+        values[path] = jax.random.wrap_key_data(host, impl=jax.random.key_impl(value)) if is_key else host
     with nnx.use_eager_sharding(False):
         return nnx.merge(plan.graphdef, _fill(plan.template + plan.var_template, values))

@@ -59,8 +59,9 @@ def _read_loss(out, has_aux: bool):
     """
     if has_aux:
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            what = f"an array of shape {np.shape(out)}" if hasattr(out, "shape") else type(out).__name__
             raise TypeError(
-                f"loss_fn returned {type(out).__name__}; with has_aux=True it must return (loss, aux), "
+                f"loss_fn returned {what}; with has_aux=True it must return (loss, aux), "
                 "loss a scalar (or zshard.TokenMean(sum, count)) and aux any pytree of arrays"
             )
         loss, aux = out
@@ -81,6 +82,11 @@ def _read_loss(out, has_aux: bool):
                 "slice of the batch (e.g. jnp.mean(per_example)), or zshard.TokenMean(jnp.sum(per_token * mask), "
                 "jnp.sum(mask))"
             )
+    if not jnp.issubdtype(jnp.result_type(parts[0]), jnp.floating):
+        raise TypeError(
+            f"loss_fn returned a loss of dtype {jnp.result_type(parts[0])}; it must be floating to have a gradient "
+            "(an integer or boolean loss would train nothing): e.g. jnp.mean(errors.astype(jnp.float32))"
+        )
     return loss, aux
 
 
@@ -291,6 +297,13 @@ class TrainStep:
         leaves = jax.tree_util.tree_leaves_with_path(batch)
         if not leaves:
             raise ValueError("batch is empty: give a pytree of arrays with a leading batch dimension")
+        for p, x in leaves:
+            if not np.shape(x):
+                raise ValueError(
+                    f"batch{jax.tree_util.keystr(p)} is a scalar ({type(x).__name__}): every batch leaf needs a leading "
+                    "batch dimension to be split over the devices; pass a constant through loss_fn's closure "
+                    "(functools.partial) or repeat it per example (np.full((B,), value))"
+                )
         sizes = {f"batch{jax.tree_util.keystr(p)}": shape_of(x)[0] if np.shape(x) else None for p, x in leaves}
         if len(set(sizes.values())) > 1:
             raise ValueError(
