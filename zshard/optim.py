@@ -14,7 +14,9 @@ import numpy as np
 import optax
 from flax import traverse_util
 
-__all__ = ["apply_optimizer", "check_elementwise", "global_norm", "init_optimizer"]
+from zshard.optim_global import view_init, view_update
+
+__all__ = ["apply_optimizer", "check_elementwise", "global_norm", "init_optimizer", "needs_global_view"]
 
 
 def _opt_slice(plan, tree):
@@ -62,6 +64,10 @@ _REDUCTIONS = frozenset(
 )
 
 
+# Random draws: on a slice, every device would draw the same numbers for different elements.
+_RANDOM = frozenset({"random_bits"})
+
+
 def _transformation(eqns) -> str:
     """The Optax transformation a nest of equations (innermost first) was traced in:
     ``clip_by_global_norm`` for a frame ``clip_by_global_norm.<locals>.update_fn``; else the
@@ -83,7 +89,7 @@ def _reduction_in(jaxpr, tensor_in: list[bool]):
     derived = lambda x: tensor.get(x, False) if not hasattr(x, "val") else False  # noqa: E731 (literals: no)
     for eqn in jaxpr.eqns:
         ins = [derived(x) for x in eqn.invars]
-        if eqn.primitive.name in _REDUCTIONS and any(ins):
+        if eqn.primitive.name in _REDUCTIONS and any(ins) or eqn.primitive.name in _RANDOM:
             return [eqn]
         for sub in (v for v in eqn.params.values() for v in (v if isinstance(v, (tuple, list)) else [v])):
             inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
@@ -96,6 +102,12 @@ def _reduction_in(jaxpr, tensor_in: list[bool]):
         for v in eqn.outvars:
             tensor[v] = any(ins)
     return None
+
+
+class _NotElementwise(ValueError):
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
 
 
 def check_elementwise(tx: optax.GradientTransformation, views) -> None:
@@ -122,7 +134,7 @@ def check_elementwise(tx: optax.GradientTransformation, views) -> None:
     nest = _reduction_in(closed.jaxpr, tensor_in)
     if nest is not None:
         name, eqn = _transformation(nest), nest[0]
-        raise ValueError(
+        raise _NotElementwise(name,
             f"optax transformation {name!r} needs a global view: its update reduces over parameter "
             f"elements ({eqn.primitive.name}), but each device holds only its 1/N shard of every parameter, "
             "so the result would differ from the unsharded optimizer. For global-norm clipping use "
@@ -131,10 +143,38 @@ def check_elementwise(tx: optax.GradientTransformation, views) -> None:
         )
 
 
+def needs_global_view(tx: optax.GradientTransformation, views) -> str | None:
+    """The name of the first transformation of ``tx`` that is not elementwise, or ``None``.
+
+    ``None``: ``tx.update`` runs on each device's slice as it is, today's path (no
+    collective, no extra memory). A name: the update reduces over parameter elements
+    (a norm, ``jnp.all``, a matmul) or draws random numbers, and runs through
+    :mod:`zshard.optim_global` instead. Traced abstractly, no compile.
+
+    Args:
+      tx: the Optax transformation.
+      views: pytree of ``jax.ShapeDtypeStruct``, one device's view of the trainable params.
+    """
+    try:
+        check_elementwise(tx, views)
+    except _NotElementwise as e:
+        return e.name
+    return None
+
+
+def _update(plan, grads, opt_state, params):
+    """``tx.update`` on local views: as it is (elementwise) or through the global view."""
+    if plan.opt_view is None:
+        return plan.tx.update(grads, opt_state, params)
+    return view_update(plan, grads, opt_state, params)
+
+
 def init_optimizer(plan, params: dict):
     """Inside ``shard_map``: the Optax state of this device's slice of ``params``."""
     if plan.strategy.opt_axes != plan.shard_axes:
         params = _opt_slice(plan, params)
+    if plan.opt_view is not None:
+        return view_init(plan, _to_view(plan, params))
     return plan.tx.init(_to_view(plan, params))
 
 
@@ -163,11 +203,11 @@ def apply_optimizer(plan, params: dict, grads: dict, opt_state):
     """
     tx, axes = plan.tx, plan.strategy.opt_axes
     if axes == plan.shard_axes:
-        updates, opt_state = tx.update(_to_view(plan, grads), opt_state, _to_view(plan, params))
+        updates, opt_state = _update(plan, _to_view(plan, grads), opt_state, _to_view(plan, params))
         return optax.apply_updates(params, _from_view(updates, params)), opt_state
 
     local_params = _opt_slice(plan, params)
-    updates, opt_state = tx.update(_to_view(plan, _opt_slice(plan, grads)), opt_state, _to_view(plan, local_params))
+    updates, opt_state = _update(plan, _to_view(plan, _opt_slice(plan, grads)), opt_state, _to_view(plan, local_params))
     local = traverse_util.flatten_dict(optax.apply_updates(local_params, _from_view(updates, local_params)))
     new = {}
     for unit in plan.units:

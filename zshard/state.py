@@ -26,7 +26,8 @@ from jax.sharding import PartitionSpec as P
 
 from zshard.flat import FlatParameter, pad_flat, padded_size
 from zshard.mesh import AXES
-from zshard.optim import check_elementwise, init_optimizer, view_rank
+from zshard.optim import init_optimizer, needs_global_view, view_rank
+from zshard.optim_global import build_view
 from zshard.precision import FULL_PRECISION, MixedPrecision
 from zshard.strategy import Strategy
 from zshard.units import find_units, path_str, stacked_layers
@@ -107,6 +108,8 @@ class Plan:
         reduce-scattered, no optimizer state, unchanged by the step).
       var_template: ``(path, abstract Variable)`` pairs of the model's non-parameter
         variables (BatchNorm statistics, RNG keys and counts, counters), replicated.
+      opt_view: ``None`` when ``tx`` is elementwise (it runs on the local slices as they
+        are); else the :class:`zshard.optim_global.OptView` that runs it exactly on shards.
     """
 
     mesh: Mesh
@@ -120,6 +123,7 @@ class Plan:
     mp: MixedPrecision = FULL_PRECISION
     trainable: frozenset = frozenset()
     var_template: tuple = ()
+    opt_view: Any = None
 
     @property
     def variable_paths(self) -> tuple:
@@ -457,21 +461,28 @@ def init(
             if p in train_paths
         }
     )
-    if opt_shards > 1:  # a whole (unpadded) parameter per device needs no check
-        check_elementwise(tx, local)
-    masked = optax.MaskedNode
-    opt_specs = optax.tree_map_params(
-        tx,
-        lambda leaf, s: leaf if isinstance(leaf, masked) else s,  # masked-out slots hold no array
-        jax.eval_shape(tx.init, local),
-        opt_param_specs,
-        transform_non_params=lambda _: P(),
-        is_leaf=lambda x: isinstance(x, (P, masked)),
-    )
+    # Elementwise chains run on the local slices as they are; anything else (a norm, a
+    # matmul, random numbers) through the global view (zshard.optim_global).
+    why, opt_view = needs_global_view(tx, local), None
+    if why is not None:
+        logical = {p: v.get_value() for p, v in template if p in train_paths}
+        opt_view = build_view(tx, logical, layers, opt_shards, traverse_util.flatten_dict(opt_param_specs), why)
+        opt_specs = opt_view.specs
+    else:
+        masked = optax.MaskedNode
+        opt_specs = optax.tree_map_params(
+            tx,
+            lambda leaf, s: leaf if isinstance(leaf, masked) else s,  # masked-out slots hold no array
+            jax.eval_shape(tx.init, local),
+            opt_param_specs,
+            transform_non_params=lambda _: P(),
+            is_leaf=lambda x: isinstance(x, (P, masked)),
+        )
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(f"mixed_precision must be a zshard.MixedPrecision, got {type(mixed_precision).__name__}")
     plan = Plan(
-        mesh, strategy, tx, graphdef, template, units, param_specs, opt_specs, mixed_precision or FULL_PRECISION, train_paths, var_template
+        mesh, strategy, tx, graphdef, template, units, param_specs, opt_specs, mixed_precision or FULL_PRECISION, train_paths,
+        var_template, opt_view,
     )
     init_opt = jax.shard_map(
         lambda p: init_optimizer(plan, plan.split_trainable(p)[0]), mesh=mesh, in_specs=(param_specs,), out_specs=opt_specs
