@@ -16,7 +16,7 @@ from flax import traverse_util
 
 from zshard.optim_global import view_init, view_update
 
-__all__ = ["apply_optimizer", "check_elementwise", "global_norm", "init_optimizer", "needs_global_view"]
+__all__ = ["apply_optimizer", "check_elementwise", "global_norm", "init_optimizer", "needs_global_view", "optimizer_program"]
 
 
 def _opt_slice(plan, tree):
@@ -162,11 +162,11 @@ def needs_global_view(tx: optax.GradientTransformation, views) -> str | None:
     return None
 
 
-def _update(plan, grads, opt_state, params):
+def _update(plan, grads, opt_state, params, record=None):
     """``tx.update`` on local views: as it is (elementwise) or through the global view."""
     if plan.opt_view is None:
         return plan.tx.update(grads, opt_state, params)
-    return view_update(plan, grads, opt_state, params)
+    return view_update(plan, grads, opt_state, params, record)
 
 
 def init_optimizer(plan, params: dict):
@@ -189,7 +189,7 @@ def global_norm(grads, shard_axes: tuple[str, ...]) -> jax.Array:
     return jnp.sqrt(jax.lax.psum(sq, shard_axes) if shard_axes else sq)
 
 
-def apply_optimizer(plan, params: dict, grads: dict, opt_state):
+def apply_optimizer(plan, params: dict, grads: dict, opt_state, record: list | None = None):
     """One Optax update of this device's shards; returns ``(params, opt_state)``.
 
     Args:
@@ -197,17 +197,20 @@ def apply_optimizer(plan, params: dict, grads: dict, opt_state):
       params / grads: nested dicts of local ``[n_pad / N]`` slices (``N = plan.num_shards``).
       opt_state: local Optax state, sliced over ``plan.strategy.opt_axes``.
 
+    ``record``: a list that receives ``(kind, X bytes)`` of each collective the global-view
+    optimizer issues (:mod:`zshard.optim_global`; nothing for elementwise chains).
+
     SHARD_OPT (ZeRO-1) holds whole parameters and gradients (``N = 1``) but a ``1/W`` slice
     of the optimizer state: each device updates its slice, then each unit's updated slices
     are all-gathered over the world, one collective per unit and dtype.
     """
     tx, axes = plan.tx, plan.strategy.opt_axes
     if axes == plan.shard_axes:
-        updates, opt_state = _update(plan, _to_view(plan, grads), opt_state, _to_view(plan, params))
+        updates, opt_state = _update(plan, _to_view(plan, grads), opt_state, _to_view(plan, params), record)
         return optax.apply_updates(params, _from_view(updates, params)), opt_state
 
     local_params = _opt_slice(plan, params)
-    updates, opt_state = _update(plan, _to_view(plan, _opt_slice(plan, grads)), opt_state, _to_view(plan, local_params))
+    updates, opt_state = _update(plan, _to_view(plan, _opt_slice(plan, grads)), opt_state, _to_view(plan, local_params), record)
     local = traverse_util.flatten_dict(optax.apply_updates(local_params, _from_view(updates, local_params)))
     new = {}
     for unit in plan.units:
@@ -217,3 +220,23 @@ def apply_optimizer(plan, params: dict, grads: dict, opt_state):
             full = jax.lax.all_gather(shard, axes, axis=0, tiled=False, to="invarying")
             new.update({s.path: v for s, v in zip(flat.slots, flat.split_padded(full))})  # [..., n_pad] each
     return traverse_util.unflatten_dict(new), opt_state
+
+
+def optimizer_program(plan, record: list | None = None):
+    """The optimizer step alone, ``jit(shard_map(...))``: ``(params, grads, opt_state) ->
+    (params, opt_state)`` on trainable parameters (``zshard.report`` compiles it to measure
+    the optimizer's temporary memory and collectives apart from the train step).
+
+    ``params`` / ``grads``: nested dicts like ``state.params`` restricted to the trainable
+    parameters (``[n_pad]`` each, ``PartitionSpec(shard_axes)``).
+    """
+    train_specs, _ = plan.split_trainable(plan.param_specs)
+
+    def local(params, grads, opt_state):
+        return apply_optimizer(plan, params, grads, opt_state, record)
+
+    return jax.jit(
+        jax.shard_map(
+            local, mesh=plan.mesh, in_specs=(train_specs, train_specs, plan.opt_specs), out_specs=(train_specs, plan.opt_specs)
+        )
+    )

@@ -134,7 +134,7 @@ class OptView:
 class _Ctx:
     """Where the evaluation runs: the optimizer's mesh axes and this device's index on them."""
 
-    def __init__(self, axes: tuple, num_shards: int, layouts: dict):
+    def __init__(self, axes: tuple, num_shards: int, layouts: dict, record: list | None = None):
         self.axes, self.num_shards = axes, num_shards
         self.index = jax.lax.axis_index(axes) if axes and num_shards > 1 else 0
         by_shape: dict = {}
@@ -142,7 +142,8 @@ class _Ctx:
             by_shape.setdefault(lay.shape, set()).add(lay)
         # a shape shared by a stacked and an unstacked parameter is ambiguous: held whole
         self.by_shape = {s: next(iter(v)) for s, v in by_shape.items() if len(v) == 1}
-        self.collectives: list = []
+        # ("all-gather" | "all-reduce", X: bytes of the whole buffer) of each collective issued
+        self.collectives: list = record if record is not None else []
 
     # ---- layout arithmetic -------------------------------------------------------------
     def flat_index(self, lay: Layout) -> jax.Array:
@@ -514,19 +515,20 @@ def view_init(plan, params_local: dict):
         return _finish_state(ctx, view, outs, jax.eval_shape(tx.init, view.logical), flat)
 
 
-def view_update(plan, grads_local: dict, opt_state, params_local: dict):
+def view_update(plan, grads_local: dict, opt_state, params_local: dict, record: list | None = None):
     """Inside ``shard_map``: ``tx.update`` with the single-device result, on this device's shards.
 
     Args:
       plan: the plan (``plan.opt_view`` set).
       grads_local / params_local: nested dicts of local views ``[*lead, 1, .., n_pad/N]``.
       opt_state: the local optimizer state (sharded leaves as local views, others whole).
+      record: if given, each collective issued is appended as ``(kind, X bytes)``.
 
     Returns:
       ``(updates, opt_state)``: updates as local views (padding zero), the new state.
     """
     view, tx = plan.opt_view, plan.tx
-    ctx = _Ctx(plan.strategy.opt_axes, plan.opt_shards, view.layouts)
+    ctx = _Ctx(plan.strategy.opt_axes, plan.opt_shards, view.layouts, record)
     flat_p, flat_g = traverse_util.flatten_dict(params_local), traverse_util.flatten_dict(grads_local)
     state_aval = jax.eval_shape(tx.init, view.logical)
     held_s = jax.tree.unflatten(

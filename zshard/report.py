@@ -28,9 +28,11 @@ import numpy as np
 from flax import traverse_util
 
 from zshard.mesh import REPLICA, SHARD
+from zshard.optim import optimizer_program
+from zshard.optim_global import SCOPE
 from zshard.strategy import Strategy
 
-__all__ = ["Collective", "Report", "parse_collectives", "parse_replica_groups", "report"]
+__all__ = ["Collective", "Report", "optimizer_report", "parse_collectives", "parse_replica_groups", "report"]
 
 _KINDS = {
     "all-gather": "all-gather",
@@ -58,6 +60,8 @@ class Collective:
       buffer_bytes: ``X``, bytes of the full (unsharded) buffer, all tuple elements.
       sent_bytes: bytes one device sends per execution (ring algorithm).
       trips: executions per step (product of enclosing ``while`` trip counts).
+      phase: ``"optimizer"`` for a collective the global-view optimizer issues
+        (:mod:`zshard.optim_global`, named scope ``zshard_optimizer``), else ``"step"``.
     """
 
     name: str
@@ -67,6 +71,7 @@ class Collective:
     buffer_bytes: int
     sent_bytes: float
     trips: int = 1
+    phase: str = "step"
 
 
 def _shape_bytes(shape_text: str) -> list[int]:
@@ -202,7 +207,8 @@ def parse_collectives(hlo: str, mesh) -> list[Collective]:
             full = result * n if kind == "reduce-scatter" else result  # X: the unsharded buffer
             factor = 2 if kind == "all-reduce" else 1
             sent = factor * full * (n - 1) / n if kind != "other" else float(result)
-            out.append(Collective(name, kind, _axis_of(groups, mesh), n, full, sent, trips.get(comp, 1)))
+            phase = "optimizer" if SCOPE in rest else "step"
+            out.append(Collective(name, kind, _axis_of(groups, mesh), n, full, sent, trips.get(comp, 1), phase))
     return out
 
 
@@ -271,12 +277,17 @@ class Report:
         ``total`` (gradients are step temporaries in JAX, never persistent state), and
         ``ratio`` of the totals.
       comm_bytes_per_step: per mesh axis (``shard``, ``replica``, ``world``): ``measured``,
-        ``formula``, ``ratio``.
+        ``formula``, ``ratio``; the formula includes the optimizer's (``optimizer["formula"]``).
       collectives: per ``(kind, axis)``: ``count`` (executions per step) and ``bytes``.
       units: ``name``, ``params`` (logical) and ``padded`` elements of each unit.
       remat: the step's activation-checkpointing policy (``make_train_step(remat=...)``);
         it sets ``per_device_bytes["temp"]``.
       grad_accum: micro-batches per step.
+      optimizer: the optimizer step measured apart (``None`` when not measured): ``path``
+        (``"elementwise"``: Optax on the local slices, no collective; or ``"global view
+        (<transformation>)"``, :mod:`zshard.optim_global`), ``collectives`` (per kind and
+        axis: count and bytes one device sends), ``measured`` and ``formula`` (bytes per
+        step), ``temp`` (temporary bytes of the optimizer step compiled alone).
     """
 
     strategy: str
@@ -289,6 +300,7 @@ class Report:
     units: list
     remat: str = "block"
     grad_accum: int = 1
+    optimizer: dict | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -316,6 +328,17 @@ class Report:
             "|---|---|---:|---:|",
             *(f"| {c['kind']} | {c['axis']} | {c['count']} | {mib(c['bytes'])} |" for c in self.collectives),
         ]
+        if self.optimizer is not None:
+            o = self.optimizer
+            lines += [
+                "",
+                f"| optimizer: {o['path']} | MiB |",
+                "|---|---:|",
+                f"| temp of the optimizer step alone (memory_analysis) | {mib(o['temp'])} |",
+                f"| collectives measured | {mib(o['measured'])} |",
+                f"| collectives formula | {mib(o['formula'])} |",
+                *(f"| {c['kind']} ({c['axis']}) x {c['count']} | {mib(c['bytes'])} |" for c in o["collectives"]),
+            ]
         return "\n".join(lines)
 
 
@@ -341,7 +364,11 @@ def report(step, state, batch) -> Report:
     measured["total"] = measured["params"] + measured["opt_state"]
     logical = traverse_util.unflatten_dict({p: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype) for p, v in plan.template})
     trainable, _ = plan.split_trainable(logical)
-    opt_full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(plan.tx.init, trainable)))
+    opt_leaves = jax.tree.leaves(jax.eval_shape(plan.tx.init, trainable))
+    opt_full = sum(x.size * x.dtype.itemsize for x in opt_leaves)
+    if plan.opt_view is not None:  # leaves not shaped like their parameter are replicated
+        whole = sum(x.size * x.dtype.itemsize for x, p in zip(opt_leaves, plan.opt_view.state_paths) if p is None)
+        opt_full = opt_full - whole + whole * plan.opt_shards
     param_full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(logical))
     formula = {"params": param_full / plan.num_shards, "opt_state": opt_full / plan.opt_shards}
     formula["total"] = formula["params"] + formula["opt_state"]
@@ -350,12 +377,16 @@ def report(step, state, batch) -> Report:
     by_axis: dict[str, float] = defaultdict(float)
     table: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
     for c in colls:
-        if c.buffer_bytes <= 64 or c.axis == "none":  # scalar metrics (loss, grad norm); size-1 groups
-            continue
+        if c.axis == "none" or (c.buffer_bytes <= 64 and c.phase == "step"):
+            continue  # size-1 groups; the step's scalar metrics (loss, grad norm)
         by_axis[c.axis] += c.sent_bytes * c.trips
         table[(c.kind, c.axis)][0] += c.trips
         table[(c.kind, c.axis)][1] += c.sent_bytes * c.trips
     formula_comm = _formula_comm(plan, getattr(step, "grad_accum", 1))
+    opt = optimizer_report(state)
+    if opt["formula"]:  # the global-view optimizer's collectives run over the optimizer axes
+        opt_axis = _axis_name(plan.mesh, plan.strategy.opt_axes)
+        formula_comm[opt_axis] = formula_comm.get(opt_axis, 0.0) + opt["formula"]
     comm = {}
     for axis in (SHARD, REPLICA, "world"):
         f, m = formula_comm.get(axis, 0.0), by_axis.get(axis, 0.0)
@@ -376,7 +407,42 @@ def report(step, state, batch) -> Report:
         ],
         remat=_policy_name(getattr(step, "remat", "block")),
         grad_accum=getattr(step, "grad_accum", 1),
+        optimizer=opt,
     )
+
+
+def optimizer_report(state) -> dict:
+    """The optimizer step compiled alone (:func:`zshard.optim.optimizer_program`): its temp
+    bytes and collectives, against a formula.
+
+    Formula (bytes one device sends per step, ring algorithm, Patarasuk & Yuan 2009): each
+    collective the global-view optimizer issues while tracing, with ``X`` the bytes of its
+    whole buffer and ``n`` the devices of the optimizer axes: an all-gather of one padded
+    parameter (a whole-matrix update such as Muon: one per matrix) ``X(n-1)/n``; an
+    all-reduce (a scalar for a global or per-parameter norm, ``[rows]`` / ``[cols]`` for
+    Adafactor's factored moments) ``2X(n-1)/n``. An elementwise chain issues none (ZeRO,
+    arXiv 1910.02054 section 5.1: each device updates only its partition).
+    """
+    plan = state.plan
+    record: list = []
+    train, _ = plan.split_trainable(state.params)
+    compiled = optimizer_program(plan, record).lower(train, train, state.opt_state).compile()
+    n = plan.opt_shards
+    ring = (n - 1) / n if n > 1 else 0.0
+    formula = sum((2 if kind == "all-reduce" else 1) * x * ring for kind, x in record)
+    table: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
+    for c in parse_collectives(compiled.as_text(), plan.mesh):
+        if c.phase == "optimizer" and c.axis != "none":
+            table[(c.kind, c.axis)][0] += c.trips
+            table[(c.kind, c.axis)][1] += c.sent_bytes * c.trips
+    view = plan.opt_view
+    return {
+        "path": "elementwise" if view is None else f"global view ({view.why})",
+        "collectives": [{"kind": k, "axis": a, "count": m, "bytes": b} for (k, a), (m, b) in sorted(table.items())],
+        "measured": sum(b for _, b in table.values()),
+        "formula": formula,
+        "temp": int(compiled.memory_analysis().temp_size_in_bytes),
+    }
 
 
 def _policy_name(remat) -> str:
