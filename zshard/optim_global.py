@@ -144,6 +144,12 @@ class _Ctx:
         self.by_shape = {s: next(iter(v)) for s, v in by_shape.items() if len(v) == 1}
         # ("all-gather" | "all-reduce", X: bytes of the whole buffer) of each collective issued
         self.collectives: list = record if record is not None else []
+        # [Note: one matrix at a time] The shard of the last whole-parameter result: the next
+        # all-gather's input adds a zero read from it (real data flow: XLA:CPU drops
+        # optimization barriers), so XLA cannot gather every matrix
+        # and run every Newton-Schulz iteration at once; at most one gathered parameter (and
+        # the temporaries of its update) is alive at a time.
+        self.last = None
 
     # ---- layout arithmetic -------------------------------------------------------------
     def flat_index(self, lay: Layout) -> jax.Array:
@@ -194,6 +200,9 @@ class _Ctx:
     def gather(self, v: Shard) -> jax.Array:
         """Shard ``[*lead, n_pad/N]`` -> the whole parameter-shaped value (one all-gather)."""
         lay, x = v.layout, v.x
+        if self.last is not None and jnp.issubdtype(x.dtype, jnp.inexact):  # [Note: one matrix at a time]
+            t = self.last.reshape(-1)[0]
+            x = x + (jnp.where(jnp.isfinite(t), t, 0) * 0).astype(x.dtype)  # exact: x + 0
         if self.num_shards > 1:
             self.collectives.append(("all-gather", x.size * x.dtype.itemsize * self.num_shards))
             # [*lead, n_pad/N] --all_gather(opt axes)--> [*lead, n_pad]
@@ -387,8 +396,15 @@ def _eval_eqn(ctx: _Ctx, eqn, ins: list) -> list:
                     xs.append(ctx.to_shard(ctx.whole(x), lay).x)
             return [Shard(_bind(eqn, xs)[0], lay)]
 
-    # Anything else: computed on whole values (parameter-shaped operands all-gathered).
-    return _bind(eqn, [ctx.whole(x) for x in ins])
+    # Anything else: computed on whole values (parameter-shaped operands all-gathered), and a
+    # parameter-shaped result is cut back to its shard at once ([Note: one matrix at a time]).
+    outs = _bind(eqn, [ctx.whole(x) for x in ins])
+    for k, (o, aval) in enumerate(zip(outs, outs_aval)):
+        lay = ctx.by_shape.get(tuple(aval.shape))
+        if lay is not None and isinstance(o, jax.Array) and not jax.dtypes.issubdtype(o.dtype, jax.dtypes.prng_key):
+            outs[k] = ctx.to_shard(o, lay)
+            ctx.last = outs[k].x
+    return outs
 
 
 def eval_jaxpr(ctx: _Ctx, jaxpr, consts: list, args: list) -> list:
