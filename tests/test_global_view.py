@@ -1,11 +1,14 @@
-"""Optax transformations that need a global view of the gradient are refused on shards."""
+"""Which Optax transformations run on the local slices as they are, and which through the
+global view (zshard.optim_global); how the optimizer state of each is laid out."""
 
 import chex
 import jax
 import optax
+import optax.contrib
 import pytest
 from conftest import ResMLP, mlp_batches, mse_loss, reference_run
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import zshard
 
@@ -21,12 +24,14 @@ def mlp():
         (optax.apply_if_finite(optax.adam(1e-3), 3), "apply_if_finite"),
         (optax.lamb(1e-3), "scale_by_trust_ratio"),
         (optax.adafactor(1e-3), "clip_by_block_rms"),
+        (optax.contrib.muon(1e-3), "scale_by_muon"),
+        (optax.chain(optax.add_noise(0.1, 0.55, key=0), optax.sgd(1e-3)), "add_noise"),
     ],
 )
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD", "SHARD_OPT"])
-def test_a_transformation_that_reduces_over_parameters_is_refused_by_name(tx, name, strategy):
-    with pytest.raises(ValueError, match=rf"optax transformation '{name}' needs a global view.*clip_norm="):
-        zshard.init(mlp, tx, zshard.make_mesh(2, 4), strategy=strategy, abstract=True)
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD", "SHARD_OPT", "NO_SHARD"])
+def test_a_transformation_that_needs_more_than_a_slice_runs_on_the_global_view(tx, name, strategy):
+    state = zshard.init(mlp, tx, zshard.make_mesh(2, 4), strategy=strategy, abstract=True)
+    assert state.plan.opt_view is not None and state.plan.opt_view.why == name
 
 
 @pytest.mark.parametrize(
@@ -39,9 +44,24 @@ def test_a_transformation_that_reduces_over_parameters_is_refused_by_name(tx, na
     ],
     ids=["adamw-mask", "clip-lion", "sgd-schedule", "multi_transform"],
 )
-def test_elementwise_transformations_are_accepted(tx):
+def test_elementwise_transformations_keep_the_slice_path(tx):
     state = zshard.init(mlp, tx, zshard.make_mesh(1, 8), abstract=True)
+    assert state.plan.opt_view is None
     assert jax.tree.leaves(state.opt_state)
+
+
+def test_state_shaped_like_a_parameter_stays_sharded_the_rest_is_replicated():
+    # Adafactor: v_row [19] / v_col [19] of a factored [19, 19] kernel are replicated (P()),
+    # the unfactored v of a bias [19] is sharded like the bias.
+    state = zshard.init(mlp, optax.adafactor(1e-3, min_dim_size_to_factor=4), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
+    factored = state.opt_state[0]  # scale_by_factored_rms's state
+    kernel = ("blocks", 0, "lin", "kernel")
+    get = lambda tree, path: tree[path[0]][path[1]][path[2]][path[3]]  # noqa: E731
+    assert get(factored.v_row, kernel).shape == (19,) and get(factored.v_row, kernel).sharding.spec == P()
+    assert get(factored.v_col, kernel).shape == (19,) and get(factored.v_col, kernel).sharding.spec == P()
+    bias = ("blocks", 0, "lin", "bias")
+    assert get(factored.v, bias).sharding.spec == P("shard")
+    assert get(factored.v, bias).addressable_shards[0].data.shape == (5,)  # 19 -> padded 20 / 4
 
 
 def test_no_shard_holds_whole_parameters_so_a_global_norm_in_the_chain_is_exact():
