@@ -51,14 +51,14 @@ def test_elementwise_transformations_keep_the_slice_path(tx):
 
 
 def test_state_shaped_like_a_parameter_stays_sharded_the_rest_is_replicated():
-    # Adafactor: v_row [19] / v_col [19] of a factored [19, 19] kernel are replicated (P()),
+    # Adafactor: v_row [19] / v_col [19] of a factored [19, 19] kernel are replicated (replicated),
     # the unfactored v of a bias [19] is sharded like the bias.
     state = zshard.init(mlp, optax.adafactor(1e-3, min_dim_size_to_factor=4), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
     factored = state.opt_state[0]  # scale_by_factored_rms's state
     kernel = ("blocks", 0, "lin", "kernel")
     get = lambda tree, path: tree[path[0]][path[1]][path[2]][path[3]]  # noqa: E731
-    assert get(factored.v_row, kernel).shape == (19,) and get(factored.v_row, kernel).sharding.spec == P()
-    assert get(factored.v_col, kernel).shape == (19,) and get(factored.v_col, kernel).sharding.spec == P()
+    assert get(factored.v_row, kernel).shape == (19,) and get(factored.v_row, kernel).sharding.is_fully_replicated
+    assert get(factored.v_col, kernel).shape == (19,) and get(factored.v_col, kernel).sharding.is_fully_replicated
     bias = ("blocks", 0, "lin", "bias")
     assert get(factored.v, bias).sharding.spec == P("shard")
     assert get(factored.v, bias).addressable_shards[0].data.shape == (5,)  # 19 -> padded 20 / 4
