@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = ["Layout", "OptView", "Shard", "build_view", "view_init", "view_update"]
 
-SCOPE = "zshard_optimizer"  # named scope of the optimizer's collectives in the HLO (zshard.report)
+SCOPE = "zshard.optimizer"  # named scope of the optimizer's collectives in the HLO (zshard.report)
 
 _ELEMENTWISE = frozenset(
     """abs acos acosh add and asin asinh atan atan2 atanh bitcast_convert_type cbrt ceil clamp conj

@@ -61,7 +61,7 @@ class Collective:
       sent_bytes: bytes one device sends per execution (ring algorithm).
       trips: executions per step (product of enclosing ``while`` trip counts).
       phase: ``"optimizer"`` for a collective the global-view optimizer issues
-        (:mod:`zshard.optim_global`, named scope ``zshard_optimizer``), else ``"step"``.
+        (:mod:`zshard.optim_global`, named scope ``zshard.optimizer``), else ``"step"``.
     """
 
     name: str
