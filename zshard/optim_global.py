@@ -63,6 +63,8 @@ _ELEMENTWISE = frozenset(
     real reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic shift_right_logical
     sign sin sinh sqrt square sub tan tanh xor population_count clz""".split()
 )
+# Sharding annotations and copies: no change of value inside shard_map.
+_IDENTITY_PRIMS = frozenset({"reshard", "sharding_constraint", "mesh_cast", "copy", "copy_p", "optimization_barrier"})
 _REDUCE = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "reduce_and": "and", "reduce_or": "or"}
 _INLINE_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat", "checkpoint"})
@@ -103,11 +105,13 @@ class Shard:
     layout: Layout
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _Partial:
-    """A scalar partial sum: the whole value is its ``psum`` over the optimizer axes."""
+    """A scalar partial sum: the whole value is its ``psum`` over the optimizer axes
+    (computed once, on first use, and kept in ``total``)."""
 
     x: jax.Array
+    total: Any = None
 
 
 @dataclasses.dataclass(eq=False, frozen=True)
@@ -226,7 +230,9 @@ class _Ctx:
         if isinstance(v, Shard):
             return self.gather(v)
         if isinstance(v, _Partial):
-            return self.reduce("sum", v.x)
+            if v.total is None:
+                v.total = self.reduce("sum", v.x)
+            return v.total
         return v
 
 
@@ -373,6 +379,9 @@ def _eval_eqn(ctx: _Ctx, eqn, ins: list) -> list:
             if x.size == 1:
                 return [Shard(jnp.broadcast_to(x.reshape(()), lay.local_shape), lay)]
             return [ctx.broadcast(x, lay, tuple(eqn.params["broadcast_dimensions"]))]
+
+    if name in _IDENTITY_PRIMS and len(ins) == 1:  # sharding annotations: the value itself
+        return [ins[0]]
 
     if name in ("reshape", "broadcast_in_dim") and isinstance(ins[0], Shard) and tuple(outs_aval[0].shape) == ins[0].layout.shape:
         return [ins[0]]
