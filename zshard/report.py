@@ -212,9 +212,16 @@ def parse_collectives(hlo: str, mesh) -> list[Collective]:
     return out
 
 
+def _itemsize(dtype) -> int:
+    """Bytes per element; a PRNG key (``add_noise``'s state) counts its key data (threefry: 8)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return 4 * int(np.prod(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype)).shape))
+    return np.dtype(dtype).itemsize
+
+
 def _local_bytes(x) -> int:
     """Bytes of one device's shard of ``x`` (an array or a ``ShapeDtypeStruct`` with a sharding)."""
-    return int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * _itemsize(x.dtype)
 
 
 def _formula_comm(plan, k: int = 1) -> dict[str, float]:
@@ -365,9 +372,9 @@ def report(step, state, batch) -> Report:
     logical = traverse_util.unflatten_dict({p: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype) for p, v in plan.template})
     trainable, _ = plan.split_trainable(logical)
     opt_leaves = jax.tree.leaves(jax.eval_shape(plan.tx.init, trainable))
-    opt_full = sum(x.size * x.dtype.itemsize for x in opt_leaves)
+    opt_full = sum(x.size * _itemsize(x.dtype) for x in opt_leaves)
     if plan.opt_view is not None:  # leaves not shaped like their parameter are replicated
-        whole = sum(x.size * x.dtype.itemsize for x, p in zip(opt_leaves, plan.opt_view.state_paths) if p is None)
+        whole = sum(x.size * _itemsize(x.dtype) for x, p in zip(opt_leaves, plan.opt_view.state_paths) if p is None)
         opt_full = opt_full - whole + whole * plan.opt_shards
     param_full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(logical))
     formula = {"params": param_full / plan.num_shards, "opt_state": opt_full / plan.opt_shards}
