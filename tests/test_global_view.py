@@ -79,3 +79,13 @@ def test_no_shard_holds_whole_parameters_so_a_global_norm_in_the_chain_is_exact(
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_report_counts_a_prng_key_in_the_optimizer_state():
+    tx = optax.chain(optax.add_noise(0.1, 0.55, key=0), optax.sgd(1e-3))
+    state = zshard.init(mlp, tx, zshard.make_mesh(1, 8))
+    rep = zshard.report(zshard.make_train_step(mse_loss), state, mlp_batches(1)[0])
+    # the key (8 bytes of threefry data) and the count are replicated and counted whole on both sides;
+    # the rest of the excess is the padding of the uneven 13/19/3 sizes
+    assert 1.0 <= rep.model_state_bytes["ratio"] <= 1.06
+    assert rep.optimizer["path"] == "global view (add_noise)" and rep.optimizer["measured"] == rep.optimizer["formula"] == 0
