@@ -53,7 +53,9 @@ class Unit:
       path: module path in the model, ``()`` for the root.
       flats: one FlatParameter per dtype, split over the strategy's shard axes.
       opt_flats: the same parameters laid out over the optimizer's axes; differs from
-        ``flats`` only for SHARD_OPT (ZeRO-1), whose updated slices are all-gathered.
+        ``flats`` only for SHARD_OPT (ZeRO-1), whose updated slices are all-gathered over
+        the world, and HYBRID_SHARD_OPT, whose shards are split again over ``replica``
+        (:meth:`FlatParameter.over_replicas`: reduce-scatter and all-gather over ``replica``).
       graphdef: the unit module's own graph (``None`` for the root).
       template: ``(relative path, abstract Variable)`` pairs of the unit module's state,
         shapes of one layer.
@@ -149,6 +151,12 @@ class Plan:
     def num_shards(self) -> int:
         """``N``: devices one parameter is split over at rest (1 when replicated)."""
         return int(np.prod([self.mesh.shape[a] for a in self.shard_axes]))
+
+    @property
+    def grad_axes(self) -> tuple[str, ...]:
+        """Mesh axes the reduced gradient handed to the optimizer is split over: the
+        optimizer's for HYBRID_SHARD_OPT (``(shard, replica)``), else the parameters'."""
+        return self.strategy.opt_axes if self.strategy.scatters_replica else self.shard_axes
 
     @property
     def opt_shards(self) -> int:
@@ -267,7 +275,10 @@ def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit, traina
             groups[np.dtype(value.dtype), train].append((path, value.shape[drop:], value.dtype))
         name = path_str(upath)
         flats = tuple(FlatParameter.build(name, g, num_shards, opt_shards, trainable=t) for (_, t), g in groups.items())
-        opt_flats = tuple(FlatParameter.build(name, g, opt_shards) for (_, t), g in groups.items() if t)
+        if opt_shards > num_shards > 1:  # HYBRID_SHARD_OPT: each shard split again over replica
+            opt_flats = tuple(f.over_replicas(opt_shards // num_shards) for f in flats if f.trainable)
+        else:
+            opt_flats = tuple(FlatParameter.build(name, g, opt_shards) for (_, t), g in groups.items() if t)
         graphdef, template = None, ()
         if upath:
             graphdef, sub_state = nnx.split(sub)
@@ -317,7 +328,7 @@ def init(
       mesh: from :func:`zshard.make_mesh`, axes ``("replica", "shard")``.
       strategy: a :class:`Strategy` or its name (default ``"FULL_SHARD"``): ``NO_SHARD``,
         ``SHARD_OPT``, ``SHARD_GRAD_OP``, ``FULL_SHARD``, ``HYBRID_SHARD``,
-        ``HYBRID_SHARD_ZERO2`` (docs/design.md section 3).
+        ``HYBRID_SHARD_ZERO2`` (docs/design.md section 3), ``HYBRID_SHARD_OPT`` (docs/memory.md).
       unit: the wrap policy, what is gathered together: ``None`` (each element of an
         ``nnx.List`` of repeated blocks, and stacked modules), a module class / tuple of
         classes, a callable ``(path, module) -> bool``, or a minimum parameter count
