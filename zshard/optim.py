@@ -49,9 +49,19 @@ def scatter_replica(plan, grads: dict) -> dict:
         return grads
     flat, out = traverse_util.flatten_dict(grads), {}
     extra = tuple(a for a in plan.strategy.opt_axes if a not in plan.shard_axes)
+    R = plan.opt_shards // plan.num_shards
     for unit in plan.units:
         for layout in unit.opt_flats:
             dtype = plan.mp.grad_dtype(layout.dtype)
+            if unit.layers is not None:
+                # Stacked: one collective per parameter, straight from its [L, n_pad/S] buffer
+                # (a per-unit concatenation would copy the gradients of every layer at once).
+                for s in layout.slots:
+                    g = flat[s.path].astype(dtype)
+                    g = g.reshape(g.shape[:-1] + (R, -1))  # [L, n_pad/S] -> [L, R, n_pad/(R S)]
+                    # [L, R, n_pad/(R S)] --reduce_scatter(replica)--> [L, n_pad/(R S)]
+                    out[s.path] = jax.lax.psum_scatter(g, extra, scatter_dimension=g.ndim - 2, tiled=False).astype(layout.dtype)
+                continue
             rows = layout.rows([flat[s.path].astype(dtype) for s in layout.slots])  # [R, ..., L/(R S)]
             # [R, ..., L/(R S)] --reduce_scatter(replica)--> [..., L/(R S)]
             mine = jax.lax.psum_scatter(rows, extra, scatter_dimension=0, tiled=False)
@@ -212,6 +222,12 @@ def apply_optimizer(plan, params: dict, grads: dict, opt_state):
     new = {}
     for unit in plan.units:
         for flat in unit.opt_flats:
+            if unit.layers is not None and plan.strategy.scatters_replica:
+                for s in flat.slots:  # stacked: per parameter, no [L, ...]-sized concatenation
+                    # [L, n_pad/(R S)] --all_gather(replica)--> [L, R, n_pad/(R S)] -> [L, n_pad/S]
+                    full = jax.lax.all_gather(local[s.path], gather_axes, axis=local[s.path].ndim - 1, tiled=False, to="invarying")
+                    new[s.path] = full.reshape(full.shape[:-2] + (-1,))
+                continue
             shard = flat.concat_shards([local[s.path] for s in flat.slots])
             # [..., L/W] --all_gather(gather_axes)--> [W', ..., L/W], the same on every device of the group
             full = jax.lax.all_gather(shard, gather_axes, axis=0, tiled=False, to="invarying")
