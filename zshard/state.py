@@ -244,7 +244,7 @@ def _shared_reads(model, unit_paths) -> dict[tuple, list]:
     return {u: [(r, c) for r, c in pairs if c in shared] for u, pairs in reach.items()}
 
 
-def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit, trainable=None) -> tuple[Unit, ...]:
+def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit, trainable=None, split_shards=False) -> tuple[Unit, ...]:
     unit_paths = find_units(abstract_model, unit)
     param_paths = {p for p, _ in flat_state}
     # Tied parameters; shared non-parameter variables (one Rngs for every block) are simply
@@ -275,7 +275,7 @@ def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit, traina
             groups[np.dtype(value.dtype), train].append((path, value.shape[drop:], value.dtype))
         name = path_str(upath)
         flats = tuple(FlatParameter.build(name, g, num_shards, opt_shards, trainable=t) for (_, t), g in groups.items())
-        if opt_shards > num_shards > 1:  # HYBRID_SHARD_OPT: each shard split again over replica
+        if split_shards:  # HYBRID_SHARD_OPT: each shard split again over replica
             opt_flats = tuple(f.over_replicas(opt_shards // num_shards) for f in flats if f.trainable)
         else:
             opt_flats = tuple(FlatParameter.build(name, g, opt_shards) for (_, t), g in groups.items() if t)
@@ -406,7 +406,7 @@ def init(
         raise ValueError(f"trainable= selects {path_str(path)!r}, which is not an nnx.Param; the filter must select parameters")
     if not train_paths:
         raise ValueError("trainable= selects no parameter: nothing would train; check the filter (default nnx.Param)")
-    units = _plan_units(abstract_model, template, num_shards, opt_shards, unit, train_paths)
+    units = _plan_units(abstract_model, template, num_shards, opt_shards, unit, train_paths, strategy.scatters_replica)
 
     layers = {s.path: u.layers for u in units for s in u.slots}
     paths = [p for p, _ in template]
