@@ -240,3 +240,12 @@ def test_checkpoint_to_and_from_every_strategy_is_bitwise(trained, tmp_path, r, 
     _, m_back = step(back, batch)
     _, m_other = step(other, batch)
     np.testing.assert_allclose(float(m_back["loss"]), float(m_other["loss"]), rtol=1e-6)
+
+
+def test_config_plan_and_bench_accept_the_name():
+    from train import config as C
+    from train.bench import STRATEGIES
+
+    assert C.STRATEGY_NAMES == tuple(s.value for s in Strategy)  # the config lists every strategy
+    assert C.Config.from_dict({"mesh": {"strategy": "hybrid_shard_opt"}}).validate().strategy() == NAME
+    assert NAME in STRATEGIES
