@@ -168,10 +168,9 @@ def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsiz
 
     - ``state``: parameters + optimizer state, ``(1 + K) * e * Psi / N`` (persistent, donated);
       HYBRID_SHARD_OPT (optimizer state over ``M = opt_shards = R*S``): ``e Psi / N + K e Psi / M``;
-    - ``grad_shard``: the reduce-scattered gradient shards and the optimizer's update of the
-      same shape, both alive during the update: ``2 * e * Psi / N``; HYBRID_SHARD_OPT: the
-      gradient shard over ``shard`` (held to the end of backward) and the update of the
-      optimizer's slice, ``e Psi / N + e Psi / M``;
+    - ``grad_shard``: the reduce-scattered gradient shards, held to the end of backward:
+      ``e * Psi / N`` (HYBRID_SHARD_OPT too: its replica reduce-scatter runs after backward;
+      the optimizer updates in place, no buffer of its own);
     - ``root``: the root unit (embeddings, head), gathered for the whole step, and its full
       gradient before the reduce-scatter: ``2 * e * Psi_root``;
     - ``unit``: one block unit gathered in backward and its full gradient: ``2 * e * Psi_layer``
@@ -179,9 +178,10 @@ def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsiz
       and is not prefetched, ``zshard.collectives``).
 
     The transient terms were settled against compiled programs (issue 8 note): a third
-    ``e * Psi_layer`` for a prefetched next unit was dropped (scanned units: no prefetch), and
-    the update buffer added (it is 1/8 of the parameters per device under HYBRID_SHARD 64x8,
-    so it shows).
+    ``e * Psi_layer`` for a prefetched next unit was dropped (scanned units: no prefetch). An
+    ``e * Psi / N`` "update buffer" term added then was in fact the concatenated FlatParameter
+    copy each unit saved for backward (stacked: ``[L, L_u/N]``); issue 17 removed the copy and
+    the term (docs/memory.md).
 
     Returns:
       dict of the four terms and ``total`` (bytes).
@@ -189,7 +189,7 @@ def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsiz
     opt = opt_shards or shards
     out = {
         "state": itemsize * psi / shards + opt_slots * itemsize * psi / opt,
-        "grad_shard": itemsize * psi / shards + itemsize * psi / opt,
+        "grad_shard": itemsize * psi / shards,
         "root": 2 * itemsize * psi_root,
         "unit": 2 * itemsize * psi_layer,
     }
