@@ -292,3 +292,15 @@ def test_temp_holds_one_gradient_shard_not_a_parameter_copy():
     grad_shard_difference = 4 * psi * (1 / 4 - 1 / 8)
     assert temp["HYBRID_SHARD"] - temp["FULL_SHARD"] == pytest.approx(grad_shard_difference, rel=0.05), temp
     assert temp[NAME] == pytest.approx(temp["HYBRID_SHARD"], rel=0.01), temp
+
+
+def test_mixed_precision_matches_hybrid_shard():
+    # bf16 gathers and compute, fp32 reduction and masters: the same numbers as HYBRID_SHARD
+    # (only where the cross-replica sum happens differs).
+    data = mlp_batches(4)
+    mp = zshard.MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
+    runs = {s: zshard_run(uneven_mlp, optax.adamw(1e-3), zshard.make_mesh(2, 4), s, mse_loss, data, mixed_precision=mp)
+            for s in ("HYBRID_SHARD", NAME)}
+    np.testing.assert_allclose(runs[NAME].losses, runs["HYBRID_SHARD"].losses, rtol=1e-5)
+    for path, ref in runs["HYBRID_SHARD"].params.items():
+        assert rel_l2(runs[NAME].params[path], ref) <= 1e-5, path
