@@ -117,6 +117,8 @@ def test_memory_per_strategy_orders_as_zero_paper(reports):
     assert ms["NO_SHARD"] > ms["SHARD_OPT"] > ms["SHARD_GRAD_OP"] == ms["FULL_SHARD"]
     assert ms["HYBRID_SHARD"] == ms["HYBRID_SHARD_ZERO2"]
     assert ms["FULL_SHARD"] < ms["HYBRID_SHARD"] < ms["SHARD_OPT"]
+    # parameters over shard (as HYBRID_SHARD), Adam moments over the world (as FULL_SHARD)
+    assert ms["FULL_SHARD"] < ms["HYBRID_SHARD_OPT"] < ms["HYBRID_SHARD"]
 
 
 def test_step_refuses_donated_state_and_ragged_batches():

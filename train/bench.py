@@ -69,7 +69,7 @@ MESH_8 = (2, 4)  # (replica, shard)
 GB = 10**9
 DEVICE_GB = (80, 141)  # H100 80 GB, H200 141 GB
 LOSS_RTOL = 1e-5
-STRATEGIES = ("NO_SHARD", "SHARD_OPT", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+STRATEGIES = ("NO_SHARD", "SHARD_OPT", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "HYBRID_SHARD_OPT")
 # XLA:GPU scheduling flags (xla/debug_options_flags.cc): the latency-hiding scheduler overlaps
 # collectives with compute; collectives are asynchronous by default on GPU (nothing listed in
 # --xla_gpu_disable_async_collectives); the pipelined flags let the scheduler move a scanned
@@ -159,15 +159,18 @@ def activation_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab
     return float(itemsize * (L * s * b * h + layer + 3 * s * b * V))
 
 
-def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsize: int = 4, opt_slots: int = 2) -> dict:
-    """Per-device bytes of a zshard FULL_SHARD / HYBRID_SHARD step, activations excluded.
+def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsize: int = 4, opt_slots: int = 2,
+                   opt_shards: int | None = None) -> dict:
+    """Per-device bytes of a zshard FULL_SHARD / HYBRID_SHARD / HYBRID_SHARD_OPT step, activations excluded.
 
     ZeRO (arXiv 1910.02054) section 5.2 / FSDP (arXiv 2304.11277) section 3.2, for ``Psi``
     parameters sharded ``N`` ways, Adam (``K = opt_slots`` moments), ``e`` bytes per element:
 
     - ``state``: parameters + optimizer state, ``(1 + K) * e * Psi / N`` (persistent, donated);
-    - ``grad_shard``: the reduce-scattered gradient shards and the optimizer's update of the
-      same shape, both alive during the update: ``2 * e * Psi / N``;
+      HYBRID_SHARD_OPT (optimizer state over ``M = opt_shards = R*S``): ``e Psi / N + K e Psi / M``;
+    - ``grad_shard``: the reduce-scattered gradient shards, held to the end of backward:
+      ``e * Psi / N`` (HYBRID_SHARD_OPT too: its replica reduce-scatter runs after backward;
+      the optimizer updates in place, no buffer of its own);
     - ``root``: the root unit (embeddings, head), gathered for the whole step, and its full
       gradient before the reduce-scatter: ``2 * e * Psi_root``;
     - ``unit``: one block unit gathered in backward and its full gradient: ``2 * e * Psi_layer``
@@ -175,16 +178,18 @@ def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsiz
       and is not prefetched, ``zshard.collectives``).
 
     The transient terms were settled against compiled programs (issue 8 note): a third
-    ``e * Psi_layer`` for a prefetched next unit was dropped (scanned units: no prefetch), and
-    the update buffer added (it is 1/8 of the parameters per device under HYBRID_SHARD 64x8,
-    so it shows).
+    ``e * Psi_layer`` for a prefetched next unit was dropped (scanned units: no prefetch). An
+    ``e * Psi / N`` "update buffer" term added then was in fact the concatenated FlatParameter
+    copy each unit saved for backward (stacked: ``[L, L_u/N]``); issue 17 removed the copy and
+    the term (docs/memory.md).
 
     Returns:
       dict of the four terms and ``total`` (bytes).
     """
+    opt = opt_shards or shards
     out = {
-        "state": (1 + opt_slots) * itemsize * psi / shards,
-        "grad_shard": 2 * itemsize * psi / shards,
+        "state": itemsize * psi / shards + opt_slots * itemsize * psi / opt,
+        "grad_shard": itemsize * psi / shards,
         "root": 2 * itemsize * psi_root,
         "unit": 2 * itemsize * psi_layer,
     }
@@ -548,7 +553,7 @@ def scale_worker(n_devices: int, models, strategies) -> list[dict]:
             shards = state.plan.num_shards
             gpt = isinstance(cfg, GPTConfig)
             d_ff = 4 * cfg.d_model if gpt else cfg.d_ff
-            form = memory_formula(psi, psi_root, psi_layer, shards)
+            form = memory_formula(psi, psi_root, psi_layer, shards, opt_shards=state.plan.opt_shards)
             act = activation_bytes(cfg.d_model, cfg.n_layers, cfg.n_heads, d_ff, cfg.vocab_size, SCALE_SEQ, 1, glu=not gpt)
             peak = peak_bytes(rep.per_device_bytes)
             out.append({
@@ -711,7 +716,7 @@ def targets(results: dict) -> list[dict]:
         add(f"compile time {DEPTHS[-1]} / {DEPTHS[0]} layers (zshard FULL_SHARD)", results["depth"]["zshard/FULL_SHARD ratio"], 1.3)
     if "scale" in results:
         rows = {r["strategy"]: r for r in results["scale"] if r["model"] == "llama-70b" and r["devices"] == 512}
-        for strategy in ("FULL_SHARD", "HYBRID_SHARD"):  # a worker that failed shows as n/a, not met
+        for strategy in ("FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_OPT"):  # a worker that failed shows as n/a, not met
             r = rows.get(strategy)
             add(f"llama-70b 512 devices {strategy}: abs(peak / (formula + act.) - 1)", None if r is None else abs(r["ratio"] - 1), 0.05,
                 "" if r else "did not compile (see the scale worker's error above)")
@@ -822,7 +827,7 @@ def _parse(argv):
     p.add_argument("--scale-timeout", type=float, default=900.0, metavar="S", help="seconds allowed to each scale subprocess")
     p.add_argument("--scale-worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--models", default=",".join(SCALE_MODELS), help=argparse.SUPPRESS)
-    p.add_argument("--strategies", default="FULL_SHARD,HYBRID_SHARD", help=argparse.SUPPRESS)
+    p.add_argument("--strategies", default="FULL_SHARD,HYBRID_SHARD,HYBRID_SHARD_OPT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         p.error(f"--repeats {args.repeats}: must be a positive integer (timing rounds)")
@@ -861,7 +866,7 @@ def main(argv=None) -> int:
     configs = {"Q": QUICK} if args.quick else {c: CONFIGS[c] for c in args.config_list}
     strategies = ("NO_SHARD", "FULL_SHARD", "HYBRID_SHARD") if args.quick else STRATEGIES
     do_depth, do_scale = not (args.quick or args.no_depth), not (args.quick or args.no_scale)
-    scale_strats = ("FULL_SHARD", "HYBRID_SHARD")
+    scale_strats = ("FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_OPT")
     total = sum(3 + len(strategies) + ("FULL_SHARD" in strategies) + (args.repeats or c.repeats) for c in configs.values()) + (2 * len(DEPTHS) if do_depth else 0) + \
         (len(SCALE_DEVICES) * len(SCALE_MODELS) * len(scale_strats) if do_scale else 0)
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "

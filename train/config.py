@@ -64,7 +64,7 @@ __all__ = [
 MODEL_PRESET_NAMES = ("nano", "tiny", "small", "medium")
 """Keys of ``train.model.MODEL_PRESETS`` (checked against it in :meth:`Config.validate`)."""
 
-STRATEGY_NAMES = ("NO_SHARD", "SHARD_OPT", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+STRATEGY_NAMES = ("NO_SHARD", "SHARD_OPT", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "HYBRID_SHARD_OPT")
 """Values of ``zshard.Strategy``."""
 
 FSDP_STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD", 5: "HYBRID_SHARD_ZERO2"}
@@ -126,7 +126,7 @@ class MeshConfig:
     shape: str | None = dataclasses.field(default=None, metadata=_flag("shape", "--mesh"))
     """REPLICAxSHARD (e.g. 2x4) or a preset of zshard/meshes/*.toml (e.g. cpu-2x4); unset: 1xN (N devices on shard), or processes x devices per process"""
     strategy: str | None = None
-    """sharding strategy (FSDP names; file alias: sharding_strategy): NO_SHARD, SHARD_OPT, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2; unset: FULL_SHARD, or zero_stage's"""
+    """sharding strategy (FSDP names; file alias: sharding_strategy): NO_SHARD, SHARD_OPT, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, HYBRID_SHARD_OPT; unset: FULL_SHARD, or zero_stage's"""
     zero_stage: int | None = None
     """DeepSpeed ZeRO stage, an alias of strategy (file alias: [zero_optimization] stage): 0 NO_SHARD, 1 SHARD_OPT, 2 SHARD_GRAD_OP, 3 FULL_SHARD"""
 

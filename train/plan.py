@@ -41,7 +41,7 @@ def _parse(argv):
     )
     p.add_argument("--model", required=True, help="preset: gpt2-124m, gpt2-1.5b, llama-1b, llama-7b, llama-70b")
     p.add_argument("--mesh", required=True, metavar="RxS", help="mesh shape, e.g. 8x8 (R*S emulated devices)")
-    p.add_argument("--strategy", default="FULL_SHARD", help="NO_SHARD, SHARD_OPT, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2")
+    p.add_argument("--strategy", default="FULL_SHARD", help="NO_SHARD, SHARD_OPT, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, HYBRID_SHARD_OPT")
     p.add_argument("--batch-size", type=int, default=None, metavar="B", help="global batch in sequences (default: one per device)")
     p.add_argument("--seq-len", type=int, default=None, metavar="T", help="tokens per sequence (default: the preset's)")
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],

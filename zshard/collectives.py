@@ -121,7 +121,7 @@ def _after(bufs, tree):
     if not any(jnp.issubdtype(x.dtype, jnp.inexact) and x.size for x in jax.tree.leaves(tree)):
         return bufs
     t = schedule_token(tree)
-    return tuple(b + t.astype(b.dtype) for b in bufs)
+    return jax.tree.map(lambda b: b + t.astype(b.dtype), tuple(bufs))  # per-parameter shards too
 
 
 def _after_tree(tree, dep):
@@ -155,7 +155,18 @@ def reduce_scatter_flat(full: jax.Array, shard_axes: tuple[str, ...], replica_ax
     return shard
 
 
+def _flat_shard(flat, buf):
+    """A unit's per-parameter shards ``([n_pad_p/N], ...)`` -> its FlatParameter shard ``[L/N]``.
+
+    The concatenation happens inside the collective's own forward and backward, so the
+    residual a unit keeps for backward is the per-parameter shards it was called with (under
+    ``nnx.scan``, the loop's own inputs), not a concatenated copy of them (docs/memory.md).
+    """
+    return flat.concat_shards(list(buf)) if isinstance(buf, (tuple, list)) else buf
+
+
 def _gather_all(flats, bufs, shard_axes, replica_axes, mp):
+    bufs = [_flat_shard(f, b) for f, b in zip(flats, bufs)]
     # The gathered parameters meet batch data that varies over every mesh axis. Marking the
     # shard varying over replica *before* the gather keeps autodiff from inserting a
     # broadcast whose transpose would all-reduce the full gradient across replicas
@@ -169,10 +180,12 @@ def _scatter_all(flats, bufs, grads, shard_axes, replica_axes, mp):
     for f, b in zip(flats, bufs):
         n = len(f.slots)
         if not f.trainable:  # frozen: no gradient, no reduce-scatter
-            out.append(jnp.zeros_like(b))
+            out.append(jax.tree.map(jnp.zeros_like, b))
         else:
             full = f.flatten(grads[i : i + n], mp.grad_dtype(f.dtype))  # [N, L/N] in the reduce dtype
-            out.append(reduce_scatter_flat(full, shard_axes, replica_axes).astype(f.dtype))
+            shard = reduce_scatter_flat(full, shard_axes, replica_axes).astype(f.dtype)  # [L/N]
+            # per-parameter shards in: [L/N] -> ([n_pad_p/N], ...) out
+            out.append(tuple(f.split_shard(shard)) if isinstance(b, (tuple, list)) else shard)
         i += n
     return tuple(out)
 

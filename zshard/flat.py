@@ -123,6 +123,37 @@ class FlatParameter:
         """Elements of the whole padded FlatParameter, ``L``."""
         return self.shard_size * self.num_shards
 
+    def over_replicas(self, parts: int) -> "FlatParameter":
+        """This device's shard ``[L/N]`` as a FlatParameter of its own over ``parts`` devices.
+
+        HYBRID_SHARD_OPT splits each parameter's shard ``[n_pad/N]`` again into ``parts``
+        rows (``n_pad`` is a multiple of ``N * parts``): slot ``p`` of the result has
+        ``padded = n_pad/N`` and device ``r`` of the ``replica`` group owns row ``r`` of every
+        slot, ``[L/(N*parts)]``. Its ``split_padded`` turns the all-gathered rows
+        ``[parts, ..., L/(N*parts)]`` back into each parameter's shard ``[..., n_pad/N]``.
+        """
+        slots, offset = [], 0
+        for s in self.slots:
+            n = s.padded // self.num_shards  # [n_pad/N], the slot's shard
+            if n % parts:
+                raise ValueError(f"{s.path}: shard of {n} elements does not split into {parts} rows; pad to a multiple of N*{parts}")
+            slots.append(ParamSlot(s.path, (n,), s.dtype, n, n, offset))
+            offset += n // parts
+        return FlatParameter(self.unit, self.dtype, parts, tuple(slots), self.trainable)
+
+    def rows(self, values: Sequence[jax.Array]) -> jax.Array:
+        """Per-slot arrays ``[..., padded]`` -> ``[N, ..., L/N]``: row ``r`` is device ``r``'s
+        shard (the reduce-scatter input; ``flatten`` for already padded, stacked values)."""
+        parts = []
+        for s, v in zip(self.slots, values):
+            v = v.reshape(v.shape[:-1] + (self.num_shards, s.padded // self.num_shards))  # [..., n_pad] -> [..., N, n_pad/N]
+            parts.append(jnp.moveaxis(v, -2, 0))  # [N, ..., n_pad/N]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)  # [N, ..., L/N]
+
+    def split_shard(self, shard: jax.Array) -> list[jax.Array]:
+        """This device's FlatParameter shard ``[..., L/N]`` -> each slot's row ``[..., n_pad/N]``."""
+        return [shard[..., s.offset : s.offset + s.padded // self.num_shards] for s in self.slots]
+
     def concat_shards(self, shards: Sequence[jax.Array]) -> jax.Array:
         """Per-parameter local shards ``[..., n_pad/N]`` -> this device's FlatParameter shard ``[..., L/N]``."""
         return shards[0] if len(shards) == 1 else jnp.concatenate(shards, axis=-1)

@@ -170,7 +170,8 @@ class UnitBinding:
                     f"nnx.split state), as the model that built it with nnx.vmap intends"
                 )
             raw[rel] = value
-        bufs = [f.concat_shards([raw[s.path[len(unit.path) :]] for s in f.slots]) for f in unit.flats]
+        # per dtype, the per-parameter shards; the collectives concatenate them (no saved copy)
+        bufs = [tuple(raw[s.path[len(unit.path) :]] for s in f.slots) for f in unit.flats]
         # Tied weights (the root's gathered values) and non-parameter variables enter as inputs.
         tied_rel = [r for r, _ in unit.shared]
         tied = [variables[r].get_raw_value() for r in tied_rel]
@@ -323,7 +324,7 @@ def materialize(plan, shards: dict, variables: dict, opts: StepOptions) -> nnx.M
             values[path] = _fold(values[path], device_index())  # every device its own stream
     if root is not None:
         with jax.named_scope("zshard.unit.root.gather"):
-            gathered = gather(root.flats, [f.concat_shards([shards[s.path] for s in f.slots]) for f in root.flats], comm)
+            gathered = gather(root.flats, [tuple(shards[s.path] for s in f.slots) for f in root.flats], comm)
         values.update({s.path: v for s, v in zip(root.slots, gathered)})
     hooks = {}
     for unit in blocks:

@@ -16,17 +16,62 @@ from flax import traverse_util
 
 from zshard.optim_global import view_init, view_update
 
-__all__ = ["apply_optimizer", "check_elementwise", "global_norm", "init_optimizer", "needs_global_view", "optimizer_program"]
+__all__ = [
+    "apply_optimizer", "check_elementwise", "global_norm", "init_optimizer", "needs_global_view", "optimizer_program",
+    "scatter_replica",
+]  # fmt: skip
 
 
 def _opt_slice(plan, tree):
-    """SHARD_OPT: whole ``[n_pad]`` leaves -> this device's ``[n_pad / W]`` row over the opt axes."""
-    n_opt, index = plan.opt_shards, jax.lax.axis_index(plan.strategy.opt_axes)  # W = n_opt
+    """This device's optimizer slice of each parameter shard: SHARD_OPT's whole ``[n_pad]``
+    leaves -> row ``r*S+s`` of ``[W, n_pad/W]``; HYBRID_SHARD_OPT's ``[n_pad/S]`` shards -> row
+    ``r`` of ``[R, n_pad/(R*S)]`` (global chunk ``s*R + r``: ``opt_axes = (shard, replica)``)."""
+    extra = tuple(a for a in plan.strategy.opt_axes if a not in plan.shard_axes)
+    parts, index = plan.opt_shards // plan.num_shards, jax.lax.axis_index(extra)
 
-    def mine(x):  # [..., n_pad] -> [..., W, n_pad/W] -> row `index`: [..., n_pad/W]
-        return jax.lax.dynamic_index_in_dim(x.reshape(x.shape[:-1] + (n_opt, -1)), index, axis=x.ndim - 1, keepdims=False)
+    def mine(x):  # [..., n] -> [..., parts, n/parts] -> row `index`: [..., n/parts]
+        return jax.lax.dynamic_index_in_dim(x.reshape(x.shape[:-1] + (parts, -1)), index, axis=x.ndim - 1, keepdims=False)
 
     return jax.tree.map(mine, tree)
+
+
+def scatter_replica(plan, grads: dict) -> dict:
+    """HYBRID_SHARD_OPT: gradient shards summed over ``shard`` only -> this device's optimizer
+    slices, summed over the whole mesh. Other strategies: ``grads`` unchanged.
+
+    Args:
+      grads: nested dict of ``[..., n_pad/S]`` per trainable parameter (``[L, n_pad/S]``
+        stacked), varying over ``replica`` (each replica's sum over its own batch rows).
+
+    Returns:
+      Nested dict of ``[..., n_pad/(R*S)]``, ``PartitionSpec(("shard", "replica"))`` outside:
+      one reduce-scatter over ``replica`` per unit and dtype, in the mixed-precision
+      ``reduce_dtype``, cast back to the parameter dtype. With the all-gather of the updated
+      slices in :func:`apply_optimizer`, ``2 (G/S)(R-1)/R`` bytes cross replicas per step:
+      those of the all-reduce it replaces (ring algorithm, Patarasuk & Yuan 2009).
+    """
+    if not plan.strategy.scatters_replica:
+        return grads
+    flat, out = traverse_util.flatten_dict(grads), {}
+    extra = tuple(a for a in plan.strategy.opt_axes if a not in plan.shard_axes)
+    R = plan.opt_shards // plan.num_shards
+    for unit in plan.units:
+        for layout in unit.opt_flats:
+            dtype = plan.mp.grad_dtype(layout.dtype)
+            if unit.layers is not None:
+                # Stacked: one collective per parameter, straight from its [L, n_pad/S] buffer
+                # (a per-unit concatenation would copy the gradients of every layer at once).
+                for s in layout.slots:
+                    g = flat[s.path].astype(dtype)
+                    g = g.reshape(g.shape[:-1] + (R, -1))  # [L, n_pad/S] -> [L, R, n_pad/(R S)]
+                    # [L, R, n_pad/(R S)] --reduce_scatter(replica)--> [L, n_pad/(R S)]
+                    out[s.path] = jax.lax.psum_scatter(g, extra, scatter_dimension=g.ndim - 2, tiled=False).astype(layout.dtype)
+                continue
+            rows = layout.rows([flat[s.path].astype(dtype) for s in layout.slots])  # [R, ..., L/(R S)]
+            # [R, ..., L/(R S)] --reduce_scatter(replica)--> [..., L/(R S)]
+            mine = jax.lax.psum_scatter(rows, extra, scatter_dimension=0, tiled=False)
+            out.update({s.path: g.astype(layout.dtype) for s, g in zip(layout.slots, layout.split_shard(mine))})
+    return traverse_util.unflatten_dict(out)
 
 
 def view_rank(logical_ndim: int) -> int:
@@ -202,7 +247,10 @@ def apply_optimizer(plan, params: dict, grads: dict, opt_state, record: list | N
 
     SHARD_OPT (ZeRO-1) holds whole parameters and gradients (``N = 1``) but a ``1/W`` slice
     of the optimizer state: each device updates its slice, then each unit's updated slices
-    are all-gathered over the world, one collective per unit and dtype.
+    are all-gathered over the world, one collective per unit and dtype. HYBRID_SHARD_OPT
+    gets ``grads`` already as its ``[n_pad/(R*S)]`` slices (:func:`scatter_replica`),
+    updates the matching slice of its parameter shard and all-gathers the updated slices
+    over ``replica``: ``[R, L/(R*S)] -> [n_pad/S]`` per parameter.
     """
     tx, axes = plan.tx, plan.strategy.opt_axes
     if axes == plan.shard_axes:
@@ -210,15 +258,26 @@ def apply_optimizer(plan, params: dict, grads: dict, opt_state, record: list | N
         return optax.apply_updates(params, _from_view(updates, params)), opt_state
 
     local_params = _opt_slice(plan, params)
-    updates, opt_state = _update(plan, _to_view(plan, _opt_slice(plan, grads)), opt_state, _to_view(plan, local_params), record)
+    if not plan.strategy.scatters_replica:  # SHARD_OPT: whole gradients, slice them here
+        grads = _opt_slice(plan, grads)
+    updates, opt_state = _update(plan, _to_view(plan, grads), opt_state, _to_view(plan, local_params), record)
     local = traverse_util.flatten_dict(optax.apply_updates(local_params, _from_view(updates, local_params)))
+    # SHARD_OPT gathers over the world; HYBRID_SHARD_OPT over replica only (the parameters
+    # stay split over shard).
+    gather_axes = tuple(a for a in axes if a not in plan.shard_axes)
     new = {}
     for unit in plan.units:
         for flat in unit.opt_flats:
+            if unit.layers is not None and plan.strategy.scatters_replica:
+                for s in flat.slots:  # stacked: per parameter, no [L, ...]-sized concatenation
+                    # [L, n_pad/(R S)] --all_gather(replica)--> [L, R, n_pad/(R S)] -> [L, n_pad/S]
+                    full = jax.lax.all_gather(local[s.path], gather_axes, axis=local[s.path].ndim - 1, tiled=False, to="invarying")
+                    new[s.path] = full.reshape(full.shape[:-2] + (-1,))
+                continue
             shard = flat.concat_shards([local[s.path] for s in flat.slots])
-            # [..., L/W] --all_gather(world)--> [W, ..., L/W], the same on every device
-            full = jax.lax.all_gather(shard, axes, axis=0, tiled=False, to="invarying")
-            new.update({s.path: v for s, v in zip(flat.slots, flat.split_padded(full))})  # [..., n_pad] each
+            # [..., L/W] --all_gather(gather_axes)--> [W', ..., L/W], the same on every device of the group
+            full = jax.lax.all_gather(shard, gather_axes, axis=0, tiled=False, to="invarying")
+            new.update({s.path: v for s, v in zip(flat.slots, flat.split_padded(full))})  # [..., n_pad/N] each
     return traverse_util.unflatten_dict(new), opt_state
 
 

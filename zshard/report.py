@@ -269,6 +269,11 @@ def _formula_comm(plan, k: int = 1) -> dict[str, float]:
     per_step = gathers + k * rs
     if st in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD):
         return {world: per_step * ring(W)}
+    if st.scatters_replica:
+        # HYBRID_SHARD_OPT: the gradient shard (G/S) is reduce-scattered over replica and the
+        # updated slices all-gathered back (master dtype), once per step: with one dtype,
+        # 2 (G/S)(R-1)/R, the bytes of HYBRID_SHARD's all-reduce.
+        return {shard: per_step * ring(S), replica: (rs + master) / S * ring(R)}
     return {shard: per_step * ring(S), replica: 2 * (rs / S) * ring(R)}
 
 

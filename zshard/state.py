@@ -54,7 +54,9 @@ class Unit:
       path: module path in the model, ``()`` for the root.
       flats: one FlatParameter per dtype, split over the strategy's shard axes.
       opt_flats: the same parameters laid out over the optimizer's axes; differs from
-        ``flats`` only for SHARD_OPT (ZeRO-1), whose updated slices are all-gathered.
+        ``flats`` only for SHARD_OPT (ZeRO-1), whose updated slices are all-gathered over
+        the world, and HYBRID_SHARD_OPT, whose shards are split again over ``replica``
+        (:meth:`FlatParameter.over_replicas`: reduce-scatter and all-gather over ``replica``).
       graphdef: the unit module's own graph (``None`` for the root).
       template: ``(relative path, abstract Variable)`` pairs of the unit module's state,
         shapes of one layer.
@@ -155,6 +157,12 @@ class Plan:
         return int(np.prod([self.mesh.shape[a] for a in self.shard_axes]))
 
     @property
+    def grad_axes(self) -> tuple[str, ...]:
+        """Mesh axes the reduced gradient handed to the optimizer is split over: the
+        optimizer's for HYBRID_SHARD_OPT (``(shard, replica)``), else the parameters'."""
+        return self.strategy.opt_axes if self.strategy.scatters_replica else self.shard_axes
+
+    @property
     def opt_shards(self) -> int:
         """Devices the optimizer state of one parameter is split over."""
         return int(np.prod([self.mesh.shape[a] for a in self.strategy.opt_axes]))
@@ -240,7 +248,7 @@ def _shared_reads(model, unit_paths) -> dict[tuple, list]:
     return {u: [(r, c) for r, c in pairs if c in shared] for u, pairs in reach.items()}
 
 
-def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit, trainable=None) -> tuple[Unit, ...]:
+def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit, trainable=None, split_shards=False) -> tuple[Unit, ...]:
     unit_paths = find_units(abstract_model, unit)
     param_paths = {p for p, _ in flat_state}
     # Tied parameters; shared non-parameter variables (one Rngs for every block) are simply
@@ -271,7 +279,10 @@ def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit, traina
             groups[np.dtype(value.dtype), train].append((path, value.shape[drop:], value.dtype))
         name = path_str(upath)
         flats = tuple(FlatParameter.build(name, g, num_shards, opt_shards, trainable=t) for (_, t), g in groups.items())
-        opt_flats = tuple(FlatParameter.build(name, g, opt_shards) for (_, t), g in groups.items() if t)
+        if split_shards:  # HYBRID_SHARD_OPT: each shard split again over replica
+            opt_flats = tuple(f.over_replicas(opt_shards // num_shards) for f in flats if f.trainable)
+        else:
+            opt_flats = tuple(FlatParameter.build(name, g, opt_shards) for (_, t), g in groups.items() if t)
         graphdef, template = None, ()
         if upath:
             graphdef, sub_state = nnx.split(sub)
@@ -321,7 +332,7 @@ def init(
       mesh: from :func:`zshard.make_mesh`, axes ``("replica", "shard")``.
       strategy: a :class:`Strategy` or its name (default ``"FULL_SHARD"``): ``NO_SHARD``,
         ``SHARD_OPT``, ``SHARD_GRAD_OP``, ``FULL_SHARD``, ``HYBRID_SHARD``,
-        ``HYBRID_SHARD_ZERO2`` (docs/design.md section 3).
+        ``HYBRID_SHARD_ZERO2`` (docs/design.md section 3), ``HYBRID_SHARD_OPT`` (docs/memory.md).
       unit: the wrap policy, what is gathered together: ``None`` (each element of an
         ``nnx.List`` of repeated blocks, and stacked modules), a module class / tuple of
         classes, a callable ``(path, module) -> bool``, or a minimum parameter count
@@ -399,7 +410,7 @@ def init(
         raise ValueError(f"trainable= selects {path_str(path)!r}, which is not an nnx.Param; the filter must select parameters")
     if not train_paths:
         raise ValueError("trainable= selects no parameter: nothing would train; check the filter (default nnx.Param)")
-    units = _plan_units(abstract_model, template, num_shards, opt_shards, unit, train_paths)
+    units = _plan_units(abstract_model, template, num_shards, opt_shards, unit, train_paths, strategy.scatters_replica)
 
     layers = {s.path: u.layers for u in units for s in u.slots}
     paths = [p for p, _ in template]

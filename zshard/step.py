@@ -29,7 +29,7 @@ from zshard.collectives import remat_policy, vary
 from zshard.divergence import check_uniform_collectives
 from zshard.intercept import StepOptions, materialize, read_variables
 from zshard.mesh import AXES
-from zshard.optim import apply_optimizer, global_norm
+from zshard.optim import apply_optimizer, global_norm, scatter_replica
 from zshard.state import Plan, ShardedState
 
 __all__ = ["TokenMean", "TrainStep", "make_train_step"]
@@ -150,7 +150,7 @@ def _accumulate(plan: Plan, opts: StepOptions, objective: Callable, params: dict
     )
     variables = jax.tree.map(lambda v: vary(v, AXES), variables)
     (acc, totals, aux_sum, variables), _ = jax.lax.scan(body, (zeros, (zero, zero), aux_zero, variables), micro)
-    if replica:
+    if replica and not plan.strategy.scatters_replica:  # HYBRID_SHARD_OPT: scatter_replica instead
         # [n_pad/N] --all_reduce(replica)--> [n_pad/N], once per step
         acc = jax.lax.psum(acc, replica)
     # floating aux: mean over micro-batches; integer aux: summed
@@ -161,7 +161,8 @@ def _accumulate(plan: Plan, opts: StepOptions, objective: Callable, params: dict
 def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
     """One optimizer step on this device's shards (inside ``shard_map``)."""
     world, k = plan.world, step.grad_accum
-    opts = StepOptions(step.remat, step.prefetch, defer_replica_reduce=k > 1)
+    # HYBRID_SHARD_OPT reduces over replica once per step too (optim.scatter_replica).
+    opts = StepOptions(step.remat, step.prefetch, defer_replica_reduce=k > 1 or plan.strategy.scatters_replica)
     token_weighted = []  # set while tracing: loss_fn returned zshard.TokenMean
 
     train, frozen = plan.split_trainable(state.params)
@@ -183,16 +184,20 @@ def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
         return loss / (world * k), ((loss, jnp.ones((), jnp.float32)), aux, new_variables)
 
     if k == 1:
-        (_, (totals, aux, new_variables)), grads = jax.value_and_grad(objective, has_aux=True)(train, variables, batch)
+        # HYBRID_SHARD_OPT: replica-varying parameters keep each replica's gradient unsummed
+        # until scatter_replica (docs/design.md, the replica trap).
+        wrt = jax.tree.map(lambda p: vary(p, AXES), train) if plan.strategy.scatters_replica else train
+        (_, (totals, aux, new_variables)), grads = jax.value_and_grad(objective, has_aux=True)(wrt, variables, batch)
     else:
         totals, aux, new_variables, grads = _accumulate(plan, opts, objective, train, variables, batch, k)
+    grads = scatter_replica(plan, grads)  # HYBRID_SHARD_OPT: [n_pad/S] -> [n_pad/(R S)]; else unchanged
     loss_total, count = (jax.lax.psum(t, AXES) for t in totals)
     if token_weighted:  # global token mean across devices and micro-batches
         loss = loss_total / count
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
     else:
         loss = loss_total / (world * k)
-    grad_norm = global_norm(grads, plan.shard_axes)
+    grad_norm = global_norm(grads, plan.grad_axes)
     if step.clip_norm is not None:
         # optax.clip_by_global_norm semantics with the norm of the whole (unsharded) gradient
         scale = jnp.where(grad_norm < step.clip_norm, 1.0, step.clip_norm / grad_norm)

@@ -29,6 +29,12 @@ class Strategy(enum.Enum):
       only the gradient *shard* is all-reduced across ``replica``.
     - ``HYBRID_SHARD_ZERO2``: SHARD_GRAD_OP inside each ``shard`` group, replicated over
       ``replica``.
+    - ``HYBRID_SHARD_OPT``: HYBRID_SHARD for the parameters (at rest over ``shard``, gathered
+      over ``shard`` only), but gradients and optimizer state sharded over all ``R*S`` devices:
+      gradients reduce-scatter over ``shard``, then over ``replica``; each device updates its
+      ``1/(R*S)`` slice and the updated slices are all-gathered over ``replica`` once per step.
+      DeepSpeed ZeRO++ hpZ (``zero_hpz_partition_size=S``, arXiv 2306.10209 section 3.2) and
+      FSDP2 HSDP with the optimizer state sharded across replicas; docs/memory.md has the map.
     """
 
     NO_SHARD = "NO_SHARD"
@@ -37,6 +43,7 @@ class Strategy(enum.Enum):
     FULL_SHARD = "FULL_SHARD"
     HYBRID_SHARD = "HYBRID_SHARD"
     HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
+    HYBRID_SHARD_OPT = "HYBRID_SHARD_OPT"
 
     @classmethod
     def parse(cls, value: "Strategy | str | None" = None, *, zero_stage: int | None = None) -> "Strategy":
@@ -75,7 +82,7 @@ class Strategy(enum.Enum):
         """Mesh axes a parameter's FlatParameter is split over at rest (all-gather / reduce-scatter)."""
         if self in (Strategy.NO_SHARD, Strategy.SHARD_OPT):
             return ()
-        if self in (Strategy.HYBRID_SHARD, Strategy.HYBRID_SHARD_ZERO2):
+        if self in (Strategy.HYBRID_SHARD, Strategy.HYBRID_SHARD_ZERO2, Strategy.HYBRID_SHARD_OPT):
             return (SHARD,)
         return (REPLICA, SHARD)
 
@@ -86,10 +93,22 @@ class Strategy(enum.Enum):
 
     @property
     def opt_axes(self) -> tuple[str, ...]:
-        """Mesh axes the optimizer state is split over (SHARD_OPT: world; else as parameters)."""
-        return (REPLICA, SHARD) if self is Strategy.SHARD_OPT else self.shard_axes
+        """Mesh axes the optimizer state is split over, major first (SHARD_OPT: world;
+        HYBRID_SHARD_OPT: ``(shard, replica)``, each parameter shard split again over
+        ``replica``; else as the parameters)."""
+        if self is Strategy.SHARD_OPT:
+            return (REPLICA, SHARD)
+        if self is Strategy.HYBRID_SHARD_OPT:
+            return (SHARD, REPLICA)
+        return self.shard_axes
+
+    @property
+    def scatters_replica(self) -> bool:
+        """Gradients are reduce-scattered over ``replica`` once per step (to the optimizer's
+        slices), not all-reduced per unit: HYBRID_SHARD_OPT."""
+        return self is Strategy.HYBRID_SHARD_OPT
 
     @property
     def reshard_after_forward(self) -> bool:
         """FSDP's ``reshard_after_forward``: drop gathered units after forward, gather again in backward."""
-        return self in (Strategy.FULL_SHARD, Strategy.HYBRID_SHARD)
+        return self in (Strategy.FULL_SHARD, Strategy.HYBRID_SHARD, Strategy.HYBRID_SHARD_OPT)
