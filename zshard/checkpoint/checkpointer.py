@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,35 @@ def _steps_on_disk(directory: Path) -> tuple[list[int], list[str]]:
         elif child.is_dir() and child.name.isdigit():
             done.append(int(child.name))
     return sorted(done), sorted(tmp)
+
+
+def _closed_loop_noise(unraisable) -> bool:
+    """Is this asyncio's "Event loop is closed", raised on a TensorStore thread after a read failed?
+
+    Orbax reads a checkpoint's arrays concurrently under ``asyncio.run``. When one read fails
+    (a truncated or corrupt file) the loop ends with that error and is closed; the other
+    reads still finish later and their completion callbacks call ``call_soon_threadsafe`` on
+    the closed loop. Python prints each as an "Exception ignored" traceback after zshard's
+    clear error. Those reads' results are unused, so the message carries no information.
+    """
+    e = unraisable.exc_value
+    return isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+
+
+def hide_closed_loop_noise() -> None:
+    """Drop :func:`_closed_loop_noise` messages from ``sys.unraisablehook``: installed once,
+    before a checkpoint's files are first read (the noise can follow a failure at once);
+    every other unraisable exception goes to the hook that was there."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_zshard", False):
+        return
+
+    def hook(unraisable):
+        if not _closed_loop_noise(unraisable):
+            previous(unraisable)
+
+    hook._zshard = True
+    sys.unraisablehook = hook
 
 
 class Checkpointer:
@@ -242,6 +272,7 @@ class Checkpointer:
           ValueError: the files are truncated or corrupt.
         """
         where = str(self.directory / str(step))
+        hide_closed_loop_noise()  # restore and export read the files after this
         try:
             stored = self._mngr(create=False).item_metadata(step)["state"]
             return traverse_util.flatten_dict(dict(stored.tree))
