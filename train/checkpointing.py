@@ -19,6 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import grain
 import numpy as np
 
 from train import data
@@ -66,34 +67,41 @@ _nonnegative_int, _positive_int = _int_at_least(0), _int_at_least(1)
 
 
 class BatchStream:
-    """:func:`train.data.train_batches` with a position that can be saved and restored.
+    """:func:`train.data.train_dataset` as an iterator whose position a checkpoint holds.
 
-    Yields exactly the batches of ``train_batches(data, batch_size, seq_len, seed,
-    process_index=, process_count=)``: this process's rows of each global batch,
-    ``(inputs, targets)``, int32 ``[batch_size / processes, seq_len]`` each. Global batch
-    ``i`` is a function of ``(seed, i)`` only, so the position is the count of batches drawn.
+    Yields this process's rows of each global batch, ``(inputs, targets)``, int32
+    ``[batch_size / processes, seq_len]`` each. The position is the Grain iterator's own
+    state (``DatasetIterator.get_state()``, JSON: ``{"next_index": batches drawn}``); it is
+    stored in the Orbax checkpoint (the ``extra`` record) and :meth:`seek` hands it back to
+    ``set_state``. Global batch ``i`` depends on ``(seed, i)`` only, so the same state
+    resumes on any number of processes.
     """
 
     def __init__(self, corpus: np.ndarray, batch_size: int, seq_len: int, seed: int, *, process_index: int = 0, process_count: int = 1):
-        self._args = (corpus, batch_size, seq_len, seed)
-        self._procs = {"process_index": process_index, "process_count": process_count}
-        self.seek({"batches_drawn": 0})
+        ds = data.train_dataset(corpus, batch_size, seq_len, seed, process_index=process_index, process_count=process_count)
+        # one background thread reads ahead 2 batches; the state counts batches handed out
+        self._it = iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)))
 
     def __iter__(self):
         return self
 
     def __next__(self) -> data.Batch:
-        self.drawn += 1
         return next(self._it)
 
+    @property
+    def drawn(self) -> int:
+        """Batches handed out so far (global batch index of the next one)."""
+        return int(self._it.get_state()["next_index"])
+
     def position(self) -> dict:
-        """JSON: ``{"batches_drawn": int}``."""
-        return {"batches_drawn": self.drawn}
+        """JSON: the Grain iterator state, ``{"next_index": int}``."""
+        return dict(self._it.get_state())
 
     def seek(self, position: dict) -> None:
-        """Continue from a :meth:`position`."""
-        self.drawn = int(position["batches_drawn"])
-        self._it = data.train_batches(*self._args, start=self.drawn, **self._procs)
+        """Continue from a :meth:`position` (also accepts ``{"batches_drawn": n}`` of older checkpoints)."""
+        if "batches_drawn" in position:
+            position = {"next_index": int(position["batches_drawn"])}
+        self._it.set_state(dict(position))
 
 
 def _run_config(args: argparse.Namespace) -> dict:

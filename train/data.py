@@ -31,6 +31,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+import grain
 import numpy as np
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "split_corpus",
     "stdlib_sources",
     "train_batches",
+    "train_dataset",
 ]
 
 VOCAB_SIZE = 256
@@ -158,30 +160,34 @@ def num_examples(data: np.ndarray, seq_len: int) -> int:
     return (len(data) - 1) // seq_len
 
 
-def train_batches(
-    data: np.ndarray, batch_size: int, seq_len: int, seed: int, *, process_index: int = 0, process_count: int = 1, start: int = 0
-) -> Iterator[Batch]:
-    """Endless batches in epochs, deterministic given ``seed``; this process's rows only.
+def train_dataset(
+    data: np.ndarray, batch_size: int, seq_len: int, seed: int, *, process_index: int = 0, process_count: int = 1
+) -> grain.MapDataset:
+    """This process's batches as an endless ``grain.MapDataset``: element ``i`` is its rows of global batch ``i``.
 
-    The examples are the ``K`` disjoint windows of :func:`num_examples`. Epoch ``e`` visits
-    them in the order ``numpy.random.default_rng([seed, e]).permutation(K)``; the epochs
-    follow each other as one stream, and global batch ``i`` is the stream's positions
-    ``[i B, (i + 1) B)`` (a batch may straddle two epochs). So over each epoch every example
-    is seen exactly once, and the global batches do not depend on the number of processes.
-    Process ``p`` of ``P`` builds only its rows ``[p B/P, (p + 1) B/P)`` of each global batch,
-    the slice ``TrainStep.put_batch`` expects from it.
+    The examples are the ``K`` disjoint windows of :func:`num_examples`. Grain's
+    ``MapDataset.range(K).shuffle(seed).repeat()`` orders them: each epoch a permutation of
+    ``0 .. K-1``, a different one each epoch (Grain's index shuffle, seeded by ``seed`` and the
+    epoch); the epochs follow each other as one stream, and global batch ``i`` is the
+    stream's positions ``[i B, (i + 1) B)`` (a batch may straddle two epochs). So over each
+    epoch every example is seen exactly once, and the global batches do not depend on the
+    number of processes. Process ``p`` of ``P`` takes every ``P``-th block of ``B/P``
+    positions (``[p::P]``), i.e. its rows ``[p B/P, (p + 1) B/P)`` of each global batch (the
+    slice ``TrainStep.put_batch`` expects from it), and reads only those windows. Use
+    ``grain.sharding.ShardByJaxProcess()`` for ``(process_index, process_count)``.
 
     Args:
-      data: uint8 ``[n]``, ``n >= seq_len + 1``.
+      data: uint8 ``[n]`` (bytes) or uint16/uint32 ``[n]`` (tokens), ``n >= seq_len + 1``.
       batch_size: ``B``, sequences per global batch; must divide by ``process_count``.
       seq_len: ``T``, tokens per sequence.
       seed: seed of the epoch permutations.
       process_index: this process, ``0 .. process_count - 1`` (``jax.process_index()``).
       process_count: ``P`` (``jax.process_count()``).
-      start: index of the first global batch to yield (resuming after ``start`` batches).
 
-    Yields:
-      ``(inputs, targets)``, int32 ``[B / P, T]`` each.
+    Returns:
+      a ``grain.MapDataset`` of ``(inputs, targets)``, int32 ``[B / P, T]`` each; random
+      access (``ds[i]``), and ``ds.to_iter_dataset()`` gives an iterator whose
+      ``get_state()`` / ``set_state()`` a checkpoint holds (:class:`train.checkpointing.BatchStream`).
 
     Raises:
       ValueError: ``batch_size`` does not divide by ``process_count``, ``process_index`` is
@@ -196,22 +202,25 @@ def train_batches(
         )
     k = num_examples(data, seq_len)
     if k < 1:
-        raise ValueError(f"{len(data)} bytes hold no window of seq_len+1 = {seq_len + 1} bytes; use a smaller --seq-len")
+        raise ValueError(f"{len(data)} tokens hold no window of seq_len+1 = {seq_len + 1} tokens; use a smaller --seq-len")
     rows = batch_size // process_count
-    perms: dict[int, np.ndarray] = {}
+    stream = grain.MapDataset.range(k).shuffle(seed=seed).repeat()  # stream position -> example index
+    blocks = stream.batch(rows)  # block j: int64 [B/P] example indices at positions [j B/P, (j + 1) B/P)
+    mine = blocks[process_index::process_count]  # global batch i, rows [p B/P, (p + 1) B/P)
+    return mine.map(lambda examples: _windows(data, np.asarray(examples, np.int64) * seq_len, seq_len))
 
-    def example(pos: int) -> int:  # stream position -> example index
-        epoch = pos // k
-        if epoch not in perms:
-            perms.clear()  # the stream only moves forward: keep one epoch
-            perms[epoch] = np.random.default_rng([seed, epoch]).permutation(k)
-        return int(perms[epoch][pos % k])
 
-    first = process_index * rows  # this process's first row in every global batch
+def train_batches(
+    data: np.ndarray, batch_size: int, seq_len: int, seed: int, *, process_index: int = 0, process_count: int = 1, start: int = 0
+) -> Iterator[Batch]:
+    """Endless batches of :func:`train_dataset` from global batch ``start`` on (same arguments).
+
+    Yields:
+      ``(inputs, targets)``, int32 ``[B / P, T]`` each.
+    """
+    ds = train_dataset(data, batch_size, seq_len, seed, process_index=process_index, process_count=process_count)
     for i in itertools.count(start):
-        base = i * batch_size + first
-        starts = np.array([example(base + r) for r in range(rows)], dtype=np.int64) * seq_len
-        yield _windows(data, starts, seq_len)
+        yield ds[i]
 
 
 def eval_batches(data: np.ndarray, batch_size: int, seq_len: int, num_batches: int = 8) -> list[Batch]:
