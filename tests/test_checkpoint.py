@@ -439,16 +439,15 @@ def test_resume_after_sigkill_is_exact(tmp_path, corpus):
     assert zshard.checkpoint.Checkpointer(out / "checkpoints").all_steps() == [15, 20]
 
 
-def test_cli_refuses_to_mix_runs(tmp_path, corpus, capsys):
+def test_cli_refuses_to_mix_runs(tmp_path, corpus):
     """Checked before anything compiles (train.checkpointing.prepare), nothing written."""
-    from train.__main__ import build_parser
-    from train.checkpointing import prepare
+    from train.__main__ import parse_config
+    from train.checkpointing import ResumeError, prepare, run_settings
 
     out = tmp_path / "run"
     state = zshard.init(make_model, TX, mesh(1, 8))
-    parser = build_parser(["nano"], [s.value for s in zshard.Strategy])
     base = ["--model", "nano", "--steps", "20", "--data", str(corpus), "--out", str(out)]
-    zshard.save(state, out / "checkpoints", step=4, extra={"run": checkpointing_config(parser, base)})
+    zshard.save(state, out / "checkpoints", step=4, extra={"config": run_settings(parse_config(base)[0].resolved())})
     before = files(out)
     for argv, needle in [
         (["--ckpt-every", "5"], "holds checkpoints (latest: step 4); pass --resume"),
@@ -456,15 +455,9 @@ def test_cli_refuses_to_mix_runs(tmp_path, corpus, capsys):
         (["--resume", "--lr", "0.01"], "--lr 0.003 -> 0.01"),
         (["--resume", "--steps", "4"], "--steps 20 -> 4"),
     ]:
-        with pytest.raises(SystemExit) as exit_:
-            prepare(parser, parser.parse_args(base + argv), out)
-        assert exit_.value.code == 2 and needle in capsys.readouterr().err
-    ok = prepare(parser, parser.parse_args(base + ["--resume", "--mesh", "2x4", "--strategy", "HYBRID_SHARD"]), out)
+        with pytest.raises(ResumeError) as err:
+            prepare(parse_config(base + argv)[0].resolved(), out)
+        assert needle in str(err.value)
+    ok = prepare(parse_config(base + ["--resume", "--mesh", "2x4", "--strategy", "HYBRID_SHARD"])[0].resolved(), out)
     assert ok.resuming and ok.start == 4
     assert files(out) == before
-
-
-def checkpointing_config(parser, argv):
-    from train.checkpointing import _run_config
-
-    return _run_config(parser.parse_args(argv))

@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -121,6 +122,20 @@ def test_ctrl_c_finishes_the_step_saves_writes_the_summary_and_exits_130(tmp_pat
             if "compiled in" in line:
                 break
         assert any("compiled in" in line for line in lines), "".join(lines)[-3000:]
+        # metrics.jsonl is appended while the run goes on (tail -f follows it): each read
+        # is a prefix of the next, the same file (inode), every line whole
+        seen, inode, deadline = [], None, time.monotonic() + 120
+        while len(seen) < 3 and time.monotonic() < deadline:
+            path = out / "metrics.jsonl"
+            text = path.read_text() if path.exists() else ""
+            if text.count("\n") > (seen[-1].count("\n") if seen else 0):
+                assert inode in (None, path.stat().st_ino)
+                inode = path.stat().st_ino
+                assert not seen or text.startswith(seen[-1])
+                assert text.endswith("\n") and all(json.loads(line)["step"] >= 0 for line in text.splitlines())
+                seen.append(text)
+            time.sleep(0.2)
+        assert len(seen) == 3, seen
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=300)
     finally:
@@ -130,6 +145,8 @@ def test_ctrl_c_finishes_the_step_saves_writes_the_summary_and_exits_130(tmp_pat
     assert summary["interrupted"] is True and 1 <= summary["steps_done"] < 1_000_000
     steps = [r["step"] for r in read_metrics(out) if "loss" in r]
     assert steps == list(range(1, summary["steps_done"] + 1))
-    assert "interrupted after step" in err
+    assert "interrupted after step" in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert "no evaluation in this run" in err.strip().splitlines()[-1]  # --eval-every 0: only step 0's
+    assert (out / "model.safetensors").exists()
     # checkpointing is on: the interrupted step is saved, and --resume would continue from it
     assert zshard.checkpoint.Checkpointer(out / "checkpoints").all_steps() == [summary["steps_done"]]

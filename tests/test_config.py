@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import zshard
 from train import config as C
 from train.__main__ import build_parser
 
@@ -20,7 +21,7 @@ PRESETS = sorted((ROOT / "train" / "configs").glob("*.toml"))
 
 def parse(argv: list[str]) -> C.Config:
     """Flags (``--config FILE`` among them) -> Config, as ``python -m train`` does."""
-    return C.from_namespace(build_parser().parse_args(argv))
+    return build_parser().parse_args(argv).run
 
 
 def write(tmp_path, text: str, name: str = "run.toml") -> Path:
@@ -46,7 +47,7 @@ def test_default_preset_is_the_default_run():
 @pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
 def test_every_preset_parses_and_validates(path):
     cfg = C.Config.from_dict(C.load_file(path), str(path)).validate()
-    assert cfg.strategy() in C.STRATEGY_NAMES
+    assert cfg.strategy() in [s.value for s in zshard.Strategy]
 
 
 def test_flags_override_the_file_and_both_flag_spellings_work(tmp_path):
@@ -72,7 +73,7 @@ def test_every_field_has_a_documented_flag():
             flag = f"--{section}.{f.name}"
             if f.default is True:
                 flag, want = f"--no-{section}.{f.name}", False
-            cfg = C.from_namespace(parser.parse_args([flag, *value_args]))
+            cfg = parser.parse_args([flag, *value_args]).run
             assert getattr(getattr(cfg, section), f.name) == want != getattr(getattr(C.Config(), section), f.name)
 
 
@@ -111,7 +112,7 @@ def test_fsdp_sharding_strategy(name, want):
     assert C.Config.from_dict({"mesh": {"sharding_strategy": name}}).validate().strategy() == want
 
 
-@pytest.mark.parametrize("stage,want", list(C.ZERO_STAGES.items()))
+@pytest.mark.parametrize("stage,want", [(0, "NO_SHARD"), (1, "SHARD_OPT"), (2, "SHARD_GRAD_OP"), (3, "FULL_SHARD")])
 def test_deepspeed_zero_optimization_stage(tmp_path, stage, want):
     toml_path = write(tmp_path, f"[zero_optimization]\nstage = {stage}\n")
     json_path = write(tmp_path, json.dumps({"zero_optimization": {"stage": stage}}), "ds.json")
@@ -130,10 +131,10 @@ def test_command_line_strategy_replaces_a_files_zero_stage(tmp_path):
 @pytest.mark.parametrize(
     "raw,needles",
     [
-        ({"mesh": {"sharding_strategy": "ZERO_INFINITY"}}, ["mesh.strategy (--strategy)", "invalid choice: 'ZERO_INFINITY'", "HYBRID_SHARD_ZERO2"]),
+        ({"mesh": {"sharding_strategy": "ZERO_INFINITY"}}, ["mesh.strategy (--strategy)", "unknown strategy 'ZERO_INFINITY'", "HYBRID_SHARD_ZERO2"]),
         ({"mesh": {"sharding_strategy": 6}}, ["mesh.sharding_strategy", "invalid choice: 6", "5 HYBRID_SHARD_ZERO2"]),
         ({"mesh": {"sharding_strategy": "FULL_SHARD", "strategy": "NO_SHARD"}}, ["mesh.sharding_strategy", "keep one"]),
-        ({"zero_optimization": {"stage": 4}}, ["mesh.zero_stage (--zero-stage)", "invalid choice: 4", "0, 1, 2, 3"]),
+        ({"zero_optimization": {"stage": 4}}, ["mesh.zero_stage (--zero-stage)", "zero_stage=4", "0, 1, 2 or 3"]),
         ({"zero_optimization": {"stage": 1, "offload_optimizer": {}}}, ["zero_optimization.offload_optimizer", "allows: stage"]),
         ({"zero_optimization": {"stage": 2}, "mesh": {"strategy": "FULL_SHARD"}}, ["mesh.zero_stage", "SHARD_GRAD_OP", "'FULL_SHARD'"]),
     ],

@@ -44,8 +44,8 @@ def test_train_writes_metrics_summary_and_report(tmp_path, corpus):
     [
         (["--mesh", "3x3"], "(--mesh): '3x3' is 3x3 = 9 devices"),
         (["--batch-size", "12"], "(--batch-size): 12 does not divide by the 8 devices"),
-        (["--strategy", "foo"], "invalid choice: 'FOO'"),
-        (["--zero-stage", "5"], "invalid choice: 5"),
+        (["--strategy", "foo"], "unknown strategy 'foo'"),
+        (["--zero-stage", "5"], "zero_stage=5; choose 0, 1, 2 or 3"),
         (["--data", "/nonexistent/file.txt"], "/nonexistent/file.txt"),
         (["--model", "huge"], "invalid choice: 'huge'"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),

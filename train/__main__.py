@@ -1,36 +1,51 @@
-"""``python -m train``: train the byte-level GPT with zshard; metrics, TensorBoard, samples, summary.
+"""``python -m train``: train the byte-level GPT with zshard; metrics, TensorBoard, samples, weights, summary.
 
     python -m train                                        # defaults: train/configs/default.toml
     python -m train --config train/configs/nano.toml --steps 50 --mesh 2x4
 
 Configuration (``train/config.py``): dataclass defaults < ``--config FILE`` (TOML) < flags;
 every field has a flag (``--steps`` or ``--training.steps``; ``python -m train --help``).
+One :class:`train.config.Config` carries it from the flags to the checkpoints.
 
-Order of work (every check comes before any compile, and nothing is written to ``OUT``
-until the model has compiled and been evaluated once):
+Order of work (every check comes before any compile, and nothing is written until the
+model has compiled and been evaluated once):
 
-1. parse the flags and the config file and check their types (no jax yet); set
+1. :func:`parse_config`: the flags and the config file, types checked (no jax yet); set
    ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` from ``mesh.devices`` before jax
    is imported (an accelerator, if JAX finds one, is used instead, N capping its devices);
-2. validate (``Config.validate``): model preset, mesh shape against the devices, global
-   batch divisible by devices x micro-batches, ...; then the data file;
-3. build the mesh, the sharded state (``zshard.init``) and the step, compile the step
-   ahead of time for its per-device memory figures; evaluate once;
-4. write ``OUT/config.toml`` (the resolved configuration: ``--config OUT/config.toml``
-   repeats the run), then train, reading each step's metrics while the next step runs
-   (no device-to-host sync per step); evaluate every ``eval_every`` steps, sample text
-   every ``sample_every`` steps and at the end;
-5. write ``OUT/metrics.jsonl`` (one JSON object per step: ``loss``, ``grad_norm`` (nats per
-   byte, its gradient's global L2 norm), ``lr``, ``step_time_s`` (s, between the reads of
-   consecutive steps' metrics), ``tokens_per_s`` (over the last 10 steps), ``eval_loss`` at
-   evaluations; rewritten atomically at every
-   evaluation, sample, 10 s of wall time and at the end), TensorBoard events under
-   ``OUT/tb`` (every step), ``OUT/samples.txt`` (appended) and ``OUT/summary.json``.
+2. :func:`validate`: model preset, mesh shape against the devices, global batch divisible
+   by devices x micro-batches, the data, the output folder (:func:`choose_out`) and the
+   checkpoints (``train/checkpointing.py``);
+3. :func:`build`: the mesh, the sharded state (``zshard.init``, or the checkpoint with
+   ``--resume``) and the step, compiled ahead of time for its per-device memory figures;
+   evaluated once;
+4. :func:`train_loop`: writes ``OUT/config.toml`` (``--config OUT/config.toml`` repeats the
+   run), then trains, reading each step's metrics while the next step runs; evaluates every
+   ``eval_every`` steps, samples text every ``sample_every`` steps and at the end, saves
+   checkpoints every ``ckpt_every`` steps;
+5. :func:`finish`: the weights to ``OUT/model.safetensors`` (``zshard.export``), then
+   ``OUT/summary.json`` and one line saying what was written where.
 
-Ctrl-C (SIGINT) finishes the step in flight, saves it when checkpointing is on
-(``--ckpt-every``; ``train/checkpointing.py``), writes metrics and the summary (marked
-``"interrupted": true``) and exits with status 130; a second Ctrl-C aborts at once.
-Bad input exits with status 2 and a message naming the key, its flag and the fix.
+Output folder: ``--out DIR``, or by default a new ``runs/<YYYYmmdd-HHMMSS>`` with the link
+``runs/latest`` pointing at the newest. A run never writes into a folder that holds an
+earlier run's files unless ``--overwrite`` (which removes them first) or ``--resume``
+(which continues that run; without ``--out`` it continues ``runs/latest``).
+
+``OUT/metrics.jsonl``: one JSON object per step (``loss``, ``grad_norm`` (nats per byte, its
+gradient's global L2 norm), ``lr``, ``step_time_s`` (s, between the reads of consecutive
+steps' metrics), ``tokens_per_s`` (over the last 10 steps), ``eval_loss`` at evaluations),
+appended and flushed as each step's metrics are read: ``tail -f`` follows it, and a crash
+loses at most the step in flight. (``--resume`` first replaces it, once, with the records
+of the checkpoint it continues from.) TensorBoard events go to ``OUT/tb`` (every step),
+samples to ``OUT/samples.txt`` (appended).
+
+Ctrl-C (SIGINT) before training starts (parsing, compiling, the first evaluation) exits at
+once with status 130 and one line, nothing written. During training it finishes the step
+in flight, saves it when checkpointing is on (``--ckpt-every``), writes the weights and
+the summary (marked ``"interrupted": true``) and exits 130; a second Ctrl-C exits 130 at
+once (files written so far are whole: metrics lines are appended whole, the rest is
+written atomically). Bad input exits with status 2 and one line naming the key, its flag
+and the fix.
 """
 
 from __future__ import annotations
@@ -42,6 +57,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,9 +65,13 @@ _T_START = time.perf_counter()  # wall time counts from here (includes importing
 
 PROG = "python -m train"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
+EXIT_USAGE = 2  # bad input, as argparse
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
-METRICS_WRITE_EVERY_S = 10.0  # rewrite metrics.jsonl at least this often (wall seconds)
 THROUGHPUT_WINDOW = 10  # steps: metrics' tokens_per_s is measured over this many steps
+RUNS = Path("runs")  # default parent of run folders; RUNS / "latest" links to the newest
+OUTPUTS = ("metrics.jsonl", "summary.json", "config.toml", "samples.txt", "tb", "checkpoints", "model.safetensors",
+           "loss.png", "tokens_per_s.png", "memory.png")
+"""What a run (and ``python -m train.plot``) writes into OUT; ``--overwrite`` removes these only."""
 
 
 def set_host_device_count(n: int) -> None:
@@ -66,10 +86,15 @@ def set_host_device_count(n: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_FLAG}={n}"])
 
 
+def fail(message: str) -> None:
+    """Bad input: ``python -m train: error: MESSAGE`` alone on stderr, exit status 2."""
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_USAGE)
+
+
 class _Parser(argparse.ArgumentParser):
-    """Parses the flags, reads ``--config`` and returns the whole configuration as one flat
-    namespace (``train.config.flat_names``: ``args.steps``, ``args.model``, ``args.ckpt_every``,
-    ...; defaults < file < flags) plus ``args.config``; a bad file or value is ``error`` (exit 2)."""
+    """Parses the flags, reads ``--config`` and returns ``Namespace(config=PATH, run=Config)``
+    (defaults < file < flags); a bad file or value is :func:`fail` (one line, exit 2)."""
 
     def parse_known_args(self, args=None, namespace=None):
         from train import config  # noqa: PLC0415
@@ -80,15 +105,16 @@ class _Parser(argparse.ArgumentParser):
             cfg = config.from_args(ns, config.load_file(path) if path else {}, source=path or "config")
         except config.ConfigError as e:
             self.error(str(e))
-        return config.to_namespace(cfg, config=path), rest
+        return argparse.Namespace(config=path, run=cfg), rest
+
+    def error(self, message: str):
+        fail(f"{message} ({PROG} --help lists the flags)" if "argument" in message or "unrecognized" in message else message)
 
 
-def build_parser(*_unused) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     """``--config FILE`` and one flag per configuration field (``train.config.add_arguments``).
 
-    ``parse_args`` returns the flat namespace of the whole configuration (see ``_Parser``);
-    ``train.config.from_namespace`` makes it a ``Config``. (Positional arguments are ignored:
-    model and strategy names are checked by ``Config.validate``.)
+    ``parse_args`` returns ``Namespace(config=PATH or None, run=Config)``.
     """
     from train import config  # noqa: PLC0415
 
@@ -96,7 +122,7 @@ def build_parser(*_unused) -> argparse.ArgumentParser:
         prog=PROG,
         allow_abbrev=False,
         description="Train a byte-level GPT with zshard (ZeRO-3 / FSDP sharding). Writes OUT/metrics.jsonl, "
-        "OUT/summary.json, OUT/config.toml, OUT/samples.txt and TensorBoard events in OUT/tb.",
+        "OUT/summary.json, OUT/config.toml, OUT/samples.txt, OUT/model.safetensors and TensorBoard events in OUT/tb.",
         epilog="Values: defaults < --config FILE < flags. Optional fields take 'none'. Presets: train/configs/*.toml.",
     )
     p.add_argument("--config", metavar="FILE", default=None,
@@ -104,6 +130,12 @@ def build_parser(*_unused) -> argparse.ArgumentParser:
                    "[distributed] [logging] tables; flags override it")
     config.add_arguments(p)
     return p
+
+
+def parse_config(argv: list[str]):
+    """``argv`` -> ``(Config, config file or None)``; :func:`fail` on bad input (no jax imported)."""
+    ns = build_parser().parse_args(argv)
+    return ns.run, ns.config
 
 
 # ----------------------------------------------------------------------------------------
@@ -114,7 +146,7 @@ def build_parser(*_unused) -> argparse.ArgumentParser:
 _WRITES_FILES = True  # False on every process but rank 0 of a multi-process run
 
 
-def _multiprocess(argv: list[str], run) -> bool:
+def _multiprocess(run) -> bool:
     """A multi-process run? (its settings, ``python -m zshard.launch``'s variables, SLURM / Open MPI), without jax."""
     env = ("ZSHARD_COORDINATOR", "ZSHARD_NUM_PROCESSES", "ZSHARD_PROCESS_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE")
     d = run.distributed
@@ -130,9 +162,33 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_metrics(out: Path, records: list[dict]) -> None:
-    """``OUT/metrics.jsonl``, rewritten whole (atomically): one JSON object per line, per step."""
-    write_atomic(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+class MetricsLog:
+    """``OUT/metrics.jsonl``, append-only: one JSON object per line, each line flushed as written.
+
+    :meth:`start` replaces the file once (atomically) with the records a run starts from
+    (the step-0 evaluation, or a resumed checkpoint's records); :meth:`write` appends
+    ``records[n:]`` for the records not yet written. Rank 0 only.
+    """
+
+    def __init__(self, path: Path):
+        self.path, self.file, self.written = path, None, 0
+
+    def start(self, records: list[dict]) -> None:
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in records))
+        self.written = len(records)
+        if _WRITES_FILES:
+            self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+
+    def write(self, records: list[dict]) -> None:
+        new, self.written = records[self.written :], len(records)
+        if self.file is not None and new:
+            self.file.write("".join(json.dumps(r) + "\n" for r in new))
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
 
 class TensorBoard:
@@ -164,6 +220,123 @@ class TensorBoard:
             self.writer.close()
 
 
+class Interrupts:
+    """Ctrl-C (SIGINT) at any moment: exit 130 with one line, nothing half-written.
+
+    Before training (:meth:`training` not yet called) a Ctrl-C exits at once, even while XLA
+    compiles: a thread waits on ``signal.set_wakeup_fd``, which the C-level handler writes
+    to even when the main thread is inside a long native call (where a Python handler
+    would only run after it). Nothing has been written then. During training the first
+    Ctrl-C sets :attr:`pending` (the loop finishes the step in flight, saves and writes
+    the summary); a second one exits at once.
+    """
+
+    def __init__(self):
+        self.count, self.in_training, self.pending = 0, False, False
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        self._read = r
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        signal.signal(signal.SIGINT, self._handler)
+        threading.Thread(target=self._watch, daemon=True, name="ctrl-c").start()
+
+    def _handler(self, signum, frame) -> None:  # main thread, between bytecodes
+        self.pending = True
+        if self.in_training and self.count < 2:
+            say(f"{PROG}: interrupted: finishing the step in flight, then saving and writing the summary "
+                "(Ctrl-C again to stop at once)")
+
+    def _watch(self) -> None:  # its own thread: runs even while the main thread compiles
+        while True:
+            try:
+                data = os.read(self._read, 64)
+            except OSError:
+                return
+            for signum in data:
+                if signum != signal.SIGINT:
+                    continue
+                self.count += 1
+                if not self.in_training:
+                    self.exit("interrupted before training started; nothing was written")
+                if self.count >= 2:
+                    self.exit("interrupted again: stopped at once (files written so far are complete)")
+
+    def training(self) -> None:
+        """From here on the first Ctrl-C finishes the step in flight."""
+        self.in_training = True
+        if self.count:  # arrived between the last check and now
+            self.exit("interrupted before training started; nothing was written")
+
+    @staticmethod
+    def exit(message: str) -> None:
+        try:
+            sys.stderr.write(f"\n{PROG}: {message}\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(EXIT_INTERRUPTED)
+
+
+def say(msg: str) -> None:
+    """One line on stderr, above the progress bar (``tqdm.write``); rank 0 only."""
+    if _WRITES_FILES:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        tqdm.write(msg, file=sys.stderr)
+
+
+def choose_out(run, stamp: str) -> tuple[Path, Path | None]:
+    """The output folder and the ``runs/latest`` link to point at it (``None``: leave the link).
+
+    ``logging.out`` if set; else with ``--resume`` the folder ``runs/latest`` points at; else a
+    new ``runs/<stamp>``. Raises ``ValueError`` (a usage error) when OUT exists and is not a
+    folder, or holds an earlier run's files without ``--overwrite`` / ``--resume``.
+    """
+    lg, resume = run.logging, run.checkpoint.resume
+    if lg.out is not None:
+        out, link = Path(lg.out), None
+    elif resume:
+        latest = RUNS / "latest"
+        if not latest.exists():
+            raise ValueError(f"--resume without --out continues {latest}, which does not exist; give --out DIR of the run to continue")
+        out, link = latest.resolve(), None
+    else:
+        out, link = RUNS / stamp, RUNS / "latest"
+        if out.exists():
+            raise ValueError(f"{out} exists already (two runs started in the same second?); give --out DIR")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"logging.out (--out) {str(out)!r} exists and is not a directory; give a directory path")
+    earlier = sorted(name for name in OUTPUTS if (out / name).exists())
+    if earlier and not (resume or lg.overwrite):
+        raise ValueError(
+            f"--out {str(out)!r} holds an earlier run ({', '.join(earlier)}); pass --overwrite to replace it, "
+            "--resume to continue it, or give another --out (without --out each run gets a new runs/<date-time>)"
+        )
+    return out, link
+
+
+def _clear_earlier_run(out: Path) -> None:
+    """``--overwrite``: remove an earlier run's outputs (:data:`OUTPUTS` only) from ``out``."""
+    import shutil  # noqa: PLC0415
+
+    for name in OUTPUTS:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+def _point_latest(link: Path, out: Path) -> None:
+    """``runs/latest`` -> ``out`` (relative link, replaced atomically); left alone if it is a real folder."""
+    if link.exists() and not link.is_symlink():
+        say(f"note: {link} is a folder (from an older version), not a link; the newest run is {out}")
+        return
+    tmp = link.with_name(link.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(os.path.relpath(out, link.parent))
+    os.replace(tmp, link)
+
+
 # ----------------------------------------------------------------------------------------
 # The run. Functions below import jax inside: main() must set XLA_FLAGS first.
 # ----------------------------------------------------------------------------------------
@@ -174,6 +347,8 @@ class Setup:
     """Everything validated, before any compile.
 
     Attributes:
+      run: the configuration (``train.config.Config``), type-checked and validated.
+      resolved: ``run`` with every derived value written out (``Config.resolved``).
       cfg: the model shape (the preset, with ``seq_len`` and ``scan`` from the config).
       source: one line naming the corpus.
       train_data: uint8 ``[n_train]``, the training bytes.
@@ -183,11 +358,15 @@ class Setup:
       shard: size of the mesh's ``shard`` axis.
       mesh: ``jax.sharding.Mesh`` of shape ``(replica, shard)``.
       out: the output directory (not created yet).
+      link: ``runs/latest``, to point at ``out`` once it is written (``None``: no link).
       strategy: the strategy's name (``zshard.Strategy`` value).
+      ckpt: the run's checkpoints (``None``: neither saving nor resuming).
       builder: with ``model.init_from``: the model builder of ``train.model.from_hf``, else ``None``.
       weights: with ``model.init_from``: its ``{path: tensor}`` (read when the state is built).
     """
 
+    run: object
+    resolved: object
     cfg: object
     source: str
     train_data: object
@@ -197,13 +376,28 @@ class Setup:
     shard: int
     mesh: object
     out: Path
+    link: Path | None
     strategy: str
+    ckpt: object
     builder: object = None
     weights: object = None
 
 
-def validate(parser: argparse.ArgumentParser, run) -> Setup:
-    """Check the configuration against the data and the devices; ``parser.error`` (exit 2) on the first problem.
+def _run_stamp() -> str:
+    """``YYYYmmdd-HHMMSS`` of now, the same on every process (process 0's clock)."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    now = int(time.time())
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # noqa: PLC0415
+
+        now = int(multihost_utils.broadcast_one_to_all(np.int64(now)))
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+
+
+def validate(run) -> Setup:
+    """Check the configuration against the data, the devices and OUT; :func:`fail` (exit 2) on the first problem.
 
     Args:
       run: a type-checked ``train.config.Config``.
@@ -211,7 +405,7 @@ def validate(parser: argparse.ArgumentParser, run) -> Setup:
     import jax  # noqa: PLC0415
 
     import zshard  # noqa: PLC0415
-    from train import data  # noqa: PLC0415
+    from train import checkpointing, data  # noqa: PLC0415
     from train.config import ConfigError  # noqa: PLC0415
     from train.model import MODEL_PRESETS  # noqa: PLC0415
 
@@ -221,34 +415,37 @@ def validate(parser: argparse.ArgumentParser, run) -> Setup:
         run.validate(len(devices), procs)
         replica, shard = run.mesh_shape(len(devices), procs)
         strategy = run.strategy()
+        resolved = run.resolved(len(devices), procs)
     except ConfigError as e:
-        parser.error(str(e))
+        fail(str(e))
     cfg = dataclasses.replace(MODEL_PRESETS[run.model.preset], seq_len=run.model.seq_len)
     if run.model.scan is not None:
         cfg = dataclasses.replace(cfg, scan=run.model.scan)
     builder = weights = None
     if run.model.init_from is not None:
-        builder, weights, cfg = _init_from(parser, run)
+        builder, weights, cfg = _init_from(run)
 
     source = data.describe_source(run.data.path)
     try:
         train_data, eval_data = data.split_corpus(data.load_corpus(run.data.path))
         data.check_split(train_data, eval_data, run.model.seq_len, source=source)
     except ValueError as e:
-        parser.error(f"data.path: {e}")
+        fail(f"data.path: {e}")
     try:
         # no mesh.shape with several processes: one row per process (jax's hybrid-mesh helper)
         mesh = zshard.make_mesh() if procs > 1 and run.mesh.shape is None else zshard.make_mesh(replica, shard, devices=devices)
     except ValueError as e:
-        parser.error(f"mesh.shape (--mesh) {run.mesh.shape!r}: {e}")
+        fail(f"mesh.shape (--mesh) {run.mesh.shape!r}: {e}")
+    try:
+        out, link = choose_out(run, _run_stamp())
+        ckpt = checkpointing.prepare(resolved, out, fresh=run.logging.overwrite and not run.checkpoint.resume)
+    except ValueError as e:
+        fail(str(e))
+    return Setup(run, resolved, cfg, source, train_data, eval_data, devices, replica, shard, mesh, out, link, strategy, ckpt,
+                 builder, weights)
 
-    out = Path(run.logging.out)
-    if out.exists() and not out.is_dir():
-        parser.error(f"logging.out (--out) {str(out)!r} exists and is not a directory; give a directory path")
-    return Setup(cfg, source, train_data, eval_data, devices, replica, shard, mesh, out, strategy, builder, weights)
 
-
-def _init_from(parser: argparse.ArgumentParser, run):
+def _init_from(run):
     """``model.init_from``: ``(builder, weights, model config)`` of a Hugging Face directory; exit 2 on a problem."""
     from train.model import GPTConfig, from_hf  # noqa: PLC0415
 
@@ -256,12 +453,12 @@ def _init_from(parser: argparse.ArgumentParser, run):
     try:
         builder, weights = from_hf(run.model.init_from)
     except (OSError, ValueError) as e:
-        parser.error(f"{key} {run.model.init_from!r}: {e}")
+        fail(f"{key} {run.model.init_from!r}: {e}")
     cfg = builder.config
     if cfg.vocab_size < 256:
-        parser.error(f"{key}: the checkpoint's vocab_size is {cfg.vocab_size}; the byte-level data needs >= 256 tokens")
+        fail(f"{key}: the checkpoint's vocab_size is {cfg.vocab_size}; the byte-level data needs >= 256 tokens")
     if isinstance(cfg, GPTConfig) and run.model.seq_len > cfg.seq_len:
-        parser.error(f"model.seq_len (--seq-len) {run.model.seq_len} > the checkpoint's n_positions {cfg.seq_len}; lower --seq-len")
+        fail(f"model.seq_len (--seq-len) {run.model.seq_len} > the checkpoint's n_positions {cfg.seq_len}; lower --seq-len")
     return builder, weights, cfg  # (model.preset and model.scan do not apply: the checkpoint's layers are a list)
 
 
@@ -345,80 +542,80 @@ def make_sampler(seq_len: int, prefetch: int = 1):
     return sample
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run ``python -m train`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    from train import config as config_mod  # noqa: PLC0415  (no jax)
+@dataclasses.dataclass
+class Built:
+    """The compiled run, before any file is written.
 
-    parser = build_parser()
-    args = parser.parse_args(argv)  # flat: args.steps, args.ckpt_every, ... (train/checkpointing.py reads it)
-    run = config_mod.from_namespace(args)
-    devices_given = any(a.split("=")[0] in ("--devices", "--mesh.devices") for a in argv) or (
-        args.config is not None and "devices" in config_mod.load_file(args.config).get("mesh", {}))
-    if not (_multiprocess(argv, run) and not devices_given and _DEVICE_FLAG in os.environ.get("XLA_FLAGS", "")):
-        set_host_device_count(run.mesh.devices if run.mesh.devices >= 1 else 1)  # (the launcher's per-process count stands)
+    Attributes:
+      state: the sharded train state (``zshard.ShardedState``), fresh or resumed.
+      step: the ``zshard.TrainStep``.
+      batches: this process's batches (``train.checkpointing.BatchStream``), positioned.
+      batch: the first batch of this run (already drawn).
+      schedule: the learning-rate schedule (optax), for the ``lr`` of each record.
+      warmup: warmup steps.
+      records: the metrics records the run continues (a resumed checkpoint's), else ``None``.
+      start: the step this run continues after (0 for a fresh run).
+      compile_s: seconds to compile the step.
+      per_device_bytes: the compiled step's ``memory_analysis()`` (argument/output/temp/alias), or ``None``.
+      report: ``zshard.report`` of the step (``--report``), or ``None``.
+      evaluate: ``evaluate(state) -> float``, the held-out loss.
+      sample: ``sample(state, prompt, n, temperature, seed) -> bytes``.
+      eval_loss0: the held-out loss this run starts from (measured, or the checkpoint's last).
+      eval_step0: the step of ``eval_loss0``.
+    """
 
+    state: object
+    step: object
+    batches: object
+    batch: object
+    schedule: object
+    warmup: int
+    records: list | None
+    start: int
+    compile_s: float
+    per_device_bytes: dict | None
+    report: object
+    evaluate: object
+    sample: object
+    eval_loss0: float
+    eval_step0: int
+
+
+def build(setup: Setup) -> Built:
+    """Model, optimizer, sharded state (or the resumed checkpoint), the step compiled; one evaluation."""
+    import grain  # noqa: PLC0415
     import jax  # noqa: PLC0415
-
-    import zshard.distributed  # noqa: PLC0415
-
-    global _WRITES_FILES
-    try:  # before anything touches a device; checks coordinator / num_processes / process_id
-        d = run.distributed
-        zshard.distributed.initialize(d.coordinator, d.num_processes, d.process_id)
-    except (ValueError, RuntimeError, TimeoutError) as e:
-        parser.error(str(e))
-    _WRITES_FILES = jax.process_index() == 0
-
-    import numpy as np  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415  (imports jax, after XLA_FLAGS)
-    from tqdm import tqdm  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
 
     import zshard  # noqa: PLC0415
     from train import checkpointing, data  # noqa: PLC0415
     from train.model import GPT, cross_entropy_loss  # noqa: PLC0415
 
-    setup = validate(parser, run)
-    ckpt = checkpointing.prepare(parser, args, setup.out)  # None: no --ckpt-every / --resume
-    resolved = run.resolved(len(setup.devices), jax.process_count())
-    out, n, platform, strategy = setup.out, len(setup.devices), setup.devices[0].platform, setup.strategy
-    t_cfg, lg = run.training, run.logging
-    print(
-        f"{PROG}: {run.model.init_from or run.model.preset + ' GPT'}, {strategy} on a {setup.replica}x{setup.shard} (replica x shard) mesh of "
-        f"{n} {platform} devices; data: {setup.source}: {len(setup.train_data):,} train / "
-        f"{len(setup.eval_data):,} held-out bytes",
-        file=sys.stderr,
-    )
-
-    # ---- build and compile ------------------------------------------------------------
+    run, ckpt = setup.run, setup.ckpt
+    t_cfg = run.training
     tx, warmup, schedule = make_optimizer(run)
     mp = None
     if t_cfg.param_dtype or t_cfg.reduce_dtype:
         mp = zshard.MixedPrecision(param_dtype=t_cfg.param_dtype, reduce_dtype=t_cfg.reduce_dtype)
     make_model = setup.builder or (lambda: GPT(setup.cfg, rngs=nnx.Rngs(t_cfg.seed)))  # noqa: E731
-    # the batches of data.train_batches, with a position a checkpoint can hold
-    batches = checkpointing.BatchStream(  # this process's rows of each global batch
-        setup.train_data, t_cfg.batch_size, run.model.seq_len, t_cfg.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-    )
+    shard = grain.sharding.ShardByJaxProcess()  # this process's rows of each global batch
+    batches = checkpointing.BatchStream(setup.train_data, t_cfg.batch_size, run.model.seq_len, t_cfg.seed,
+                                        process_index=shard.shard_index, process_count=shard.shard_count)
     records = None
     if ckpt is not None and ckpt.resuming:  # state, batch position and records of the checkpoint
-        state, records = ckpt.restore(make_model, tx, setup.mesh, batches, strategy=strategy, mixed_precision=mp)
+        try:
+            state, records = ckpt.restore(make_model, tx, setup.mesh, batches, strategy=setup.strategy, mixed_precision=mp)
+        except checkpointing.ResumeError as e:
+            fail(str(e))
     else:
-        state = zshard.init(make_model, tx, setup.mesh, strategy=strategy, mixed_precision=mp, params=setup.weights)
-    start = 0 if ckpt is None else ckpt.start  # the step this run continues after
-    step = zshard.make_train_step(
-        cross_entropy_loss,
-        grad_accum=t_cfg.grad_accum,
-        clip_norm=run.optimizer.clip_norm,
-        skip_nonfinite=t_cfg.skip_nonfinite,
-        remat=t_cfg.remat,
-        prefetch=t_cfg.prefetch,
-    )
+        state = zshard.init(make_model, tx, setup.mesh, strategy=setup.strategy, mixed_precision=mp, params=setup.weights)
+    start = 0 if ckpt is None else ckpt.start
+    step = zshard.make_train_step(cross_entropy_loss, grad_accum=t_cfg.grad_accum, clip_norm=run.optimizer.clip_norm,
+                                  skip_nonfinite=t_cfg.skip_nonfinite, remat=t_cfg.remat, prefetch=t_cfg.prefetch)
     batch = next(batches)
 
     t0 = time.perf_counter()
-    # Ahead-of-time compile for the memory figures; `step(state, batch)` below reuses the
+    # Ahead-of-time compile for the memory figures; `step(state, batch)` later reuses the
     # compiled executable (JAX caches compilations), it only traces the step once more.
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -426,55 +623,87 @@ def main(argv: list[str] | None = None) -> int:
     per_device_bytes = None
     if mem is not None:
         per_device_bytes = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
-
-    report = None
-    if lg.report:
-        report = zshard.report(step, state, batch)
-        print(report.table(), file=sys.stderr)
+    report = zshard.report(step, state, batch) if run.logging.report else None
 
     eval_set = data.eval_batches(setup.eval_data, t_cfg.batch_size, run.model.seq_len, run.data.eval_batches)
     evaluate = make_evaluator(state, eval_set, t_cfg.prefetch)
-    eval_mem = evaluate.compiled.memory_analysis()
-    eval_loss0 = records[0]["eval_loss"] if start else evaluate(state)
     sample = make_sampler(run.model.seq_len, t_cfg.prefetch)
-    prompt = lg.prompt.encode() if lg.prompt is not None else bytes(setup.eval_data[: min(64, run.model.seq_len // 2)])
+    if start:  # the checkpointed run's last evaluation
+        last = [r for r in records if "eval_loss" in r][-1]
+        eval_loss0, eval_step0 = last["eval_loss"], last["step"]
+    else:
+        eval_loss0, eval_step0 = evaluate(state), 0
+    return Built(state, step, batches, batch, schedule, warmup, records, start, compile_s, per_device_bytes, report,
+                 evaluate, sample, eval_loss0, eval_step0)
 
-    first_step = start + 1
 
-    # ---- output -----------------------------------------------------------------------
-    if _WRITES_FILES:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").unlink(missing_ok=True)  # never leave a previous run's summary beside new metrics
-    if not start and _WRITES_FILES:  # a fresh run's samples and curves only (a resumed run appends)
-        (out / "samples.txt").unlink(missing_ok=True)
-        for old in (out / "tb").glob("events.out.tfevents.*"):
-            old.unlink()
+@dataclasses.dataclass
+class Progress:
+    """What the loop did: the final state, the records, the last step trained, timings."""
+
+    state: object
+    records: list
+    last: int
+    interrupted: bool
+    train_s: float
+    eval_s: float
+    saved: list
+
+
+def start_output(setup: Setup, b: Built) -> None:
+    """Create OUT (``--overwrite``: remove the earlier run's files first), point ``runs/latest``
+    at it, write ``config.toml``; rank 0 only."""
+    from train import config  # noqa: PLC0415
+
+    out = setup.out
+    if not _WRITES_FILES:
+        return
+    if setup.run.logging.overwrite and not b.start:
+        _clear_earlier_run(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if setup.link is not None:
+        _point_latest(setup.link, out)
+    (out / "summary.json").unlink(missing_ok=True)  # a resumed run's summary is written again at its end
     header = (f"Resolved configuration of the run in {out}, written by {PROG}.\n"
-              f"Repeat it with: {PROG} --config {out / 'config.toml'} [--out ANOTHER_DIR]")
-    write_atomic(out / "config.toml", config_mod.dumps_toml(resolved, header))
+              f"Repeat it with: {PROG} --config {out / 'config.toml'} (a new runs/<date-time>, or --out DIR)")
+    again = config.Config.from_dict(setup.resolved.to_dict())
+    again.logging.out, again.logging.overwrite, again.checkpoint.resume = None, False, False  # where, not what
+    write_atomic(out / "config.toml", config.dumps_toml(again, header))
+
+
+def train_loop(setup: Setup, b: Built, interrupts: Interrupts) -> Progress:
+    """Train from step ``b.start + 1`` to ``training.steps``: metrics, evaluations, samples, checkpoints."""
+    import numpy as np  # noqa: PLC0415
+    from tqdm import tqdm  # noqa: PLC0415
+
+    run, out, ckpt = setup.run, setup.out, setup.ckpt
+    t_cfg, lg = run.training, run.logging
+    state, step, batches, batch = b.state, b.step, b.batches, b.batch
+    records = list(b.records) if b.start else [{"step": 0, "eval_loss": b.eval_loss0}]
+    metrics_log = MetricsLog(out / "metrics.jsonl")
+    metrics_log.start(records)
     tb = TensorBoard(out / "tb" if lg.tensorboard and _WRITES_FILES else None)
-    if not start:
-        records = [{"step": 0, "eval_loss": eval_loss0}]
+    if not b.start:
         tb.log(records[0])
-    write_metrics(out, records)
     tokens_per_step = t_cfg.batch_size * run.model.seq_len  # tokens = bytes
-    lrs = np.asarray(schedule(np.arange(t_cfg.steps)))  # lr of step i is lrs[i - 1] (optax count before the update)
-
-    def say(msg: str) -> None:
-        tqdm.write(msg, file=sys.stderr)  # above the progress bar (tqdm.write alone goes to stdout)
-
+    lrs = np.asarray(b.schedule(np.arange(t_cfg.steps)))  # lr of step i is lrs[i - 1] (optax count before the update)
+    prompt = lg.prompt.encode() if lg.prompt is not None else bytes(setup.eval_data[: min(64, run.model.seq_len // 2)])
+    first_step = b.start + 1
     bar = tqdm(total=t_cfg.steps, initial=first_step - 1, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
                disable=not _WRITES_FILES)
-    t_train = t_last = t_written = time.perf_counter()
+    t_train = t_last = time.perf_counter()
     recent_times: list[float] = []  # seconds per step, the last THROUGHPUT_WINDOW steps
     eval_s = 0.0  # time spent evaluating and sampling inside the training loop, s
+    saved: list[int] = []
 
     def write_sample(i: int) -> None:
-        text = sample(state, prompt, lg.sample_tokens, lg.temperature, t_cfg.seed + i)
+        text = b.sample(state, prompt, lg.sample_tokens, lg.temperature, t_cfg.seed + i)
         head = f"=== step {i}: {lg.sample_tokens} bytes after a {len(prompt)}-byte prompt, temperature {lg.temperature} ==="
         body = (prompt + text).decode("utf-8", errors="replace")
         if _WRITES_FILES:
+            bar.clear()
             print(f"{head}\n{body}\n", flush=True)
+            bar.refresh()
             with open(out / "samples.txt", "a", encoding="utf-8") as f:
                 f.write(f"{head}\n{body}\n\n")
 
@@ -500,7 +729,8 @@ def main(argv: list[str] | None = None) -> int:
         bar.update(1)
         if nonfinite and not t_cfg.skip_nonfinite:
             bar.close()
-            write_metrics(out, records)
+            metrics_log.write(records)
+            metrics_log.close()
             tb.close()
             raise SystemExit(
                 f"{PROG}: error: non-finite loss {loss} / grad norm {grad_norm} at step {i}; lower --lr "
@@ -508,16 +738,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         return rec
 
-    interrupted = []  # the signal number, once Ctrl-C arrives
-
-    def on_sigint(signum, frame):
-        interrupted.append(signum)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
-        say(f"{PROG}: interrupted: finishing step in flight, then writing the summary (Ctrl-C again to abort)")
-
-    previous_handler = signal.signal(signal.SIGINT, on_sigint)
-    # "compiled in" is printed once Ctrl-C is handled: from here on it finishes the step in flight.
-    say(f"compiled in {compile_s:.1f} s; {state.plan.num_params():,} parameters; eval loss {eval_loss0:.4f} before training")
+    interrupts.training()
     pending = None  # (step number, metrics) dispatched but not yet read
     last = first_step - 1  # the last step whose metrics were read
     try:
@@ -526,55 +747,73 @@ def main(argv: list[str] | None = None) -> int:
             if pending is not None:
                 last = record(*pending)["step"]  # step i-1 finishes while step i is queued: no per-step sync
             pending = (i, metrics)
+            stop = interrupts.pending
             is_eval = i == t_cfg.steps or (t_cfg.eval_every and i % t_cfg.eval_every == 0)
             is_sample = i == t_cfg.steps or (lg.sample_every and i % lg.sample_every == 0)
-            if is_eval or is_sample or interrupted:
+            if is_eval or is_sample or stop:
                 rec = record(*pending)
                 pending, last = None, i
                 t_eval = time.perf_counter()
-                if is_eval and not interrupted:
-                    rec["eval_loss"] = evaluate(state)
+                if is_eval and not stop:
+                    rec["eval_loss"] = b.evaluate(state)
                     tb.log({"step": i, "eval_loss": rec["eval_loss"]})
                     say(f"step {i}: train loss {rec['loss']:.4f}, eval loss {rec['eval_loss']:.4f}")
-                if is_sample and not interrupted:
+                if is_sample and not stop:
                     write_sample(i)
                 eval_s += time.perf_counter() - t_eval
                 t_last = time.perf_counter()  # evaluation time is not training throughput
-            if ckpt is not None and (ckpt.due(i) or (interrupted and ckpt.every)):
+            if ckpt is not None and (ckpt.due(i) or (stop and ckpt.every)):
                 if pending is not None:  # after the evaluation, so the records hold step i whole
                     last = record(*pending)["step"]
                     pending = None
                 ckpt.save(state, i, batches, records)  # `batches` has drawn i batches
-            if interrupted or is_eval or is_sample or time.perf_counter() - t_written > METRICS_WRITE_EVERY_S:
-                write_metrics(out, records)
-                t_written = time.perf_counter()
-            if interrupted:
+                saved.append(i)
+                say(f"step {i}: saving checkpoint {ckpt.directory / str(i)} (in the background)")
+            metrics_log.write(records)  # the records read so far, appended and flushed
+            if stop:
                 break
             if i < t_cfg.steps:
                 batch = next(batches)
+        if pending is not None:
+            last = record(*pending)["step"]
+            metrics_log.write(records)
     finally:
         if ckpt is not None:
             ckpt.close()  # wait for the last checkpoint to be complete on disk
-        signal.signal(signal.SIGINT, previous_handler)
         bar.close()
         tb.close()
-    train_s = time.perf_counter() - t_train
+        metrics_log.close()
+    return Progress(state, records, last, bool(interrupts.pending), time.perf_counter() - t_train, eval_s, saved)
 
-    # ---- summary ----------------------------------------------------------------------
-    losses = [r["loss"] for r in records if "loss" in r]
-    evals = [r for r in records if "eval_loss" in r]
-    steps_done = last - first_step + 1
+
+def finish(setup: Setup, b: Built, p: Progress) -> dict:
+    """Save the weights (``OUT/model.safetensors``), write ``OUT/summary.json``, print what was written. Returns the summary."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    import zshard  # noqa: PLC0415
+
+    run, out = setup.run, setup.out
+    t_cfg = run.training
+    weights = out / "model.safetensors"
+    eval_mem = b.evaluate.compiled.memory_analysis()
+    zshard.export(p.state, weights)  # every process gathers; process 0 writes
+    losses = [r["loss"] for r in p.records if "loss" in r]
+    evals = [r for r in p.records if "eval_loss" in r]
+    tokens_per_step = t_cfg.batch_size * run.model.seq_len
+    steps_done = p.last - b.start
     summary = {
-        "strategy": strategy,
+        "strategy": setup.strategy,
         "mesh": {"replica": setup.replica, "shard": setup.shard},
-        "devices": n,
+        "devices": len(setup.devices),
         "processes": jax.process_count(),
-        "platform": platform,
+        "platform": setup.devices[0].platform,
         "model": {"preset": run.model.preset, "config": dataclasses.asdict(setup.cfg)},
-        "num_params": state.plan.num_params(),
+        "num_params": p.state.plan.num_params(),
         "steps": t_cfg.steps,
-        "steps_done": last,  # the last step trained (== steps unless interrupted)
-        "interrupted": bool(interrupted),
+        "steps_done": p.last,  # the last step trained (== steps unless interrupted)
+        "resumed_from": b.start,  # 0: a fresh run
+        "interrupted": p.interrupted,
         "batch_size": t_cfg.batch_size,  # global, sequences
         "seq_len": run.model.seq_len,  # tokens
         "tokens_per_step": tokens_per_step,
@@ -584,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
         "grad_accum": t_cfg.grad_accum,  # micro-batches per step
         "clip_norm": run.optimizer.clip_norm,
         "scan": setup.cfg.scan,
-        "warmup": warmup,  # steps
+        "warmup": b.warmup,  # steps
         "weight_decay": run.optimizer.weight_decay,
         "seed": t_cfg.seed,
         "data": {
@@ -595,32 +834,92 @@ def main(argv: list[str] | None = None) -> int:
         },
         "final_train_loss": losses[-1] if losses else None,  # nats per byte, last step
         "final_train_loss_mean10": float(np.mean(losses[-10:])) if losses else None,  # mean of the last 10 steps
-        "initial_eval_loss": eval_loss0,
+        "initial_eval_loss": evals[0]["eval_loss"],  # step 0 (of the first run, when resumed)
         "final_eval_loss": evals[-1]["eval_loss"],  # at step final_eval_step
         "final_eval_step": evals[-1]["step"],
-        "per_device_bytes": per_device_bytes,  # from the compiled step's memory_analysis()
+        "per_device_bytes": b.per_device_bytes,  # from the compiled step's memory_analysis()
         "eval_per_device_bytes": None if eval_mem is None else {  # the sharded eval step's
             k: int(getattr(eval_mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp")},
-        "model_bytes": sum(int(v.get_value().size) * v.get_value().dtype.itemsize for _, v in state.plan.template),
+        "model_bytes": sum(int(v.get_value().size) * v.get_value().dtype.itemsize for _, v in p.state.plan.template),
         "init_from": run.model.init_from,
-        **({"report": report.to_dict()} if report is not None else {}),
-        "compile_s": compile_s,
-        "train_s": train_s,  # the training loop, evaluations included
-        "eval_s": eval_s,  # evaluations and samples inside the loop
-        "tokens_per_s": tokens_per_step * steps_done / max(train_s - eval_s, 1e-9),
+        **({"report": b.report.to_dict()} if b.report is not None else {}),
+        "compile_s": b.compile_s,
+        "train_s": p.train_s,  # the training loop, evaluations included
+        "eval_s": p.eval_s,  # evaluations and samples inside the loop
+        "tokens_per_s": tokens_per_step * steps_done / max(p.train_s - p.eval_s, 1e-9),
+        "weights": str(weights),  # safetensors, logical shapes (zshard.export)
+        "checkpoints": [str(setup.ckpt.directory / str(s)) for s in p.saved] if setup.ckpt is not None else [],
         "wall_s": time.perf_counter() - _T_START,  # whole program, imports included
-        "config": resolved.to_dict(),
+        "config": setup.resolved.to_dict(),
     }
     write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-    what = f"interrupted after step {last} of {t_cfg.steps}" if interrupted else f"in {t_cfg.steps} steps"
-    print(
-        f"{PROG}: eval loss {eval_loss0:.4f} -> {summary['final_eval_loss']:.4f} nats/byte (step {summary['final_eval_step']}) "
-        f"{what}; {summary['wall_s']:.0f} s wall; "
-        + (f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'config.toml'}" if _WRITES_FILES
-           else "rank 0 writes the files"),
-        file=sys.stderr,
-    )
-    return EXIT_INTERRUPTED if interrupted else 0
+    say(summary_line(summary, b, out))
+    return summary
+
+
+def summary_line(summary: dict, b: Built, out: Path) -> str:
+    """The last line: what the run did (evaluations of this run only) and every file it wrote."""
+    last, steps = summary["steps_done"], summary["steps"]
+    what = f"interrupted after step {last} of {steps}" if summary["interrupted"] else f"{steps} steps"
+    if b.start:
+        what += f" (resumed after step {b.start})"
+    if summary["final_eval_step"] > b.eval_step0:
+        evals = (f"eval loss {b.eval_loss0:.4f} (step {b.eval_step0}) -> {summary['final_eval_loss']:.4f} nats/byte "
+                 f"(step {summary['final_eval_step']})")
+    else:
+        evals = f"no evaluation in this run (the last: {b.eval_loss0:.4f} nats/byte at step {b.eval_step0})"
+    if summary["final_train_loss"] is not None:
+        evals += f"; last train loss {summary['final_train_loss']:.4f}"
+    names = [n for n in ("metrics.jsonl", "summary.json", "config.toml", "samples.txt", "tb", "checkpoints", "model.safetensors")
+             if (out / n).exists()]
+    wrote = f"wrote {', '.join(n + ('/' if (out / n).is_dir() else '') for n in names)} in {out}"
+    return f"{PROG}: {what}; {evals}; {summary['wall_s']:.0f} s wall; {wrote}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m train`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    global _WRITES_FILES
+    interrupts = Interrupts()  # first: Ctrl-C while importing or compiling exits 130 at once
+    argv = sys.argv[1:] if argv is None else list(argv)
+    run, config_path = parse_config(argv)
+    devices_given = any(a.split("=")[0] in ("--devices", "--mesh.devices") for a in argv) or (
+        config_path is not None and "devices" in _load(config_path).get("mesh", {}))
+    if not (_multiprocess(run) and not devices_given and _DEVICE_FLAG in os.environ.get("XLA_FLAGS", "")):
+        set_host_device_count(run.mesh.devices if run.mesh.devices >= 1 else 1)  # (the launcher's per-process count stands)
+
+    import jax  # noqa: PLC0415
+
+    import zshard.distributed  # noqa: PLC0415
+
+    try:  # before anything touches a device; checks coordinator / num_processes / process_id
+        d = run.distributed
+        zshard.distributed.initialize(d.coordinator, d.num_processes, d.process_id)
+    except (ValueError, RuntimeError, TimeoutError) as e:
+        fail(str(e))
+    _WRITES_FILES = jax.process_index() == 0
+
+    setup = validate(run)
+    say(f"{PROG}: {run.model.init_from or run.model.preset + ' GPT'}, {setup.strategy} on a {setup.replica}x{setup.shard} (replica x shard) mesh of "
+        f"{len(setup.devices)} {setup.devices[0].platform} devices; data: {setup.source}: {len(setup.train_data):,} train / "
+        f"{len(setup.eval_data):,} held-out bytes; output: {setup.out}")
+    b = build(setup)
+    if b.report is not None and _WRITES_FILES:
+        print(b.report.table(), file=sys.stderr)
+    start_output(setup, b)
+    if b.start:
+        say(f"compiled in {b.compile_s:.1f} s; {b.state.plan.num_params():,} parameters; resumed after step {b.start} "
+            f"(eval loss {b.eval_loss0:.4f} at step {b.eval_step0})")
+    else:
+        say(f"compiled in {b.compile_s:.1f} s; {b.state.plan.num_params():,} parameters; eval loss {b.eval_loss0:.4f} before training")
+    progress = train_loop(setup, b, interrupts)
+    finish(setup, b, progress)
+    return EXIT_INTERRUPTED if progress.interrupted else 0
+
+
+def _load(path: str) -> dict:
+    from train import config  # noqa: PLC0415
+
+    return config.load_file(path)
 
 
 if __name__ == "__main__":

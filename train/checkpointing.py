@@ -1,21 +1,21 @@
-"""Checkpoints for ``python -m train``: the flags, exact resume, and the batch stream's position.
+"""Checkpoints for ``python -m train``: exact resume, and the batch stream's position.
 
-``--ckpt-every N`` saves ``OUT/checkpoints/<step>`` every ``N`` steps and after the last
-one (asynchronously, :class:`zshard.checkpoint.Checkpointer`); ``--keep K`` keeps the
-``K`` newest; ``--resume`` continues from the newest complete checkpoint in ``OUT``.
+``[checkpoint] ckpt_every = N`` (``--ckpt-every N``) saves ``OUT/checkpoints/<step>`` every
+``N`` steps and after the last one (asynchronously, :class:`zshard.checkpoint.Checkpointer`);
+``keep = K`` keeps the ``K`` newest; ``resume`` continues from the newest complete
+checkpoint in ``OUT``.
 
-Resume is exact: a checkpoint holds, besides the sharded state, the batch stream's
-position (batches drawn and the numpy ``PCG64`` state), the metrics records so far and the
-run's flags. A resumed run draws the same batches, applies the same updates and writes
-the same ``metrics.jsonl`` losses as one that never stopped. It may run on another mesh or
-strategy (``--mesh``, ``--strategy``, ``--devices``); every flag that changes the numbers
-(model, data, batch, learning-rate schedule, seed, ...) must match, or the run stops
-before compiling with the differing flags named.
+Resume is exact: a checkpoint holds, besides the sharded state, the Grain iterator's state
+(:class:`BatchStream`), the metrics records so far and the run's configuration
+(``Config.to_dict()``). A resumed run draws the same batches, applies the same updates and
+writes the same ``metrics.jsonl`` losses as one that never stopped. It may run on another
+mesh, strategy or process count; every setting that changes the numbers (model, data,
+batch, learning-rate schedule, seed, ...) must match, or the run stops before compiling
+with the differing settings named.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,47 +23,21 @@ import grain
 import numpy as np
 
 from train import data
+from train.config import Config, flag_of
 
-__all__ = ["BatchStream", "RunCheckpoints", "add_arguments", "prepare"]
+__all__ = ["BatchStream", "ResumeError", "RunCheckpoints", "prepare"]
 
 SUBDIR = "checkpoints"
 """Checkpoints live in ``OUT/checkpoints/<step>``."""
 
-MAY_DIFFER_ON_RESUME = frozenset(
-    {"devices", "mesh", "strategy", "zero_stage", "report", "out", "ckpt_every", "keep", "resume", "eval_every", "eval_batches",
-     "config", "tensorboard", "sample_every", "sample_tokens", "prompt", "temperature", "prefetch",
-     "coordinator", "num_processes", "process_id"}
-)
-"""Flags a resumed run may change: where and how it runs, not what it computes."""
+MAY_DIFFER_ON_RESUME = ("mesh.", "checkpoint.", "distributed.", "logging.", "data.eval_batches", "training.eval_every",
+                        "training.prefetch")
+"""Settings (``section.field`` or a ``section.`` prefix) a resumed run may change: where and
+how it runs, what it logs, not what it computes."""
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``checkpoints`` flag group: ``--ckpt-every``, ``--keep``, ``--resume``."""
-    g = parser.add_argument_group("checkpoints")
-    g.add_argument("--ckpt-every", metavar="N", type=_nonnegative_int, default=0,
-                   help="save a checkpoint to OUT/checkpoints/<step> every N steps and after the last (0: never); "
-                   "written in the background, restorable on any mesh and strategy")
-    g.add_argument("--keep", metavar="K", type=_positive_int, default=None,
-                   help="keep only the K newest checkpoints (default: all)")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from the newest complete checkpoint in OUT/checkpoints (exact: same batches, "
-                   "same losses); starts from step 0 if there is none")  # fmt: skip
-
-
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
-        return value
-
-    return parse
-
-
-_nonnegative_int, _positive_int = _int_at_least(0), _int_at_least(1)
+class ResumeError(ValueError):
+    """``OUT`` and the checkpoint flags do not fit together (checked before any compile)."""
 
 
 class BatchStream:
@@ -104,39 +78,49 @@ class BatchStream:
         self._it.set_state(dict(position))
 
 
-def _run_config(args: argparse.Namespace) -> dict:
-    return {k: v for k, v in sorted(vars(args).items()) if isinstance(v, (str, int, float, bool, type(None)))}
+def run_settings(run: Config) -> dict:
+    """``{"section.field": value}`` of every setting of ``run`` (JSON; unset ones left out)."""
+    return {f"{s}.{k}": v for s, table in run.to_dict().items() for k, v in table.items()}
+
+
+def _may_differ(key: str) -> bool:
+    return any(key == m or (m.endswith(".") and key.startswith(m)) for m in MAY_DIFFER_ON_RESUME)
 
 
 class RunCheckpoints:
     """The checkpoints of one ``python -m train`` run in ``OUT/checkpoints``.
 
     Attributes:
-      every: steps between saves (0: only with ``--resume``, never saving).
+      every: steps between saves (0: only resuming, never saving).
       start: the step the run starts after (0, or the resumed checkpoint's step).
       extra: the resumed checkpoint's ``extra`` (``None`` when starting fresh).
+      directory: ``OUT/checkpoints``.
     """
 
-    def __init__(self, args: argparse.Namespace, out: Path, start: int = 0, extra: dict | None = None):
+    def __init__(self, run: Config, out: Path, start: int = 0, extra: dict | None = None):
         from zshard.checkpoint import Checkpointer  # noqa: PLC0415
 
-        self.every, self.steps, self.start, self.extra = args.ckpt_every, args.steps, start, extra
-        self.config = _run_config(args)
-        self.ckpt = Checkpointer(out / SUBDIR, keep=args.keep)
+        c = run.checkpoint
+        self.every, self.steps, self.start, self.extra = c.ckpt_every, run.training.steps, start, extra
+        self.settings = run_settings(run)
+        self.directory = out / SUBDIR
+        self.ckpt = Checkpointer(self.directory, keep=c.keep)
 
     @property
     def resuming(self) -> bool:
         return self.extra is not None
 
     def restore(self, model, tx, mesh, batches: BatchStream, **init_kw):
-        """The resumed state; seeks ``batches``. Returns ``(state, records)``."""
+        """The resumed state; seeks ``batches``. Returns ``(state, records)``.
+
+        Raises:
+          ResumeError: the checkpoint's files are damaged, or it holds another model.
+        """
         try:
             state, extra = self.ckpt.restore(mesh, model=model, tx=tx, step=self.start, **init_kw)
-        except (OSError, ValueError) as e:  # damaged files, another model: exit 2 like any bad flag
-            where = self.ckpt.directory / str(self.start)
-            print(f"python -m train: error: --resume: {e}\n(to resume from the checkpoint before, move "
-                  f"{str(where)!r} aside)", file=sys.stderr)
-            raise SystemExit(2) from e
+        except (OSError, ValueError) as e:
+            where = self.directory / str(self.start)
+            raise ResumeError(f"--resume: {e}\n(to resume from the checkpoint before, move {str(where)!r} aside)") from e
         batches.seek(extra["data"])
         return state, list(extra["records"])
 
@@ -146,7 +130,7 @@ class RunCheckpoints:
 
     def save(self, state, step: int, batches: BatchStream, records: list[dict]) -> None:
         """Start writing checkpoint ``step`` (returns before the files are complete)."""
-        extra = {"run": self.config, "data": batches.position(), "records": records}
+        extra = {"config": self.settings, "data": batches.position(), "records": records}
         self.ckpt.save(state, step=step, extra=extra)
 
     def close(self) -> None:
@@ -154,45 +138,50 @@ class RunCheckpoints:
         self.ckpt.close()
 
 
-def prepare(parser: argparse.ArgumentParser, args: argparse.Namespace, out: Path) -> RunCheckpoints | None:
-    """Check the checkpoint flags against ``OUT`` before anything compiles.
+def prepare(run: Config, out: Path, fresh: bool = False) -> RunCheckpoints | None:
+    """Check the checkpoint settings against ``OUT`` before anything compiles.
 
-    Returns ``None`` when the run neither saves nor resumes. Exits (``parser.error``, status
-    2, nothing written) when ``OUT`` holds checkpoints and ``--resume`` is not given (a new
-    run would mix with them), when a resumed run changes a flag that changes the numbers,
-    or when the checkpoint is already at ``--steps``.
+    Returns ``None`` when the run neither saves nor resumes. ``fresh``: the run replaces
+    OUT (``--overwrite``), so its old checkpoints do not count.
+
+    Raises:
+      ResumeError: (nothing written) ``OUT`` holds checkpoints and ``resume`` is not set (a
+        new run would mix with them); a resumed run changes a setting that changes the
+        numbers (each named with its flag, old -> new); the checkpoint is already at
+        ``training.steps``; or its record cannot be read.
     """
     from zshard.checkpoint import Checkpointer  # noqa: PLC0415
 
     where = out / SUBDIR
     if where.exists() and not where.is_dir():
-        parser.error(f"--out: {str(where)!r} is a file; checkpoints need a directory there, give another --out")
-    ckpt = Checkpointer(where)
-    latest = ckpt.latest_step()
-    if not args.resume:
+        raise ResumeError(f"--out: {str(where)!r} is a file; checkpoints need a directory there, give another --out")
+    latest = None if fresh else Checkpointer(where).latest_step()
+    if not run.checkpoint.resume:
         if latest is not None:
-            parser.error(
+            raise ResumeError(
                 f"--out {str(out)!r} holds checkpoints (latest: step {latest}); pass --resume to continue that run, "
                 f"or give a new --out (nothing is overwritten)"
             )
-        return RunCheckpoints(args, out) if args.ckpt_every else None
+        return RunCheckpoints(run, out) if run.checkpoint.ckpt_every else None
     if latest is None:
         print(f"--resume: no complete checkpoint in {str(where)!r}; starting from step 0", file=sys.stderr)
-        return RunCheckpoints(args, out)
+        return RunCheckpoints(run, out)
     try:
-        extra = ckpt.read_extra(latest)
+        extra = Checkpointer(where).read_extra(latest)
     except (OSError, ValueError) as e:
-        parser.error(f"--resume: {e}")
-    saved, now = extra.get("run", {}), _run_config(args)
-    diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-             if k not in MAY_DIFFER_ON_RESUME and saved.get(k) != now.get(k)]  # fmt: skip
+        raise ResumeError(f"--resume: {e}") from e
+    if "config" not in extra:
+        raise ResumeError(f"--resume: the checkpoint in {str(where)!r} was written by an older python -m train; give a new --out")
+    saved, now = extra["config"], run_settings(run)
+    diffs = [f"{flag_of(k)} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+             if not _may_differ(k) and saved.get(k) != now.get(k)]  # fmt: skip
     if diffs:
-        parser.error(
-            f"--resume: the checkpoint at step {latest} in {str(where)!r} was written with other flags: "
-            + "; ".join(diffs) + ". Pass the same flags (only the mesh, strategy, devices, evaluation and "
-            "checkpoint flags may change), or give a new --out"
+        raise ResumeError(
+            f"--resume: the checkpoint at step {latest} in {str(where)!r} was written with other settings: "
+            + "; ".join(diffs) + ". Pass the same ones (only the mesh, strategy, devices, evaluation, logging and "
+            "checkpoint settings may change), or give a new --out"
         )
-    if latest >= args.steps:
-        parser.error(f"--resume: the checkpoint in {str(where)!r} is at step {latest}, --steps is {args.steps}: nothing to do")
+    if latest >= run.training.steps:
+        raise ResumeError(f"--resume: the checkpoint in {str(where)!r} is at step {latest}, --steps is {run.training.steps}: nothing to do")
     print(f"--resume: continuing from step {latest} ({str(where / str(latest))!r})", file=sys.stderr)
-    return RunCheckpoints(args, out, start=latest, extra=extra)
+    return RunCheckpoints(run, out, start=latest, extra=extra)

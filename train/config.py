@@ -54,24 +54,17 @@ __all__ = [
     "TrainingConfig",
     "add_arguments",
     "dumps_toml",
+    "flag_of",
     "flat_names",
     "from_args",
-    "from_namespace",
     "load_file",
-    "to_namespace",
 ]
 
 MODEL_PRESET_NAMES = ("nano", "tiny", "small", "medium")
 """Keys of ``train.model.MODEL_PRESETS`` (checked against it in :meth:`Config.validate`)."""
 
-STRATEGY_NAMES = ("NO_SHARD", "SHARD_OPT", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "HYBRID_SHARD_OPT")
-"""Values of ``zshard.Strategy``."""
-
 FSDP_STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD", 5: "HYBRID_SHARD_ZERO2"}
 """``torch.distributed.fsdp.ShardingStrategy`` enum values (Accelerate writes these numbers)."""
-
-ZERO_STAGES = {0: "NO_SHARD", 1: "SHARD_OPT", 2: "SHARD_GRAD_OP", 3: "FULL_SHARD"}
-"""DeepSpeed ``zero_optimization.stage`` -> strategy."""
 
 DTYPES = ("float32", "bfloat16")
 
@@ -199,8 +192,10 @@ class DistributedConfig:
 class LoggingConfig:
     """``[logging]``: where the run writes, what it watches."""
 
-    out: str = "runs/latest"
-    """output directory: metrics.jsonl, summary.json, config.toml, samples.txt, tb/ (created after validation)"""
+    out: str | None = None
+    """output directory: metrics.jsonl, summary.json, config.toml, samples.txt, tb/, model.safetensors (created after validation); unset: a new runs/<date-time> folder, runs/latest pointing at it (--resume: runs/latest)"""
+    overwrite: bool = False
+    """replace the files of an earlier run in OUT (without it a run never writes into an OUT that holds one; --resume continues it)"""
     report: bool = False
     """print zshard.report (memory and collective bytes of the compiled step) and store it in summary.json"""
     tensorboard: bool = True
@@ -296,16 +291,7 @@ class Config:
             raise ConfigError(_key("data.path"), "is empty; give a text file, or leave it unset for the stdlib corpus")
         _at_least("data.eval_batches", d.eval_batches, 1)
         _at_least("mesh.devices", me.devices, 1)
-        if me.strategy is not None:
-            strategy_name(me.strategy)
-        if me.zero_stage is not None:
-            _choice("mesh.zero_stage", me.zero_stage, list(ZERO_STAGES))
-            if me.strategy is not None and ZERO_STAGES[me.zero_stage] != strategy_name(me.strategy):
-                raise ConfigError(
-                    _key("mesh.zero_stage"),
-                    f"{me.zero_stage} means {ZERO_STAGES[me.zero_stage]} but mesh.strategy (--strategy) is "
-                    f"{me.strategy!r}; give one of the two",
-                )
+        self.strategy()  # a known name / stage, and not two that disagree
         replica, shard = self.mesh_shape(n, processes)
         if replica * shard != n:
             shapes = ", ".join(f"{r}x{n // r}" for r in range(1, n + 1) if n % r == 0)
@@ -344,8 +330,8 @@ class Config:
         if c.keep is not None:
             _at_least("checkpoint.keep", c.keep, 1)
         # [distributed]: types checked here; zshard.distributed.initialize checks the values.
-        if not lg.out:
-            raise ConfigError(_key("logging.out"), "is empty; give a directory path")
+        if lg.out is not None and not lg.out:
+            raise ConfigError(_key("logging.out"), "is empty; give a directory path, or leave it unset for a new runs/<date-time>")
         _at_least("logging.sample_every", lg.sample_every, 0)
         _at_least("logging.sample_tokens", lg.sample_tokens, 1)
         _at_least("logging.temperature", lg.temperature, 0)
@@ -356,13 +342,22 @@ class Config:
     # ---- derived values -----------------------------------------------------------------
 
     def strategy(self) -> str:
-        """The strategy's canonical name: ``mesh.strategy``, else ``mesh.zero_stage``'s, else FULL_SHARD."""
-        if self.mesh.strategy is not None:
-            return strategy_name(self.mesh.strategy)
-        if self.mesh.zero_stage is not None:
-            _choice("mesh.zero_stage", self.mesh.zero_stage, list(ZERO_STAGES))
-            return ZERO_STAGES[self.mesh.zero_stage]
-        return "FULL_SHARD"
+        """The strategy's canonical name (``zshard.Strategy.parse`` of ``mesh.strategy`` and
+        ``mesh.zero_stage``); FULL_SHARD when neither is set.
+
+        Raises:
+          ConfigError: an unknown name or stage, or both given and disagreeing.
+        """
+        from zshard.strategy import Strategy  # noqa: PLC0415  (imports jax: after XLA_FLAGS)
+
+        me = self.mesh
+        if me.strategy is None and me.zero_stage is None:
+            return Strategy.FULL_SHARD.value
+        try:
+            return Strategy.parse(me.strategy, zero_stage=me.zero_stage).value
+        except ValueError as e:
+            key = "mesh.zero_stage" if me.zero_stage is not None else "mesh.strategy"
+            raise ConfigError(_key(key), str(e)) from None
 
     def mesh_shape(self, n_devices: int | None = None, processes: int = 1) -> tuple[int, int]:
         """``(replica, shard)``: ``mesh.shape`` parsed, or ``(processes, n_devices / processes)`` when unset."""
@@ -399,19 +394,6 @@ class Config:
         if r.data.path is not None:
             r.data.path = str(Path(r.data.path).resolve())
         return r
-
-
-def strategy_name(value: str) -> str:
-    """``value`` as a ``zshard.Strategy`` name (case-insensitive, FSDP's leading ``_`` allowed).
-
-    Raises:
-      ConfigError: not a strategy; the message lists them.
-    """
-    key = str(value).strip().upper().lstrip("_")
-    if key not in STRATEGY_NAMES:
-        raise ConfigError(_key("mesh.strategy"), f"invalid choice: {key!r} (choose from {', '.join(STRATEGY_NAMES)}, "
-                          "or mesh.zero_stage 0-3)")
-    return key
 
 
 # ----------------------------------------------------------------------------------------
@@ -521,8 +503,8 @@ def _flag_of(cls: type, f: dataclasses.Field) -> str:
 @functools.cache
 def flat_names() -> dict[str, tuple[str, str]]:
     """``{dest: (section, field)}``: each field under its flag's name (``--batch-size`` ->
-    ``batch_size``, ``--model`` -> ``model`` for ``model.preset``), the flat namespace that
-    ``python -m train``'s parser returns and ``train/checkpointing.py`` reads."""
+    ``batch_size``, ``--model`` -> ``model`` for ``model.preset``): the ``dest`` of each flag
+    of :func:`add_arguments`."""
     out = {}
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
@@ -530,17 +512,11 @@ def flat_names() -> dict[str, tuple[str, str]]:
     return out
 
 
-def to_namespace(cfg: Config, **extra) -> argparse.Namespace:
-    """``cfg`` as a flat namespace (:func:`flat_names`), plus ``extra`` attributes."""
-    return argparse.Namespace(**{d: getattr(getattr(cfg, s), n) for d, (s, n) in flat_names().items()}, **extra)
-
-
-def from_namespace(ns: argparse.Namespace) -> Config:
-    """The ``Config`` of a complete flat namespace (:func:`to_namespace`)."""
-    cfg = Config()
-    for dest, (section, name) in flat_names().items():
-        setattr(getattr(cfg, section), name, getattr(ns, dest))
-    return cfg
+def flag_of(key: str) -> str:
+    """The command-line flag of ``section.field`` (``training.seed`` -> ``--seed``)."""
+    section, name = key.split(".")
+    f = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+    return _flag_of(SECTIONS[section], f)
 
 
 def _key(key: str) -> str:

@@ -1,0 +1,104 @@
+"""``python -m train`` as people live with it: run folders and ``--overwrite``, Ctrl-C while
+compiling, one-line errors, and the weights saved at the end. Subprocess runs of the nano
+model on a small corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+import zshard
+from conftest import ROOT
+
+TINY = ["--model", "nano", "--steps", "2", "--seq-len", "16", "--batch-size", "8", "--eval-every", "0",
+        "--eval-batches", "1", "--sample-tokens", "4", "--no-tensorboard"]
+
+
+def train(*args, cwd=ROOT, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # cwd may be another folder: runs/ go there
+    return subprocess.run([sys.executable, "-m", "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_each_run_gets_its_own_folder_latest_links_the_newest_and_nothing_is_overwritten(tmp_path, corpus):
+    first = train(*TINY, "--data", str(corpus), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    time.sleep(1.1)  # folders are named by the second
+    second = train(*TINY, "--data", str(corpus), "--steps", "3", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    runs = sorted(p for p in (tmp_path / "runs").iterdir() if p.name != "latest")
+    assert len(runs) == 2 and (tmp_path / "runs" / "latest").resolve() == runs[1].resolve()
+    assert [json.loads((r / "summary.json").read_text())["steps"] for r in runs] == [2, 3]
+    for r in runs:  # the weights of each run, saved at its end and named in its last line
+        assert (r / "model.safetensors").exists()
+    assert f"model.safetensors in {runs[1].relative_to(tmp_path)}" in second.stderr.splitlines()[-1]
+
+    before = {p.name: p.stat().st_mtime_ns for p in runs[0].iterdir()}
+    again = train(*TINY, "--data", str(corpus), "--out", str(runs[0]), cwd=tmp_path)
+    assert again.returncode == 2 and "holds an earlier run" in again.stderr and "--overwrite" in again.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in runs[0].iterdir()} == before  # untouched
+    (runs[0] / "notes.txt").write_text("mine")
+    over = train(*TINY, "--data", str(corpus), "--out", str(runs[0]), "--overwrite", "--steps", "1", cwd=tmp_path)
+    assert over.returncode == 0, over.stderr[-3000:]
+    assert json.loads((runs[0] / "summary.json").read_text())["steps"] == 1
+    assert (runs[0] / "notes.txt").read_text() == "mine"  # only the run's own files are replaced
+    assert (tmp_path / "runs" / "latest").resolve() == runs[1].resolve()  # --out runs do not move the link
+
+
+def test_weights_at_the_end_load_into_the_model(tmp_path, corpus):
+    from train.model import GPT, MODEL_PRESETS
+
+    out = tmp_path / "run"
+    res = train(*TINY, "--data", str(corpus), "--out", str(out), "--ckpt-every", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["weights"] == str(out / "model.safetensors") and summary["checkpoints"] == [str(out / "checkpoints" / "2")]
+    last = res.stderr.strip().splitlines()[-1]
+    for name in ("metrics.jsonl", "summary.json", "config.toml", "samples.txt", "checkpoints/", "model.safetensors"):
+        assert name in last, last
+    assert "step 2: saving checkpoint" in res.stderr
+    # the exported weights are the checkpoint's parameters
+    cfg = MODEL_PRESETS["nano"].__class__(**{**summary["model"]["config"]})
+    model = zshard.load_params(out / "model.safetensors", GPT(cfg, rngs=nnx.Rngs(1)))
+    from train.__main__ import make_optimizer, parse_config
+
+    run = parse_config([*TINY, "--data", str(corpus)])[0]
+    state, _ = zshard.restore(out / "checkpoints", zshard.make_mesh(1, 8), model=lambda: GPT(cfg, rngs=nnx.Rngs(0)),
+                              tx=make_optimizer(run)[0])
+    want = nnx.state(zshard.unshard(state), nnx.Param).to_pure_dict()
+    got = nnx.state(model, nnx.Param).to_pure_dict()
+    import jax
+
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_ctrl_c_while_compiling_exits_130_with_one_line_and_writes_nothing(tmp_path, corpus):
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "train", *TINY, "--model", "small", "--data", str(corpus), "--out", str(out)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()  # printed after validation, before the state is built and compiled
+        assert "python -m train: small GPT" in first, first
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines() == ["python -m train: interrupted before training started; nothing was written"], err[-3000:]
+    assert not out.exists()
+
+
+def test_config_errors_are_one_line(tmp_path):
+    for args, needle in [(["--steps", "ten"], "expected an integer, got 'ten'"), (["--mesh", "3x3"], "'3x3' is 3x3 = 9 devices")]:
+        res = train(*args, "--out", str(tmp_path / "run"), timeout=300)
+        assert res.returncode == 2 and needle in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert res.stderr.startswith("python -m train: error: ")
