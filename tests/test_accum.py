@@ -154,12 +154,15 @@ def test_optax_masks_and_labels_see_the_logical_tree(strategy, mesh):
     data = mlp_batches(4)
     want = reference_run(mlp, make_tx(), mse_loss, data)
     state = zshard.init(mlp, make_tx(), zshard.make_mesh(*mesh), strategy=strategy)
+    head0 = np.asarray(nnx.state(zshard.unshard(state), nnx.Param).to_pure_dict()["head"]["kernel"])
     step = zshard.make_train_step(mse_loss)
     for b in data:
         state, _ = step(state, b)
     got = nnx.state(zshard.unshard(state), nnx.Param).to_pure_dict()
     ref = nnx.state(want.model, nnx.Param).to_pure_dict()
-    np.testing.assert_array_equal(got["head"]["kernel"], ref["head"]["kernel"])  # lr 0: untouched
+    np.testing.assert_array_equal(got["head"]["kernel"], head0)  # lr 0: untouched
+    # init runs under jit: on jax 0.12 one element of head.kernel differs from eager init by 1 ulp
+    np.testing.assert_allclose(got["head"]["kernel"], ref["head"]["kernel"], rtol=1e-6)
     for path in [("inp", "bias"), ("inp", "kernel"), ("blocks", 0, "lin", "bias"), ("blocks", 1, "lin", "kernel")]:
         a, r = got, ref
         for k in path:

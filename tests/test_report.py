@@ -25,6 +25,9 @@ from zshard.report import parse_collectives, parse_replica_groups
         ('@mesh<"replica"=2,"shard"=4> {replica}', [[0, 4], [1, 5], [2, 6], [3, 7]]),
         ('@mesh<"replica"=2,"shard"=4> {replica,shard}', [[0, 1, 2, 3, 4, 5, 6, 7]]),
         ('@mesh<"a"=8> {a:(1)2}', [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ("mesh['replica'=2,'shard'=4] {'shard'}", [[0, 1, 2, 3], [4, 5, 6, 7]]),  # jax 0.12
+        ("mesh['replica'=2,'shard'=4] {'replica'}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ("mesh['replica'=2,'shard'=4] {'replica','shard'}", [[0, 1, 2, 3, 4, 5, 6, 7]]),
     ],
 )
 def test_replica_group_notations(text, groups):

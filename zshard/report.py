@@ -86,7 +86,8 @@ def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list
     - explicit lists: ``{{0,1,2,3},{4,5,6,7}}`` (``{}`` = all devices, needs ``num_devices``);
     - iota: ``[2,4]<=[8]`` or ``[4,2]<=[2,4]T(1,0)`` (reshape ``arange`` to the dims after
       ``<=``, transpose, reshape to ``[groups, size]``);
-    - mesh axes: ``@mesh<"replica"=2,"shard"=4> {shard}`` (groups along the named axes).
+    - mesh axes: ``@mesh<"replica"=2,"shard"=4> {shard}`` (jax 0.10) or
+      ``mesh['replica'=2,'shard'=4] {'shard'}`` (jax 0.12): groups along the named axes.
 
     Raises:
       ValueError: an unrecognised notation.
@@ -107,13 +108,13 @@ def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list
         if m.group(3):
             ids = ids.transpose([int(x) for x in m.group(3).split(",")])
         return ids.reshape(-1, out_dims[-1]).tolist()
-    m = re.fullmatch(r'@?mesh<([^>]*)>\s*\{([^}]*)\}', text)
+    m = re.fullmatch(r"@?mesh(?:<([^>]*)>|\[([^\]]*)\])\s*\{([^}]*)\}", text)
     if m:
-        axes = re.findall(r'"?([\w]+)"?\s*=\s*(\d+)', m.group(1))
+        axes = re.findall(r"[\"']?(\w+)[\"']?\s*=\s*(\d+)", m.group(1) or m.group(2))
         names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
         dims, grouped = [], []
         for name, size in zip(names, sizes):
-            refs = [r for r in re.findall(r'"?(\w+)"?(?::\((\d+)\)(\d+))?', m.group(2)) if r[0] == name]
+            refs = [r for r in re.findall(r"[\"']?(\w+)[\"']?(?::\((\d+)\)(\d+))?", m.group(3)) if r[0] == name]
             if not refs:
                 dims.append(size)
             elif not refs[0][1]:
@@ -196,7 +197,7 @@ def parse_collectives(hlo: str, mesh) -> list[Collective]:
             base = op[: -len("-start")] if op.endswith("-start") else op
             if base not in _KINDS or op.endswith("-done"):
                 continue
-            g = re.search(r"replica_groups=(\{(?:\{[0-9,]*\},?)*\}|\[[^\s]*?\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|@?mesh<[^>]*>\s*\{[^}]*\})", rest)
+            g = re.search(r"replica_groups=(\{(?:\{[0-9,]*\},?)*\}|\[[^\s]*?\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|@?mesh(?:<[^>]*>|\[[^\]]*\])\s*\{[^}]*\})", rest)
             groups = parse_replica_groups(g.group(1), mesh.size) if g else [list(range(mesh.size))]
             n = len(groups[0])
             sizes = _shape_bytes(shape)
