@@ -853,7 +853,7 @@ def finish(setup: Setup, b: Built, p: Progress) -> dict:
         "config": setup.resolved.to_dict(),
     }
     write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-    say(summary_line(summary, b, out))
+    print(summary_line(summary, b, out), file=sys.stderr, flush=True)  # every rank: what it trained and evaluated
     return summary
 
 
@@ -873,6 +873,8 @@ def summary_line(summary: dict, b: Built, out: Path) -> str:
     names = [n for n in ("metrics.jsonl", "summary.json", "config.toml", "samples.txt", "tb", "checkpoints", "model.safetensors")
              if (out / n).exists()]
     wrote = f"wrote {', '.join(n + ('/' if (out / n).is_dir() else '') for n in names)} in {out}"
+    if not _WRITES_FILES:
+        wrote = "rank 0 writes the files"
     return f"{PROG}: {what}; {evals}; {summary['wall_s']:.0f} s wall; {wrote}"
 
 

@@ -12,7 +12,11 @@ starts ``--nproc`` copies of the command after ``--``, each with
 
 A command starting with ``python`` runs with the launcher's own interpreter
 (``sys.executable``, its virtual environment). Every line a process prints (stdout and
-stderr) is echoed with a ``[rank i]`` prefix.
+stderr) is echoed whole, with a ``[rank i]`` prefix, never mixed with another rank's line.
+Library chatter (:data:`CHATTER`: Gloo's "Rank N is connected", glog ``I`` lines of the
+XLA / coordination service) is hidden unless ``--verbose``; the count of hidden lines is
+printed at the end. Progress bars (text ended by ``\r``, as tqdm redraws) are shown at
+most every :data:`PROGRESS_EVERY_S` seconds per rank, each as its own line.
 If a process exits with a non-zero status (or a signal), the launcher stops the others
 (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with that status
 (``128 + signal`` for a signal); it exits 0 when every process does. Ctrl-C stops all.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -37,6 +42,12 @@ __all__ = ["free_port", "launch", "main"]
 
 PROG = "python -m zshard.launch"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
+PROGRESS_EVERY_S = 10.0  # s: a rank's progress-bar redraws are shown at most this often
+CHATTER = (
+    re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks"),  # one per process pair and group
+    re.compile(rb"^I\d{4} [\d:.]+\s+\d+ \S+:\d+\]"),  # glog INFO (coordination service, XLA)
+)
+"""Lines of library output hidden unless ``--verbose`` (warnings and errors always show)."""
 
 
 def free_port() -> int:
@@ -61,24 +72,46 @@ def _child_env(rank: int, nproc: int, port: int, devices: int | None, heartbeat:
     return env
 
 
-def _pump(stream, prefix: bytes, out, lock: threading.Lock) -> None:
-    """Copy ``stream`` to ``out`` line by line (``\\n`` or ``\\r``, e.g. progress bars), prefixed; blank lines dropped."""
-    buf = b""
-    while True:
-        chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
-        if not chunk:
-            break
-        buf += chunk
-        *lines, buf = re.split(rb"\r\n|\r|\n", buf)
-        lines = [line for line in lines if line.strip()]  # progress bars clear their line with blanks
+class _Pump:
+    """Copies one process's output to ``out``: whole lines, prefixed, chatter and most
+    progress redraws dropped (see the module docstring)."""
+
+    def __init__(self, prefix: bytes, out, lock: threading.Lock, verbose: bool):
+        self.prefix, self.out, self.lock, self.verbose = prefix, out, lock, verbose
+        self.hidden, self.last_progress = 0, float("-inf")
+
+    def keep(self, line: bytes, ended_by: bytes) -> bool:
+        if not line.strip():
+            return False  # progress bars clear their line with blanks
+        if not self.verbose and any(c.match(line) for c in CHATTER):
+            self.hidden += 1
+            return False
+        if ended_by == b"\r" and not self.verbose:  # a progress bar redraw
+            now = time.monotonic()
+            if now - self.last_progress < PROGRESS_EVERY_S:
+                return False
+            self.last_progress = now
+        return True
+
+    def run(self, stream) -> None:
+        buf = b""
+        while True:
+            chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
+            if not chunk:
+                break
+            buf += chunk
+            parts = re.split(rb"(\r\n|\r|\n)", buf)  # [text, end, text, end, ..., rest]
+            buf = parts.pop()
+            lines = [parts[i] for i in range(0, len(parts), 2) if self.keep(parts[i], parts[i + 1])]
+            self.write(lines)
+        if buf and self.keep(buf, b"\n"):
+            self.write([buf])
+
+    def write(self, lines: list[bytes]) -> None:
         if lines:
-            with lock:
-                out.write(b"".join(prefix + line + b"\n" for line in lines))
-                out.flush()
-    if buf:
-        with lock:
-            out.write(prefix + buf + b"\n")
-            out.flush()
+            with self.lock:
+                self.out.write(b"".join(self.prefix + line + b"\n" for line in lines))
+                self.out.flush()
 
 
 def _describe(code: int) -> str:
@@ -120,6 +153,7 @@ def launch(
     heartbeat_timeout_s: int | None = None,
     init_timeout_s: int | None = None,
     out=None,
+    verbose: bool = False,
 ) -> int:
     """Run ``command`` as ``nproc`` processes of one job; returns the launcher's exit status.
 
@@ -132,6 +166,7 @@ def launch(
       heartbeat_timeout_s: ``ZSHARD_HEARTBEAT_TIMEOUT_S`` for the processes (default: zshard's).
       init_timeout_s: ``ZSHARD_INIT_TIMEOUT_S`` for the processes (default: zshard's).
       out: binary stream for the prefixed output (default ``sys.stdout.buffer``).
+      verbose: show library chatter (:data:`CHATTER`) and every progress-bar redraw.
 
     Returns:
       0 if every process exits 0; else the status of the first process to fail
@@ -146,15 +181,16 @@ def launch(
             out.write(f"[zshard.launch] {msg}\n".encode())
             out.flush()
 
-    say(f"{nproc} processes x {devices_per_proc or 'default'} devices, coordinator 127.0.0.1:{port}: {' '.join(command)}")
+    say(f"{nproc} processes x {devices_per_proc or 'default'} devices, coordinator 127.0.0.1:{port}: {shlex.join(command).replace(chr(10), ' ')}")
     try:
         for rank in range(nproc):
             env = _child_env(rank, nproc, port, devices_per_proc, heartbeat_timeout_s, init_timeout_s)
             p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
             procs.append(p)
-            t = threading.Thread(target=_pump, args=(p.stdout, f"[rank {rank}] ".encode(), out, lock), daemon=True)
+            pump = _Pump(f"[rank {rank}] ".encode(), out, lock, verbose)
+            t = threading.Thread(target=pump.run, args=(p.stdout,), daemon=True)
             t.start()
-            pumps.append(t)
+            pumps.append((t, pump))
         status = 0
         while True:
             codes = [p.poll() for p in procs]
@@ -176,8 +212,11 @@ def launch(
     except BaseException:
         _stop(procs, grace)
         raise
-    for t in pumps:
+    for t, _ in pumps:
         t.join(timeout=5)
+    hidden = sum(pump.hidden for _, pump in pumps)
+    if hidden:
+        say(f"hid {hidden} line(s) of library output (--verbose shows them)")
     if status:
         say(f"failed with status {status}")
     return status
@@ -201,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without heartbeat before a process counts as dead (default: zshard's, 30)")
     p.add_argument("--init-timeout", metavar="S", type=int, default=None,
                    help="seconds for all processes to register with the coordinator (default: zshard's, 120)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show library chatter (Gloo connections, glog INFO lines) and every progress-bar redraw")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, after --")
     return p
 
@@ -231,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         grace=args.grace,
         heartbeat_timeout_s=args.heartbeat_timeout,
         init_timeout_s=args.init_timeout,
+        verbose=args.verbose,
     )
 
 
