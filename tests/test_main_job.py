@@ -102,3 +102,18 @@ def test_config_errors_are_one_line(tmp_path):
         assert res.returncode == 2 and needle in res.stderr
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
         assert res.stderr.startswith("python -m train: error: ")
+
+
+def test_too_few_devices_names_the_emulation_switch(tmp_path):
+    """On one CPU device the mesh error tells how to emulate more, and that way works (docs/main-job.md)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+
+    def python(script):
+        return subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+    one = python("import jax, zshard\nassert len(jax.devices()) == 1\nzshard.make_mesh(2, 4)\n")
+    assert one.returncode == 1, one.stderr[-2000:]
+    assert 'Only 1 device(s) here: for 8 emulated CPU devices call jax.config.update("jax_num_cpu_devices", 8)' in one.stderr
+    eight = python("import jax\njax.config.update('jax_num_cpu_devices', 8)\nimport zshard\nprint(dict(zshard.make_mesh(2, 4).shape))\n")
+    assert eight.returncode == 0 and "{'replica': 2, 'shard': 4}" in eight.stdout, eight.stderr[-2000:]

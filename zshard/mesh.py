@@ -91,10 +91,16 @@ def make_mesh(replica: int | None = None, shard: int | None = None, *, devices=N
     elif shard is None:
         shard = n // replica if n % replica == 0 else 0
     if replica * shard != n or replica == 0:
+        want = replica * shard
+        if want > n:  # more devices than there are: on CPU, emulate them
+            fix = (f"Only {n} device(s) here: for {want} emulated CPU devices call "
+                   f'jax.config.update("jax_num_cpu_devices", {want}) before jax first runs '
+                   "(docs/main-job.md), or pick one of these shapes.")
+        else:
+            fix = f"Pick one of these, or pass devices=jax.devices()[:{want}]."
         raise ValueError(
             f"make_mesh: replica={replica} x shard={shard} does not use the {n} available "
-            f"devices; valid (replica x shard) shapes for {n} devices: {_factorizations(n)}. "
-            f"Pick one of these, or pass devices=jax.devices()[:replica*shard]."
+            f"devices; valid (replica x shard) shapes for {n} devices: {_factorizations(n)}. {fix}"
         )
     grid = np.asarray(devices, dtype=object).reshape(replica, shard)
     return Mesh(grid, AXES, axis_types=(AxisType.Explicit, AxisType.Explicit))
