@@ -117,3 +117,20 @@ def test_too_few_devices_names_the_emulation_switch(tmp_path):
     assert 'Only 1 device(s) here: for 8 emulated CPU devices call jax.config.update("jax_num_cpu_devices", 8)' in one.stderr
     eight = python("import jax\njax.config.update('jax_num_cpu_devices', 8)\nimport zshard\nprint(dict(zshard.make_mesh(2, 4).shape))\n")
     assert eight.returncode == 0 and "{'replica': 2, 'shard': 4}" in eight.stdout, eight.stderr[-2000:]
+
+
+def test_data_folder_is_its_files_in_sorted_order(tmp_path):
+    from train import data
+
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "z.txt").write_bytes(b"third")
+    (tmp_path / "a.txt").write_bytes(b"first ")
+    (tmp_path / "b" / "a.md").write_bytes(b"second ")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "x").write_bytes(b"hidden")
+    assert data.load_corpus(tmp_path).tobytes() == b"first second third"
+    (tmp_path / "empty").mkdir()
+    import pytest
+
+    with pytest.raises(ValueError, match="holds no file with text in it"):
+        data.load_corpus(tmp_path / "empty")

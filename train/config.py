@@ -105,7 +105,7 @@ class DataConfig:
     """``[data]``: the byte-level corpus (``train/data.py``)."""
 
     path: str | None = dataclasses.field(default=None, metadata=_flag("path", "--data"))
-    """text file to train on (bytes; its last 10% held out; a relative path is taken from the working directory); unset: the Python stdlib's .py sources, first 8 MiB"""
+    """text file, or folder of text files (concatenated in sorted path order), to train on (bytes; the last 10% held out; a relative path is taken from the working directory); unset: the Python stdlib's .py sources, first 8 MiB"""
     eval_batches: int = 8
     """held-out batches (of training.batch_size sequences) per evaluation"""
 

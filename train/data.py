@@ -84,7 +84,9 @@ def load_corpus(path: str | os.PathLike | None, max_bytes: int = DEFAULT_CORPUS_
     """The corpus as bytes.
 
     Args:
-      path: a file to read whole, or ``None`` for the standard-library sources.
+      path: a file to read whole; a folder, whose files (every regular file below it, in
+        sorted path order, hidden files and folders left out) are read whole and
+        concatenated; or ``None`` for the standard-library sources.
       max_bytes: cap of the stdlib corpus, bytes (a ``path`` is never truncated).
 
     Returns:
@@ -98,6 +100,12 @@ def load_corpus(path: str | os.PathLike | None, max_bytes: int = DEFAULT_CORPUS_
         p = Path(path)
         if not p.exists():
             raise ValueError(f"--data {str(p)!r}: no such file; give an existing text file, or omit --data for the stdlib corpus")
+        if p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            raw = b"".join(f.read_bytes() for f in files)
+            if not raw:
+                raise ValueError(f"--data {str(p)!r}: the folder holds no file with text in it; give a folder of text files, or a file")
+            return np.frombuffer(raw, dtype=np.uint8)
         if not p.is_file():
             raise ValueError(f"--data {str(p)!r}: not a regular file; give a text file, or omit --data for the stdlib corpus")
         try:
