@@ -1,5 +1,10 @@
 """``python -m train``: train the byte-level GPT with zshard; metrics, TensorBoard, samples, weights, summary.
 
+(Over 400 lines on purpose: the five steps of one run, :func:`parse_config` -> :func:`validate`
+-> :func:`build` -> :func:`train_loop` -> :func:`finish`, read top to bottom in one file.
+What the run writes and prints, and Ctrl-C, live in ``train/output.py``; checkpoints and
+the data iterator's state in ``train/checkpointing.py``.)
+
     python -m train                                        # defaults: train/configs/default.toml
     python -m train --config train/configs/nano.toml --steps 50 --mesh 2x4
 
@@ -55,23 +60,18 @@ import dataclasses
 import json
 import os
 import re
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 _T_START = time.perf_counter()  # wall time counts from here (includes importing jax)
 
-PROG = "python -m train"
+from train import output  # noqa: E402  (no jax)
+from train.output import EXIT_INTERRUPTED, PROG, Interrupts, MetricsLog, TensorBoard, choose_out, say, write_atomic  # noqa: E402
+
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 EXIT_USAGE = 2  # bad input, as argparse
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 THROUGHPUT_WINDOW = 10  # steps: metrics' tokens_per_s is measured over this many steps
-RUNS = Path("runs")  # default parent of run folders; RUNS / "latest" links to the newest
-OUTPUTS = ("metrics.jsonl", "summary.json", "config.toml", "samples.txt", "tb", "checkpoints", "model.safetensors",
-           "loss.png", "tokens_per_s.png", "memory.png")
-"""What a run (and ``python -m train.plot``) writes into OUT; ``--overwrite`` removes these only."""
 
 
 def set_host_device_count(n: int) -> None:
@@ -138,203 +138,11 @@ def parse_config(argv: list[str]):
     return ns.run, ns.config
 
 
-# ----------------------------------------------------------------------------------------
-# Output
-# ----------------------------------------------------------------------------------------
-
-
-_WRITES_FILES = True  # False on every process but rank 0 of a multi-process run
-
-
 def _multiprocess(run) -> bool:
     """A multi-process run? (its settings, ``python -m zshard.launch``'s variables, SLURM / Open MPI), without jax."""
     env = ("ZSHARD_COORDINATOR", "ZSHARD_NUM_PROCESSES", "ZSHARD_PROCESS_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE")
     d = run.distributed
     return any(v is not None for v in (d.coordinator, d.num_processes, d.process_id)) or any(os.environ.get(k) for k in env)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through ``path.tmp`` and ``os.replace``: never half-written (rank 0 only)."""
-    if not _WRITES_FILES:
-        return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-class MetricsLog:
-    """``OUT/metrics.jsonl``, append-only: one JSON object per line, each line flushed as written.
-
-    :meth:`start` replaces the file once (atomically) with the records a run starts from
-    (the step-0 evaluation, or a resumed checkpoint's records); :meth:`write` appends
-    ``records[n:]`` for the records not yet written. Rank 0 only.
-    """
-
-    def __init__(self, path: Path):
-        self.path, self.file, self.written = path, None, 0
-
-    def start(self, records: list[dict]) -> None:
-        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in records))
-        self.written = len(records)
-        if _WRITES_FILES:
-            self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
-
-    def write(self, records: list[dict]) -> None:
-        new, self.written = records[self.written :], len(records)
-        if self.file is not None and new:
-            self.file.write("".join(json.dumps(r) + "\n" for r in new))
-            self.file.flush()
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-
-
-class TensorBoard:
-    """Scalars to TensorBoard event files in ``OUT/tb`` (``tensorboardX.SummaryWriter``), or nothing.
-
-    Tags: ``train/loss``, ``train/grad_norm``, ``train/lr``, ``eval/loss`` (nats per byte,
-    per step), ``perf/tokens_per_s``, ``perf/step_time_s``. View with
-    ``tensorboard --logdir OUT/tb``.
-    """
-
-    TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "eval_loss": "eval/loss",
-            "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s"}
-
-    def __init__(self, logdir: Path | None):
-        self.writer = None
-        if logdir is not None:
-            from tensorboardX import SummaryWriter  # noqa: PLC0415
-
-            self.writer = SummaryWriter(str(logdir), flush_secs=10)
-
-    def log(self, rec: dict) -> None:
-        if self.writer is not None:
-            for key, tag in self.TAGS.items():
-                if key in rec:
-                    self.writer.add_scalar(tag, rec[key], rec["step"])
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
-class Interrupts:
-    """Ctrl-C (SIGINT) at any moment: exit 130 with one line, nothing half-written.
-
-    Before training (:meth:`training` not yet called) a Ctrl-C exits at once, even while XLA
-    compiles: a thread waits on ``signal.set_wakeup_fd``, which the C-level handler writes
-    to even when the main thread is inside a long native call (where a Python handler
-    would only run after it). Nothing has been written then. During training the first
-    Ctrl-C sets :attr:`pending` (the loop finishes the step in flight, saves and writes
-    the summary); a second one exits at once.
-    """
-
-    def __init__(self):
-        self.count, self.in_training, self.pending = 0, False, False
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        self._read = r
-        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        signal.signal(signal.SIGINT, self._handler)
-        threading.Thread(target=self._watch, daemon=True, name="ctrl-c").start()
-
-    def _handler(self, signum, frame) -> None:  # main thread, between bytecodes
-        self.pending = True
-        if self.in_training and self.count < 2:
-            say(f"{PROG}: interrupted: finishing the step in flight, then saving and writing the summary "
-                "(Ctrl-C again to stop at once)")
-
-    def _watch(self) -> None:  # its own thread: runs even while the main thread compiles
-        while True:
-            try:
-                data = os.read(self._read, 64)
-            except OSError:
-                return
-            for signum in data:
-                if signum != signal.SIGINT:
-                    continue
-                self.count += 1
-                if not self.in_training:
-                    self.exit("interrupted before training started; nothing was written")
-                if self.count >= 2:
-                    self.exit("interrupted again: stopped at once (files written so far are complete)")
-
-    def training(self) -> None:
-        """From here on the first Ctrl-C finishes the step in flight."""
-        self.in_training = True
-        if self.count:  # arrived between the last check and now
-            self.exit("interrupted before training started; nothing was written")
-
-    @staticmethod
-    def exit(message: str) -> None:
-        try:
-            sys.stderr.write(f"\n{PROG}: {message}\n")
-            sys.stderr.flush()
-        finally:
-            os._exit(EXIT_INTERRUPTED)
-
-
-def say(msg: str) -> None:
-    """One line on stderr, above the progress bar (``tqdm.write``); rank 0 only."""
-    if _WRITES_FILES:
-        from tqdm import tqdm  # noqa: PLC0415
-
-        tqdm.write(msg, file=sys.stderr)
-
-
-def choose_out(run, stamp: str) -> tuple[Path, Path | None]:
-    """The output folder and the ``runs/latest`` link to point at it (``None``: leave the link).
-
-    ``logging.out`` if set; else with ``--resume`` the folder ``runs/latest`` points at; else a
-    new ``runs/<stamp>``. Raises ``ValueError`` (a usage error) when OUT exists and is not a
-    folder, or holds an earlier run's files without ``--overwrite`` / ``--resume``.
-    """
-    lg, resume = run.logging, run.checkpoint.resume
-    if lg.out is not None:
-        out, link = Path(lg.out), None
-    elif resume:
-        latest = RUNS / "latest"
-        if not latest.exists():
-            raise ValueError(f"--resume without --out continues {latest}, which does not exist; give --out DIR of the run to continue")
-        out, link = latest.resolve(), None
-    else:
-        out, link = RUNS / stamp, RUNS / "latest"
-        if out.exists():
-            raise ValueError(f"{out} exists already (two runs started in the same second?); give --out DIR")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"logging.out (--out) {str(out)!r} exists and is not a directory; give a directory path")
-    earlier = sorted(name for name in OUTPUTS if (out / name).exists())
-    if earlier and not (resume or lg.overwrite):
-        raise ValueError(
-            f"--out {str(out)!r} holds an earlier run ({', '.join(earlier)}); pass --overwrite to replace it, "
-            "--resume to continue it, or give another --out (without --out each run gets a new runs/<date-time>)"
-        )
-    return out, link
-
-
-def _clear_earlier_run(out: Path) -> None:
-    """``--overwrite``: remove an earlier run's outputs (:data:`OUTPUTS` only) from ``out``."""
-    import shutil  # noqa: PLC0415
-
-    for name in OUTPUTS:
-        path = out / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-
-
-def _point_latest(link: Path, out: Path) -> None:
-    """``runs/latest`` -> ``out`` (relative link, replaced atomically); left alone if it is a real folder."""
-    if link.exists() and not link.is_symlink():
-        say(f"note: {link} is a folder (from an older version), not a link; the newest run is {out}")
-        return
-    tmp = link.with_name(link.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(os.path.relpath(out, link.parent))
-    os.replace(tmp, link)
 
 
 # ----------------------------------------------------------------------------------------
@@ -656,13 +464,13 @@ def start_output(setup: Setup, b: Built) -> None:
     from train import config  # noqa: PLC0415
 
     out = setup.out
-    if not _WRITES_FILES:
+    if not output.WRITES_FILES:
         return
     if setup.run.logging.overwrite and not b.start:
-        _clear_earlier_run(out)
+        output.clear_earlier_run(out)
     out.mkdir(parents=True, exist_ok=True)
     if setup.link is not None:
-        _point_latest(setup.link, out)
+        output.point_latest(setup.link, out)
     (out / "summary.json").unlink(missing_ok=True)  # a resumed run's summary is written again at its end
     header = (f"Resolved configuration of the run in {out}, written by {PROG}.\n"
               f"Repeat it with: {PROG} --config {out / 'config.toml'} (a new runs/<date-time>, or --out DIR)")
@@ -682,7 +490,7 @@ def train_loop(setup: Setup, b: Built, interrupts: Interrupts) -> Progress:
     records = list(b.records) if b.start else [{"step": 0, "eval_loss": b.eval_loss0}]
     metrics_log = MetricsLog(out / "metrics.jsonl")
     metrics_log.start(records)
-    tb = TensorBoard(out / "tb" if lg.tensorboard and _WRITES_FILES else None)
+    tb = TensorBoard(out / "tb" if lg.tensorboard and output.WRITES_FILES else None)
     if not b.start:
         tb.log(records[0])
     tokens_per_step = t_cfg.batch_size * run.model.seq_len  # tokens = bytes
@@ -690,7 +498,7 @@ def train_loop(setup: Setup, b: Built, interrupts: Interrupts) -> Progress:
     prompt = lg.prompt.encode() if lg.prompt is not None else bytes(setup.eval_data[: min(64, run.model.seq_len // 2)])
     first_step = b.start + 1
     bar = tqdm(total=t_cfg.steps, initial=first_step - 1, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
-               disable=not _WRITES_FILES)
+               disable=not output.WRITES_FILES)
     t_train = t_last = time.perf_counter()
     recent_times: list[float] = []  # seconds per step, the last THROUGHPUT_WINDOW steps
     eval_s = 0.0  # time spent evaluating and sampling inside the training loop, s
@@ -700,7 +508,7 @@ def train_loop(setup: Setup, b: Built, interrupts: Interrupts) -> Progress:
         text = b.sample(state, prompt, lg.sample_tokens, lg.temperature, t_cfg.seed + i)
         head = f"=== step {i}: {lg.sample_tokens} bytes after a {len(prompt)}-byte prompt, temperature {lg.temperature} ==="
         body = (prompt + text).decode("utf-8", errors="replace")
-        if _WRITES_FILES:
+        if output.WRITES_FILES:
             bar.clear()
             print(f"{head}\n{body}\n", flush=True)
             bar.refresh()
@@ -873,14 +681,13 @@ def summary_line(summary: dict, b: Built, out: Path) -> str:
     names = [n for n in ("metrics.jsonl", "summary.json", "config.toml", "samples.txt", "tb", "checkpoints", "model.safetensors")
              if (out / n).exists()]
     wrote = f"wrote {', '.join(n + ('/' if (out / n).is_dir() else '') for n in names)} in {out}"
-    if not _WRITES_FILES:
+    if not output.WRITES_FILES:
         wrote = "rank 0 writes the files"
     return f"{PROG}: {what}; {evals}; {summary['wall_s']:.0f} s wall; {wrote}"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m train`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
-    global _WRITES_FILES
     interrupts = Interrupts()  # first: Ctrl-C while importing or compiling exits 130 at once
     argv = sys.argv[1:] if argv is None else list(argv)
     run, config_path = parse_config(argv)
@@ -898,14 +705,14 @@ def main(argv: list[str] | None = None) -> int:
         zshard.distributed.initialize(d.coordinator, d.num_processes, d.process_id)
     except (ValueError, RuntimeError, TimeoutError) as e:
         fail(str(e))
-    _WRITES_FILES = jax.process_index() == 0
+    output.WRITES_FILES = jax.process_index() == 0
 
     setup = validate(run)
     say(f"{PROG}: {run.model.init_from or run.model.preset + ' GPT'}, {setup.strategy} on a {setup.replica}x{setup.shard} (replica x shard) mesh of "
         f"{len(setup.devices)} {setup.devices[0].platform} devices; data: {setup.source}: {len(setup.train_data):,} train / "
         f"{len(setup.eval_data):,} held-out bytes; output: {setup.out}")
     b = build(setup)
-    if b.report is not None and _WRITES_FILES:
+    if b.report is not None and output.WRITES_FILES:
         print(b.report.table(), file=sys.stderr)
     start_output(setup, b)
     if b.start:
