@@ -44,10 +44,12 @@ PROG = "python -m zshard.launch"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 PROGRESS_EVERY_S = 10.0  # s: a rank's progress-bar redraws are shown at most this often
 CHATTER = (
-    re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks"),  # one per process pair and group
-    re.compile(rb"^I\d{4} [\d:.]+\s+\d+ \S+:\d+\]"),  # glog INFO (coordination service, XLA)
+    re.compile(rb"^I\d{4} [\d:.]+\s+\d+ \S+:\d+\].*"),  # glog INFO lines (coordination service, XLA)
+    # Gloo's connection notes, one per rank and group. Several C++ threads print them at once,
+    # so they arrive glued to each other and to other text, even cut short: removed wherever they are.
+    re.compile(rb"\[Gloo\] Rank \d+(?: is connected to \d+ peer ranks\.(?: Expected number of connected peer ranks is : \d+)?)?"),
 )
-"""Lines of library output hidden unless ``--verbose`` (warnings and errors always show)."""
+"""Library output hidden unless ``--verbose`` (warnings and errors always show)."""
 
 
 def free_port() -> int:
@@ -80,18 +82,20 @@ class _Pump:
         self.prefix, self.out, self.lock, self.verbose = prefix, out, lock, verbose
         self.hidden, self.last_progress = 0, float("-inf")
 
-    def keep(self, line: bytes, ended_by: bytes) -> bool:
+    def clean(self, line: bytes, ended_by: bytes) -> bytes | None:
+        """``line`` to print (chatter cut out), or ``None`` to drop it."""
+        if not self.verbose:
+            for pattern in CHATTER:
+                line, n = pattern.subn(b"", line)
+                self.hidden += n
         if not line.strip():
-            return False  # progress bars clear their line with blanks
-        if not self.verbose and any(c.match(line) for c in CHATTER):
-            self.hidden += 1
-            return False
+            return None  # blank, or only chatter; progress bars clear their line with blanks
         if ended_by == b"\r" and not self.verbose:  # a progress bar redraw
             now = time.monotonic()
             if now - self.last_progress < PROGRESS_EVERY_S:
-                return False
+                return None
             self.last_progress = now
-        return True
+        return line
 
     def run(self, stream) -> None:
         buf = b""
@@ -102,10 +106,11 @@ class _Pump:
             buf += chunk
             parts = re.split(rb"(\r\n|\r|\n)", buf)  # [text, end, text, end, ..., rest]
             buf = parts.pop()
-            lines = [parts[i] for i in range(0, len(parts), 2) if self.keep(parts[i], parts[i + 1])]
-            self.write(lines)
-        if buf and self.keep(buf, b"\n"):
-            self.write([buf])
+            lines = [self.clean(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+            self.write([line for line in lines if line is not None])
+        last = self.clean(buf, b"\n") if buf else None
+        if last is not None:
+            self.write([last])
 
     def write(self, lines: list[bytes]) -> None:
         if lines:
