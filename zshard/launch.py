@@ -48,6 +48,7 @@ CHATTER = (
     # Gloo's connection notes, one per rank and group. Several C++ threads print them at once,
     # so they arrive glued to each other and to other text, even cut short: removed wherever they are.
     re.compile(rb"\[Gloo\] Rank \d+(?: is connected to \d+ peer ranks\.(?: Expected number of connected peer ranks is : \d+)?)?"),
+    re.compile(rb"\[Gloo\][\w .:]*"),  # a note cut anywhere: its own letters, digits, spaces, '.' and ':'
 )
 """Library output hidden unless ``--verbose`` (warnings and errors always show)."""
 
