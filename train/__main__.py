@@ -273,10 +273,9 @@ def _init_from(run):
 def make_optimizer(run):
     """AdamW with linear warmup and cosine decay to ``lr / 10``; returns ``(tx, warmup steps, schedule)``.
 
-    Weight decay applies to kernels and embeddings only. zshard stores each parameter flat
-    (``[n_pad]``), so ``ndim`` cannot tell a matrix from a bias: the mask goes by name.
-    No ``optax.clip_by_global_norm``: it would run on each device's shards and clip by a
-    per-device norm, not the global one (``optimizer.clip_norm`` goes to the step instead).
+    Weight decay applies to kernels and embeddings only (the mask goes by name).
+    ``optimizer.clip_norm`` goes to the step (``make_train_step(clip_norm=...)``), which is
+    the same as ``optax.clip_by_global_norm`` first in the chain (docs/optimizers.md).
     """
     import jax  # noqa: PLC0415
     import optax  # noqa: PLC0415
