@@ -13,12 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import traverse_util
+from jax.sharding import PartitionSpec as P
 
 from zshard.optim_global import view_init, view_update
 
 __all__ = [
-    "apply_optimizer", "check_elementwise", "global_norm", "init_optimizer", "needs_global_view", "optimizer_program",
-    "scatter_replica",
+    "apply_optimizer", "check_elementwise", "global_norm", "init_optimizer", "needs_global_view", "optimizer_grad_specs",
+    "optimizer_program", "scatter_replica",
 ]  # fmt: skip
 
 
@@ -286,16 +287,26 @@ def optimizer_program(plan, record: list | None = None):
     (params, opt_state)`` on trainable parameters (``zshard.report`` compiles it to measure
     the optimizer's temporary memory and collectives apart from the train step).
 
-    ``params`` / ``grads``: nested dicts like ``state.params`` restricted to the trainable
-    parameters (``[n_pad]`` each, ``PartitionSpec(shard_axes)``).
+    ``params``: nested dicts like ``state.params`` restricted to the trainable parameters
+    (``[n_pad]`` each, ``PartitionSpec(shard_axes)``); ``grads``: the same shapes with
+    :func:`optimizer_grad_specs` (HYBRID_SHARD_OPT's gradients arrive already reduce-scattered
+    over ``replica`` by the step, so the program takes them as its optimizer slices).
     """
     train_specs, _ = plan.split_trainable(plan.param_specs)
 
     def local(params, grads, opt_state):
         return apply_optimizer(plan, params, grads, opt_state, record)
 
-    return jax.jit(
-        jax.shard_map(
-            local, mesh=plan.mesh, in_specs=(train_specs, train_specs, plan.opt_specs), out_specs=(train_specs, plan.opt_specs)
-        )
-    )
+    in_specs = (train_specs, optimizer_grad_specs(plan), plan.opt_specs)
+    return jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=in_specs, out_specs=(train_specs, plan.opt_specs)))
+
+
+def optimizer_grad_specs(plan):
+    """PartitionSpecs of the gradients :func:`apply_optimizer` takes: those of the trainable
+    parameters, or over the optimizer axes where the step reduce-scatters over ``replica``
+    (:func:`scatter_replica`)."""
+    train_specs, _ = plan.split_trainable(plan.param_specs)
+    if not plan.strategy.scatters_replica:
+        return train_specs
+    axes = plan.strategy.opt_axes
+    return jax.tree.map(lambda s: P(*tuple(s)[:-1], axes), train_specs, is_leaf=lambda x: isinstance(x, P))

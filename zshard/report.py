@@ -26,9 +26,11 @@ from collections import defaultdict
 import jax
 import numpy as np
 from flax import traverse_util
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zshard.mesh import REPLICA, SHARD
-from zshard.optim import optimizer_program
+from zshard.optim import optimizer_grad_specs, optimizer_program
 from zshard.optim_global import SCOPE
 from zshard.strategy import Strategy
 
@@ -439,7 +441,13 @@ def optimizer_report(state) -> dict:
     plan = state.plan
     record: list = []
     train, _ = plan.split_trainable(state.params)
-    compiled = optimizer_program(plan, record).lower(train, train, state.opt_state).compile()
+    grads = jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(plan.mesh, spec)),
+        train,
+        optimizer_grad_specs(plan),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    compiled = optimizer_program(plan, record).lower(train, grads, state.opt_state).compile()
     n = plan.opt_shards
     ring = (n - 1) / n if n > 1 else 0.0
     formula = sum((2 if kind == "all-reduce" else 1) * x * ring for kind, x in record)
