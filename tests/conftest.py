@@ -151,6 +151,18 @@ def zshard_run(init_arg, tx, mesh, strategy, loss_fn, batches, **init_kw) -> Tra
     return Trajectory(losses, norms, flat_params(model), model)
 
 
+def assert_same_training(got: Trajectory, want: Trajectory, tol: float = 1e-5) -> None:
+    """Losses and gradient norms within ``tol`` (relative) of the reference, and every
+    parameter within ``tol`` relative L2. Relative L2 per parameter, not elementwise: Adam
+    turns fp32 reduction-order noise of cancelling gradient sums into elementwise
+    differences, so an elementwise rtol would test noise."""
+    np.testing.assert_allclose(got.losses, want.losses, rtol=tol)
+    np.testing.assert_allclose(got.grad_norms, want.grad_norms, rtol=tol)
+    for path, ref in want.params.items():
+        assert got.params[path].shape == ref.shape, path
+        assert rel_l2(got.params[path], ref) <= tol, path
+
+
 def rel_l2(a, b) -> float:
     """``||a - b|| / ||b||`` (``||a - b||`` where ``b`` is exactly zero)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
