@@ -57,7 +57,6 @@ class Unit:
         ``flats`` only for SHARD_OPT (ZeRO-1), whose updated slices are all-gathered over
         the world, and HYBRID_SHARD_OPT, whose shards are split again over ``replica``
         (:meth:`FlatParameter.over_replicas`: reduce-scatter and all-gather over ``replica``).
-      graphdef: the unit module's own graph (``None`` for the root).
       template: ``(relative path, abstract Variable)`` pairs of the unit module's state,
         shapes of one layer.
       layers: ``L`` for a stacked unit (``nnx.vmap``-built, run with ``nnx.scan``): its
@@ -73,7 +72,6 @@ class Unit:
     path: tuple
     flats: tuple[FlatParameter, ...]
     opt_flats: tuple[FlatParameter, ...]
-    graphdef: Any = None
     template: tuple = ()
     layers: int | None = None
     shared: tuple = ()
@@ -283,12 +281,12 @@ def _plan_units(abstract_model, flat_state, num_shards, opt_shards, unit, traina
             opt_flats = tuple(f.over_replicas(opt_shards // num_shards) for f in flats if f.trainable)
         else:
             opt_flats = tuple(FlatParameter.build(name, g, opt_shards) for (_, t), g in groups.items() if t)
-        graphdef, template = None, ()
-        if upath:
-            graphdef, sub_state = nnx.split(sub)
+        template = ()
+        if upath:  # the unit call merges these with the module's current graph (intercept.UnitBinding)
+            _, sub_state = nnx.split(sub)
             one_layer = lambda x: jax.ShapeDtypeStruct(np.shape(x)[drop:], jnp.result_type(x))  # noqa: E731
             template = tuple(nnx.to_flat_state(jax.tree.map(one_layer, sub_state)))
-        units.append(Unit(name, upath, flats, opt_flats, graphdef, template, layers, tuple(shared.get(upath, ()))))
+        units.append(Unit(name, upath, flats, opt_flats, template, layers, tuple(shared.get(upath, ()))))
     return tuple(units)
 
 

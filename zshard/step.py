@@ -90,7 +90,7 @@ def _read_loss(out, has_aux: bool):
     return loss, aux
 
 
-def _reduce_aux(aux, count_axes_sum):
+def _reduce_aux(aux):
     """Aux leaves across devices (and micro-batches, summed before): floating leaves are
     averaged, integer and boolean leaves summed (counts)."""
 
@@ -100,7 +100,7 @@ def _reduce_aux(aux, count_axes_sum):
             return jax.lax.pmean(x, AXES)
         return jax.lax.psum(x.astype(jnp.int32), AXES)
 
-    return jax.tree.map(one, aux) if count_axes_sum else aux
+    return jax.tree.map(one, aux)
 
 
 def _sync_variables(plan: Plan, new: dict, old: dict) -> dict:
@@ -224,7 +224,7 @@ def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
     if token_weighted:
         metrics["tokens"] = count
     if step.has_aux:
-        metrics["aux"] = _reduce_aux(aux, True)
+        metrics["aux"] = _reduce_aux(aux)
     return new_state, metrics
 
 
