@@ -5,8 +5,10 @@
   step on 2x4 and 4x2 (fp32, 1e-5), also with gradient accumulation and stacked layers;
 - structure: the compiled HLO holds the HYBRID_SHARD gathers and reduce-scatters over
   ``shard``, then one reduce-scatter and one all-gather per unit over ``replica`` of exactly
-  the unit's gradient shard, and no all-reduce but scalars;
+  the unit's gradient shard, and no all-reduce but scalars; the replica reduce-scatter sits
+  in each unit's backward (per layer inside the backward loop of stacked layers);
 - memory: model state per device = ``4 Psi / S + 8 Psi / (R S)`` (fp32 AdamW), measured;
+  the gradient held in temp is ``4 Psi / (R S)``, FULL_SHARD's, not ``4 Psi / S``;
 - checkpoints: to and from every other strategy, bit for bit.
 """
 
@@ -274,12 +276,14 @@ class StackedWide(nnx.Module):
         return self.head(body(self.inp(x), self.blocks))
 
 
-def test_temp_holds_one_gradient_shard_not_a_parameter_copy():
-    # Between FULL_SHARD (N = 8) and HYBRID_SHARD (N = 4) on 2x4 only the terms that scale
-    # with Psi / N differ. The gradient shard held to the end of backward is one such term:
-    # e Psi (1/4 - 1/8). A stacked unit used to also save a concatenated copy of its
-    # parameter shards for backward ([L, L_u/N]), which doubled the difference (measured
-    # 0.527 MB against 0.267 MB here). HYBRID_SHARD_OPT holds the same temp as HYBRID_SHARD.
+def test_temp_holds_one_gradient_slice_not_a_parameter_copy():
+    # On 2x4 only the terms that scale with Psi / N differ between strategies. The gradient
+    # held to the end of backward is one such term: e Psi / 4 for HYBRID_SHARD (its shard over
+    # shard), e Psi / 8 for FULL_SHARD (N = 8) and for HYBRID_SHARD_OPT, whose units
+    # reduce-scatter over replica inside their backward (R S = 8). A stacked unit used to also
+    # save a concatenated copy of its parameter shards for backward ([L, L_u/N]), which doubled
+    # the HYBRID_SHARD - FULL_SHARD difference (measured 0.527 MB against 0.267 MB here); and
+    # HYBRID_SHARD_OPT used to hold HYBRID_SHARD's e Psi / 4 (1.359 MB temp, docs/memory.md).
     b = (jax.ShapeDtypeStruct((8, 16), np.float32), jax.ShapeDtypeStruct((8, 16), np.float32))
     temp, psi = {}, None
     for strategy in ("FULL_SHARD", "HYBRID_SHARD", NAME):
@@ -288,7 +292,34 @@ def test_temp_holds_one_gradient_shard_not_a_parameter_copy():
         temp[strategy], psi = rep.per_device_bytes["temp"], rep.num_params
     grad_shard_difference = 4 * psi * (1 / 4 - 1 / 8)
     assert temp["HYBRID_SHARD"] - temp["FULL_SHARD"] == pytest.approx(grad_shard_difference, rel=0.05), temp
-    assert temp[NAME] == pytest.approx(temp["HYBRID_SHARD"], rel=0.01), temp
+    assert temp["HYBRID_SHARD"] - temp[NAME] == pytest.approx(grad_shard_difference, rel=0.05), temp
+    assert temp[NAME] == pytest.approx(temp["FULL_SHARD"], rel=0.01), temp
+
+
+@pytest.mark.parametrize("r,s", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
+def test_replica_reduce_scatter_per_layer_inside_backward(r, s):
+    # Stacked layers run under nnx.scan: the replica reduce-scatter of a block's gradient sits
+    # in the backward loop (executed once per layer, [L_u/(R S)] each, in the unit's backward
+    # scope), not once per step on an [L, n_pad/S] gradient after the loop.
+    layers = 8
+    b = (jax.ShapeDtypeStruct((16, 16), np.float32), jax.ShapeDtypeStruct((16, 16), np.float32))
+    state = zshard.init(lambda: StackedWide(nnx.Rngs(0), d=64, layers=layers), optax.adamw(1e-3), zshard.make_mesh(r, s),
+                        strategy=NAME, abstract=True)
+    hlo = zshard.make_train_step(mse_loss).lower(state, b).compile().as_text()
+    plan = state.plan
+    replica = groups_of(plan.mesh, ("replica",))
+    rs_rep = [o for o in parse_collectives(hlo) if o.kind == "reduce-scatter" and o.groups == replica]
+    block = next(u for u in plan.units if u.layers)
+    root = next(u for u in plan.units if not u.path)
+    per_layer = [o for o in rs_rep if o.count == layers]
+    assert [o.sizes for o in per_layer] == [[f.shard_size // r] for f in block.flats], _describe(rs_rep)
+    rest = [o for o in rs_rep if o.count != layers]
+    assert [o.sizes for o in rest] == [[f.shard_size // r] for f in root.flats], _describe(rs_rep)
+    # every one of them in the backward pass (transpose), the block's in its unit's backward scope
+    lines = [ln for ln in hlo.splitlines() if " reduce-scatter(" in ln and any(
+        "{" + ",".join(map(str, g)) + "}" in ln for g in replica)]
+    assert len(lines) == len(rs_rep) and all("/transpose(jvp(" in ln for ln in lines), "\n".join(lines)
+    assert sum("zshard.unit.blocks.backward/" in ln for ln in lines) == len(block.flats), "\n".join(lines)
 
 
 def test_mixed_precision_matches_hybrid_shard():

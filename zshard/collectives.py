@@ -62,6 +62,11 @@ class UnitComm:
       mp: the :class:`~zshard.MixedPrecision` (gather in ``param_dtype``, reduce in ``reduce_dtype``).
       remat: the activation-checkpointing policy inside the unit (:func:`checkpointed`).
       reshard: reshard after forward (FULL_SHARD, HYBRID_SHARD): backward gathers again.
+      scatter_axes: HYBRID_SHARD_OPT: the axes the gradient shard ``[n_pad/S]`` is
+        reduce-scattered over right after the ``shard`` reduce-scatter, inside the unit's
+        backward, into the parameter's *gradient sink* ``[n_pad/(R*S)]`` (see
+        :func:`run_unit`); used only where the caller passes sinks.
+      scatter_parts: ``R``, devices along ``scatter_axes``.
     """
 
     shard_axes: tuple[str, ...]
@@ -69,6 +74,8 @@ class UnitComm:
     mp: MixedPrecision = FULL_PRECISION
     remat: Any = "block"
     reshard: bool = True
+    scatter_axes: tuple[str, ...] = ()
+    scatter_parts: int = 1
 
 
 @dataclasses.dataclass(eq=False)
@@ -166,6 +173,8 @@ def _flat_shard(flat, buf):
 
 
 def _gather_all(flats, bufs, shard_axes, replica_axes, mp):
+    """``replica_axes``: every axis the gathered parameters must vary over besides ``shard_axes``
+    (HYBRID_SHARD's all-reduce axes, or HYBRID_SHARD_OPT's ``scatter_axes``)."""
     bufs = [_flat_shard(f, b) for f, b in zip(flats, bufs)]
     # The gathered parameters meet batch data that varies over every mesh axis. Marking the
     # shard varying over replica *before* the gather keeps autodiff from inserting a
@@ -175,49 +184,106 @@ def _gather_all(flats, bufs, shard_axes, replica_axes, mp):
     return [p for f, b in zip(flats, bufs) for p in f.unflatten(all_gather_flat(b, shard_axes))]
 
 
-def _scatter_all(flats, bufs, grads, shard_axes, replica_axes, mp):
-    out, i = [], 0
-    for f, b in zip(flats, bufs):
+def replica_slices(slots_shards: Sequence[jax.Array], axes: tuple[str, ...], parts: int) -> list[jax.Array]:
+    """HYBRID_SHARD_OPT: gradient shards summed over ``shard`` -> this device's optimizer
+    slices, summed over ``axes`` too (one reduce-scatter for all of them).
+
+    Args:
+      slots_shards: per parameter ``[..., n_pad/S]`` (``n_pad`` a multiple of ``S*parts``),
+        in the reduce dtype, varying over ``axes`` (each replica's own sum).
+      axes / parts: the replica axes and ``R``, the devices along them.
+
+    Returns:
+      Per parameter ``[..., n_pad/(R*S)]``: row ``r`` (this device's index along ``axes``)
+      of ``[..., R, n_pad/(R*S)]``, summed over ``axes`` (``opt_axes = (shard, replica)``,
+      docs/memory.md).
+    """
+    # each [..., n_pad/S] -> [..., R, n_pad/(R S)]; side by side: [..., R, L/(R S)]
+    rows = [vary(g.reshape(g.shape[:-1] + (parts, g.shape[-1] // parts)), axes) for g in slots_shards]
+    both = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=-1)
+    # [..., R, L/(R S)] --reduce_scatter(replica)--> [..., L/(R S)]
+    mine = jax.lax.psum_scatter(both, axes, scatter_dimension=both.ndim - 2, tiled=False)
+    out, at = [], 0
+    for r in rows:  # [..., L/(R S)] -> ([..., n_pad_p/(R S)], ...)
+        out.append(mine[..., at : at + r.shape[-1]])
+        at += r.shape[-1]
+    return out
+
+
+def _dtypes(sinks):
+    """Per flat, the dtypes of its sinks (static, for the backward); ``None`` for no sinks."""
+    return None if sinks is None else tuple(tuple(z.dtype for z in per_flat) for per_flat in sinks)
+
+
+def _scatter_all(flats, bufs, grads, comm, sink_dtypes=None):
+    """The gradients of a unit's parameters -> ``(cotangents of bufs, cotangents of sinks)``.
+
+    Without sinks: each FlatParameter's gradient reduce-scattered over ``comm.shard_axes``
+    (+ all-reduced over ``comm.replica_axes``), as the bufs' cotangent. With sinks
+    (HYBRID_SHARD_OPT): reduce-scattered over ``shard`` then over ``comm.scatter_axes``
+    (:func:`replica_slices`), as the sinks' cotangent; the bufs get none (they are not
+    differentiated), so only ``[n_pad/(R*S)]`` per parameter leaves the unit.
+    ``sink_dtypes``: per flat, the sinks' dtypes (``()`` for a frozen flat); ``None``: no sinks.
+    """
+    sinks = sink_dtypes
+    shard_axes, replica_axes, mp = comm.shard_axes, comm.replica_axes, comm.mp
+    out, to_sinks, i = [], [], 0
+    for k, (f, b) in enumerate(zip(flats, bufs)):
         n = len(f.slots)
         if not f.trainable:  # frozen: no gradient, no reduce-scatter
-            out.append(jax.tree.map(jnp.zeros_like, b))
+            out.append(None if sinks is not None else jax.tree.map(jnp.zeros_like, b))
+            to_sinks.append(())
         else:
             full = f.flatten(grads[i : i + n], mp.grad_dtype(f.dtype))  # [N, L/N] in the reduce dtype
-            shard = reduce_scatter_flat(full, shard_axes, replica_axes).astype(f.dtype)  # [L/N]
-            # per-parameter shards in: [L/N] -> ([n_pad_p/N], ...) out
-            out.append(tuple(f.split_shard(shard)) if isinstance(b, (tuple, list)) else shard)
+            shard = reduce_scatter_flat(full, shard_axes, replica_axes)  # [L/N]
+            if sinks is not None:
+                # [L/S] -> per parameter [n_pad_p/S] --reduce_scatter(replica)--> [n_pad_p/(R S)]
+                mine = replica_slices(f.split_shard(shard), comm.scatter_axes, comm.scatter_parts)
+                to_sinks.append(tuple(g.astype(dtype) for g, dtype in zip(mine, sinks[k])))
+                out.append(None)
+            else:
+                shard = shard.astype(f.dtype)
+                # per-parameter shards in: [L/N] -> ([n_pad_p/N], ...) out
+                out.append(tuple(f.split_shard(shard)) if isinstance(b, (tuple, list)) else shard)
+                to_sinks.append(())
         i += n
-    return tuple(out)
+    return tuple(out), (None if sinks is None else tuple(to_sinks))
 
 
-def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], comm: UnitComm) -> list[jax.Array]:
+def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], comm: UnitComm, sinks=None) -> list[jax.Array]:
     """All-gather a unit's FlatParameter shards; backward reduce-scatters (+ replica all-reduce).
 
     Args:
       flats: the unit's layouts, one per dtype.
-      bufs: this device's shards, ``[L_k / N]`` each, ``PartitionSpec(shard_axes)`` outside.
+      bufs: this device's shards, ``[L_k / N]`` each (or per-parameter ``([n_pad/N], ...)``),
+        ``PartitionSpec(shard_axes)`` outside.
       comm: the axes and mixed precision (gather in ``param_dtype``, reduce in ``reduce_dtype``).
+      sinks: HYBRID_SHARD_OPT: per flat, a tuple of per-parameter gradient sinks
+        ``[n_pad/(R*S)]`` (``()`` for a frozen flat); the gradient leaves through them
+        (:func:`run_unit`), not through ``bufs``.
 
     Returns:
       The unit's parameters in logical shapes, in slot order (all flats concatenated).
     """
-    flats, shard_axes, replica_axes, mp = tuple(flats), comm.shard_axes, comm.replica_axes, comm.mp
+    flats, shard_axes, mp = tuple(flats), comm.shard_axes, comm.mp
+    vary_axes = comm.replica_axes + (comm.scatter_axes if sinks is not None else ())
+    sink_dtypes = _dtypes(sinks)
 
     @jax.custom_vjp
-    def _gather(bufs):
-        return _gather_all(flats, bufs, shard_axes, replica_axes, mp)
+    def _gather(bufs, sinks):
+        return _gather_all(flats, bufs, shard_axes, vary_axes, mp)
 
-    def fwd(bufs):
-        return _gather_all(flats, bufs, shard_axes, replica_axes, mp), bufs
+    def fwd(bufs, sinks):
+        return _gather_all(flats, bufs, shard_axes, vary_axes, mp), bufs
 
     def bwd(bufs, grads):
-        return (_scatter_all(flats, bufs, grads, shard_axes, replica_axes, mp),)
+        return _scatter_all(flats, bufs, grads, comm, sink_dtypes)
 
     _gather.defvjp(fwd, bwd)
-    return _gather(tuple(bufs))
+    return _gather(tuple(bufs), None if sinks is None else tuple(sinks))
 
 
-def gather_param(slot: ParamSlot, shard: jax.Array, num_shards: int, comm: UnitComm) -> jax.Array:
+def gather_param(slot: ParamSlot, shard: jax.Array, num_shards: int, comm: UnitComm, sink: jax.Array | None = None) -> jax.Array:
     """All-gather one parameter where it is read outside its unit's methods; backward
     reduce-scatters its gradient (+ replica all-reduce of the shard), like :func:`gather`.
 
@@ -227,12 +293,16 @@ def gather_param(slot: ParamSlot, shard: jax.Array, num_shards: int, comm: UnitC
         of a stacked parameter.
       num_shards: ``N``, devices along ``comm.shard_axes``.
       comm: axes and mixed precision.
+      sink: HYBRID_SHARD_OPT: the parameter's gradient sink ``[..., n_pad/(R*S)]``; the
+        gradient is reduce-scattered over ``comm.scatter_axes`` too and leaves through it.
 
     Returns:
       The parameter in its logical shape (``[L, *shape]`` for a stacked one), in the gather dtype.
     """
-    shard_axes, replica_axes, mp = comm.shard_axes, comm.replica_axes, comm.mp
+    shard_axes, mp = comm.shard_axes, comm.mp
+    replica_axes = comm.replica_axes + (comm.scatter_axes if sink is not None else ())
     lead = shard.shape[:-1]
+    sink_dtype = None if sink is None else sink.dtype
 
     def full_of(b):
         b = vary(b, shard_axes + replica_axes).astype(mp.gather_dtype(slot.dtype))
@@ -241,10 +311,10 @@ def gather_param(slot: ParamSlot, shard: jax.Array, num_shards: int, comm: UnitC
         return full[..., : slot.size].reshape(lead + slot.shape)  # [..., n_pad] -> [..., n] -> [..., *shape]
 
     @jax.custom_vjp
-    def _gather(b):
+    def _gather(b, sink):
         return full_of(b)
 
-    def fwd(b):
+    def fwd(b, sink):
         return full_of(b), None
 
     def bwd(_, g):
@@ -254,12 +324,16 @@ def gather_param(slot: ParamSlot, shard: jax.Array, num_shards: int, comm: UnitC
         if shard_axes:
             # [..., n_pad] --reduce_scatter(shard_axes, tiled)--> [..., n_pad/N]
             g = jax.lax.psum_scatter(g, shard_axes, scatter_dimension=g.ndim - 1, tiled=True)
+        if sink_dtype is not None:
+            # [..., n_pad/S] --reduce_scatter(replica)--> [..., n_pad/(R S)], into the sink
+            (g,) = replica_slices([g], comm.scatter_axes, comm.scatter_parts)
+            return None, g.astype(sink_dtype)
         if replica_axes:
             g = jax.lax.psum(g, replica_axes)  # [..., n_pad/N] --all_reduce(replica)--> [..., n_pad/N]
-        return (g.astype(shard.dtype),)
+        return g.astype(shard.dtype), None
 
     _gather.defvjp(fwd, bwd)
-    return _gather(shard)
+    return _gather(shard, sink)
 
 
 REMAT_POLICIES = ("none", "block", "dots")
@@ -303,6 +377,7 @@ def run_unit(
     after: PrefetchLink | None = None,
     link: PrefetchLink | None = None,
     name: str = "unit",
+    sinks=None,
 ):
     """Run ``apply(params, inputs)`` with the unit's parameters gathered just in time.
 
@@ -322,6 +397,13 @@ def run_unit(
       link: this call's own link, filled in here (``link.token``); a later call may take it.
       name: the unit's name, for ``jax.named_scope`` (``zshard.unit.<name>.forward`` /
         ``.backward``: profiles and HLO read by unit and phase).
+      sinks: HYBRID_SHARD_OPT (docs/memory.md, "Gradient sinks"): per flat, a tuple of
+        per-parameter arrays ``[n_pad/(R*S)]`` of the parameter dtype whose values are
+        never read (``()`` for a frozen flat). The caller differentiates with respect to
+        them instead of ``bufs``: backward reduce-scatters the gradient over ``shard`` and
+        then over ``comm.scatter_axes`` and returns it as the sinks' cotangent, so a
+        unit's gradient leaves its backward as ``[n_pad/(R*S)]`` per parameter (under
+        ``nnx.scan`` the loop stacks ``[L, n_pad/(R*S)]``), never ``[n_pad/S]``.
 
     Returns:
       ``apply``'s outputs. Residuals are ``bufs``, ``inputs``, the gathered weights only if
@@ -329,15 +411,18 @@ def run_unit(
       backward recomputes what was not saved and reduce-scatters the parameter gradient.
     """
     flats = tuple(flats)
-    shard_axes, replica_axes, mp, remat, reshard = comm.shard_axes, comm.replica_axes, comm.mp, comm.remat, comm.reshard
+    shard_axes, mp, remat, reshard = comm.shard_axes, comm.mp, comm.remat, comm.reshard
+    # the gathered weights vary over every axis their gradient is later summed over (the replica trap)
+    replica_axes = comm.replica_axes + (comm.scatter_axes if sinks is not None else ())
+    sink_dtypes = _dtypes(sinks)
     link = link if link is not None else PrefetchLink()
     pullback_layout = {}  # set while tracing fwd: the pullback's structure and where the weights sat in it
 
     @jax.custom_vjp
-    def _unit(bufs, inputs, after_token):
+    def _unit(bufs, sinks, inputs, after_token):
         return apply(_gather_all(flats, bufs, shard_axes, replica_axes, mp), inputs), schedule_token(inputs)
 
-    def fwd(bufs, inputs, after_token):
+    def fwd(bufs, sinks, inputs, after_token):  # the sinks' values are never read
         with jax.named_scope(f"zshard.unit.{name}.forward"):
             return _fwd(bufs, inputs, after_token)
 
@@ -392,11 +477,12 @@ def run_unit(
         # computation varied over (the transpose of the implicit broadcast).
         d_inputs = jax.tree.map(_cotangent_like, d_inputs, primal_inputs)
         d_after = () if after is None else _like(schedule_token(g), after_vma)  # the earlier unit's re-gather may start now
-        return _scatter_all(flats, bufs, d_params, shard_axes, replica_axes, mp), d_inputs, d_after
+        d_bufs, d_sinks = _scatter_all(flats, bufs, d_params, comm, sink_dtypes)
+        return d_bufs, d_sinks, d_inputs, d_after
 
     after_vma = frozenset() if after is None else varying_axes(after.token)
     _unit.defvjp(fwd, bwd)
-    out, link.token = _unit(tuple(bufs), inputs, () if after is None else after.token)
+    out, link.token = _unit(tuple(bufs), None if sinks is None else tuple(sinks), inputs, () if after is None else after.token)
     return out
 
 

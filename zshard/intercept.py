@@ -58,12 +58,15 @@ class StepOptions:
 
     def comm(self, plan, *, reshard: bool | None = None) -> UnitComm:
         """The :class:`~zshard.collectives.UnitComm` of a unit of ``plan`` under these options."""
+        scatter = tuple(a for a in plan.strategy.opt_axes if a not in plan.shard_axes) if plan.strategy.scatters_replica else ()
         return UnitComm(
             plan.shard_axes,
             () if self.defer_replica_reduce else plan.replica_axes,
             plan.mp,
             self.remat,
             plan.strategy.reshard_after_forward if reshard is None else reshard,
+            scatter,
+            plan.opt_shards // plan.num_shards if scatter else 1,
         )
 
 
@@ -159,9 +162,11 @@ class UnitBinding:
         variables = dict(nnx.to_flat_state(nnx.state(module)))  # relative path -> Variable
         own = {s.path[len(unit.path) :]: s for s in unit.slots}
         shared = dict(unit.shared)  # relative path -> the root's model path (tied weights)
-        raw = {}
+        raw, sink_of = {}, {}
         for rel, slot in own.items():
             value = variables[rel].get_raw_value()
+            if isinstance(value, tuple):  # (shard, gradient sink): HYBRID_SHARD_OPT, see materialize
+                value, sink_of[rel] = value
             want = (unit.layers,) if unit.layers is not None and value.ndim == 2 else ()
             if want:
                 raise ValueError(
@@ -172,6 +177,9 @@ class UnitBinding:
             raw[rel] = value
         # per dtype, the per-parameter shards; the collectives concatenate them (no saved copy)
         bufs = [tuple(raw[s.path[len(unit.path) :]] for s in f.slots) for f in unit.flats]
+        sinks = None  # HYBRID_SHARD_OPT: per flat, the per-parameter gradient sinks (() when frozen)
+        if sink_of:
+            sinks = [tuple(sink_of[s.path[len(unit.path) :]] for s in f.slots) if f.trainable else () for f in unit.flats]
         # Tied weights (the root's gathered values) and non-parameter variables enter as inputs.
         tied_rel = [r for r, _ in unit.shared]
         tied = [variables[r].get_raw_value() for r in tied_rel]
@@ -223,7 +231,9 @@ class UnitBinding:
             if candidate.trace == link.trace and candidate.token is not None:
                 earlier, candidate.taken = candidate, True
         with jax.named_scope(f"zshard.unit.{unit.name}.{name}"):
-            out, new_others, created = run_unit(apply, unit.flats, bufs, inputs + tied + others, self.comm, earlier, link, unit.name)
+            out, new_others, created = run_unit(
+                apply, unit.flats, bufs, inputs + tied + others, self.comm, earlier, link, unit.name, sinks
+            )
         if unit.layers is None:
             self.chain.append(link)
         for p, v in zip(other_rel, new_others):
@@ -264,14 +274,17 @@ class _GatherOnRead:
     comm: UnitComm
 
     def __call__(self, var, value):
-        if np.shape(value) != np.shape(var.get_raw_value()):
+        raw, sink = var.get_raw_value(), None
+        if isinstance(raw, tuple):  # (shard, gradient sink): HYBRID_SHARD_OPT
+            raw, (value, sink) = raw[0], (value if isinstance(value, tuple) else (value, None))
+        if np.shape(value) != np.shape(raw):
             raise ValueError(
                 f"zshard: parameter {path_str(self.slot.path)!r} is read with an index outside its unit; zshard gathers a "
                 f"unit's parameter read elsewhere as a whole: read it whole first (p = var[...]; p[i]), or read it "
                 f"inside a method of the unit"
             )
         with jax.named_scope(f"zshard.read.{path_str(self.slot.path)}"):
-            return gather_param(self.slot, value, self.num_shards, self.comm)
+            return gather_param(self.slot, value, self.num_shards, self.comm, sink)
 
 
 _READING: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
@@ -303,7 +316,7 @@ def _reading(var, value, hook):
 # --- the model on one device -----------------------------------------------------------------------------
 
 
-def materialize(plan, shards: dict, variables: dict, opts: StepOptions) -> nnx.Module:
+def materialize(plan, shards: dict, variables: dict, opts: StepOptions, sinks: dict | None = None) -> nnx.Module:
     """Inside ``shard_map``: the model for one forward pass (see the module docstring).
 
     Args:
@@ -311,6 +324,12 @@ def materialize(plan, shards: dict, variables: dict, opts: StepOptions) -> nnx.M
       shards: flat dict ``path -> local shard`` (``[n_pad/N]``, ``[L, n_pad/N]`` stacked).
       variables: flat dict ``path -> value`` of the non-parameter variables (replicated).
       opts: the step's :class:`StepOptions`.
+      sinks: HYBRID_SHARD_OPT: flat dict ``path -> gradient sink`` of the trainable
+        parameters (``[n_pad/(R*S)]``, ``[L, n_pad/(R*S)]`` stacked; values never read). A
+        block unit's parameter then holds the pair ``(shard, sink)``, so ``nnx.scan`` /
+        ``nnx.vmap`` slice both per layer; each unit's backward returns the gradient,
+        reduce-scattered over ``shard`` and ``replica``, as the sink's cotangent
+        (:func:`zshard.collectives.run_unit`). The caller differentiates w.r.t. ``sinks``.
 
     Returns:
       An ``nnx.Module`` of the user's classes (block units' classes subclassed) to hand to
@@ -324,12 +343,13 @@ def materialize(plan, shards: dict, variables: dict, opts: StepOptions) -> nnx.M
             values[path] = _fold(values[path], device_index())  # every device its own stream
     if root is not None:
         with jax.named_scope("zshard.unit.root.gather"):
-            gathered = gather(root.flats, [tuple(shards[s.path] for s in f.slots) for f in root.flats], comm)
+            root_sinks = None if sinks is None else [tuple(sinks[s.path] for s in f.slots) if f.trainable else () for f in root.flats]
+            gathered = gather(root.flats, [tuple(shards[s.path] for s in f.slots) for f in root.flats], comm, root_sinks)
         values.update({s.path: v for s, v in zip(root.slots, gathered)})
     hooks = {}
     for unit in blocks:
         for s in unit.slots:
-            values[s.path] = shards[s.path]
+            values[s.path] = shards[s.path] if sinks is None or s.path not in sinks else (shards[s.path], sinks[s.path])
             hooks[s.path] = _GatherOnRead(s, plan.num_shards, comm)
     with nnx.use_eager_sharding(False):  # zshard's layout, not the model's sharding annotations
         state = nnx.from_flat_state(

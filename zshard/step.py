@@ -158,6 +158,16 @@ def _accumulate(plan: Plan, opts: StepOptions, objective: Callable, params: dict
     return totals, aux, variables, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
 
 
+def gradient_sinks(plan: Plan, train: dict) -> dict:
+    """HYBRID_SHARD_OPT: a zero per trainable parameter shaped like its optimizer slice,
+    ``[..., n_pad/S] -> [..., n_pad/(R*S)]`` in the parameter dtype, varying over every mesh
+    axis (each device owns its own slice). Their values are never read; the step
+    differentiates w.r.t. them and gets the gradient as the units' backward reduce-scattered it
+    (:func:`zshard.collectives.run_unit`). Unread, they are dropped from the compiled loop."""
+    parts = plan.opt_shards // plan.num_shards
+    return jax.tree.map(lambda p: vary(jnp.zeros(p.shape[:-1] + (p.shape[-1] // parts,), p.dtype), AXES), train)
+
+
 def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
     """One optimizer step on this device's shards (inside ``shard_map``)."""
     world, k = plan.world, step.grad_accum
@@ -168,9 +178,11 @@ def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
     train, frozen = plan.split_trainable(state.params)
     variables = traverse_util.flatten_dict(state.variables) if state.variables else {}
 
-    def objective(params, variables, batch):
-        """What this device differentiates (trainable shards), with ``((loss, count), aux, variables)``."""
-        model = materialize(plan, traverse_util.flatten_dict(plan.merge_params(params, frozen)), variables, opts)
+    def objective(params, variables, batch, sinks=None):
+        """What this device differentiates (trainable shards, or their gradient sinks), with
+        ``((loss, count), aux, variables)``."""
+        shards = traverse_util.flatten_dict(plan.merge_params(params, frozen))
+        model = materialize(plan, shards, variables, opts, None if sinks is None else traverse_util.flatten_dict(sinks))
         loss, aux = _read_loss(step.loss_fn(model, batch), step.has_aux)
         new_variables = read_variables(plan, model, variables)
         if isinstance(loss, TokenMean):
@@ -183,14 +195,23 @@ def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
         # sum these into the gradient of the global mean.
         return loss / (world * k), ((loss, jnp.ones((), jnp.float32)), aux, new_variables)
 
-    if k == 1:
-        # HYBRID_SHARD_OPT: replica-varying parameters keep each replica's gradient unsummed
-        # until scatter_replica (docs/design.md, the replica trap).
-        wrt = jax.tree.map(lambda p: vary(p, AXES), train) if plan.strategy.scatters_replica else train
-        (_, (totals, aux, new_variables)), grads = jax.value_and_grad(objective, has_aux=True)(wrt, variables, batch)
+    if k == 1 and plan.strategy.scatters_replica:
+        # HYBRID_SHARD_OPT: differentiate w.r.t. gradient sinks [n_pad/(R S)]; every unit's
+        # backward reduce-scatters its gradient over shard and then replica into them, so no
+        # [n_pad/S] gradient outlives its unit (docs/memory.md, "Gradient sinks").
+        sinks = gradient_sinks(plan, train)
+
+        def on_sinks(sinks, variables, batch):
+            return objective(train, variables, batch, sinks)
+
+        (_, (totals, aux, new_variables)), grads = jax.value_and_grad(on_sinks, has_aux=True)(sinks, variables, batch)
+    elif k == 1:
+        (_, (totals, aux, new_variables)), grads = jax.value_and_grad(objective, has_aux=True)(train, variables, batch)
     else:
         totals, aux, new_variables, grads = _accumulate(plan, opts, objective, train, variables, batch, k)
-    grads = scatter_replica(plan, grads)  # HYBRID_SHARD_OPT: [n_pad/S] -> [n_pad/(R S)]; else unchanged
+        # HYBRID_SHARD_OPT accumulates [n_pad/S] and reduce-scatters over replica once per
+        # step: [n_pad/S] -> [n_pad/(R S)] (other strategies: unchanged)
+        grads = scatter_replica(plan, grads)
     loss_total, count = (jax.lax.psum(t, AXES) for t in totals)
     if token_weighted:  # global token mean across devices and micro-batches
         loss = loss_total / count
