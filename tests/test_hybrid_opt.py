@@ -180,6 +180,23 @@ def test_report_bytes_and_model_state_formula(r, s):
             assert leaf.sharding.spec[-1] == ("shard", "replica"), leaf.sharding
 
 
+def test_accumulation_reduce_scatters_over_replica_per_micro_batch():
+    # grad_accum=k: every micro-batch's backward reduce-scatters over replica (the accumulator
+    # is the [n_pad/(R S)] slice, not the [n_pad/S] shard), and the updated slices are gathered
+    # once: k (G/S)(R-1)/R + (G/S)(R-1)/R bytes across replicas, measured = formula.
+    r, s, k = 2, 4, 2
+    state = _state(r, s)
+    batch = mlp_batches(1, 16 * k, 16, 16)[0]
+    rep = zshard.report(zshard.make_train_step(mse_loss, grad_accum=k), state, batch)
+    psi = state.plan.num_params()
+    rp = rep.comm_bytes_per_step["replica"]
+    want = (k + 1) * (4 * psi / s) * (r - 1) / r
+    assert rp["formula"] == pytest.approx(want) and rp["measured"] == pytest.approx(want), rp
+    counts = {c["kind"]: c["count"] for c in rep.collectives if c["axis"] == "replica"}
+    units = sum(len(u.flats) for u in state.plan.units)
+    assert counts == {"reduce-scatter": k * units, "all-gather": units}, counts
+
+
 # --------------------------------------------------------------------------------------
 # Checkpoints: to and from every other strategy, bit for bit
 # --------------------------------------------------------------------------------------

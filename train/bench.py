@@ -168,9 +168,10 @@ def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsiz
 
     - ``state``: parameters + optimizer state, ``(1 + K) * e * Psi / N`` (persistent, donated);
       HYBRID_SHARD_OPT (optimizer state over ``M = opt_shards = R*S``): ``e Psi / N + K e Psi / M``;
-    - ``grad_shard``: the reduce-scattered gradient shards, held to the end of backward:
-      ``e * Psi / N`` (HYBRID_SHARD_OPT too: its replica reduce-scatter runs after backward;
-      the optimizer updates in place, no buffer of its own);
+    - ``grad_shard``: the reduce-scattered gradients, held to the end of backward:
+      ``e * Psi / M`` with ``M = opt_shards`` (``N`` for FULL_SHARD / HYBRID_SHARD; ``R*S`` for
+      HYBRID_SHARD_OPT, whose units reduce-scatter over ``replica`` inside their backward);
+      the optimizer updates in place, no buffer of its own;
     - ``root``: the root unit (embeddings, head), gathered for the whole step, and its full
       gradient before the reduce-scatter: ``2 * e * Psi_root``;
     - ``unit``: one block unit gathered in backward and its full gradient: ``2 * e * Psi_layer``
@@ -189,7 +190,7 @@ def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsiz
     opt = opt_shards or shards
     out = {
         "state": itemsize * psi / shards + opt_slots * itemsize * psi / opt,
-        "grad_shard": itemsize * psi / shards,
+        "grad_shard": itemsize * psi / opt,
         "root": 2 * itemsize * psi_root,
         "unit": 2 * itemsize * psi_layer,
     }

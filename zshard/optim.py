@@ -19,7 +19,7 @@ from zshard.optim_global import view_init, view_update
 
 __all__ = [
     "apply_optimizer", "check_elementwise", "global_norm", "init_optimizer", "needs_global_view", "optimizer_grad_specs",
-    "optimizer_program", "scatter_replica",
+    "optimizer_program",
 ]  # fmt: skip
 
 
@@ -34,45 +34,6 @@ def _opt_slice(plan, tree):
         return jax.lax.dynamic_index_in_dim(x.reshape(x.shape[:-1] + (parts, -1)), index, axis=x.ndim - 1, keepdims=False)
 
     return jax.tree.map(mine, tree)
-
-
-def scatter_replica(plan, grads: dict) -> dict:
-    """HYBRID_SHARD_OPT: gradient shards summed over ``shard`` only -> this device's optimizer
-    slices, summed over the whole mesh. Other strategies: ``grads`` unchanged.
-
-    Args:
-      grads: nested dict of ``[..., n_pad/S]`` per trainable parameter (``[L, n_pad/S]``
-        stacked), varying over ``replica`` (each replica's sum over its own batch rows).
-
-    Returns:
-      Nested dict of ``[..., n_pad/(R*S)]``, ``PartitionSpec(("shard", "replica"))`` outside:
-      one reduce-scatter over ``replica`` per unit and dtype, in the mixed-precision
-      ``reduce_dtype``, cast back to the parameter dtype. With the all-gather of the updated
-      slices in :func:`apply_optimizer`, ``2 (G/S)(R-1)/R`` bytes cross replicas per step:
-      those of the all-reduce it replaces (ring algorithm, Patarasuk & Yuan 2009).
-    """
-    if not plan.strategy.scatters_replica:
-        return grads
-    flat, out = traverse_util.flatten_dict(grads), {}
-    extra = tuple(a for a in plan.strategy.opt_axes if a not in plan.shard_axes)
-    R = plan.opt_shards // plan.num_shards
-    for unit in plan.units:
-        for layout in unit.opt_flats:
-            dtype = plan.mp.grad_dtype(layout.dtype)
-            if unit.layers is not None:
-                # Stacked: one collective per parameter, straight from its [L, n_pad/S] buffer
-                # (a per-unit concatenation would copy the gradients of every layer at once).
-                for s in layout.slots:
-                    g = flat[s.path].astype(dtype)
-                    g = g.reshape(g.shape[:-1] + (R, -1))  # [L, n_pad/S] -> [L, R, n_pad/(R S)]
-                    # [L, R, n_pad/(R S)] --reduce_scatter(replica)--> [L, n_pad/(R S)]
-                    out[s.path] = jax.lax.psum_scatter(g, extra, scatter_dimension=g.ndim - 2, tiled=False).astype(layout.dtype)
-                continue
-            rows = layout.rows([flat[s.path].astype(dtype) for s in layout.slots])  # [R, ..., L/(R S)]
-            # [R, ..., L/(R S)] --reduce_scatter(replica)--> [..., L/(R S)]
-            mine = jax.lax.psum_scatter(rows, extra, scatter_dimension=0, tiled=False)
-            out.update({s.path: g.astype(layout.dtype) for s, g in zip(layout.slots, layout.split_shard(mine))})
-    return traverse_util.unflatten_dict(out)
 
 
 def view_rank(logical_ndim: int) -> int:
@@ -249,7 +210,8 @@ def apply_optimizer(plan, params: dict, grads: dict, opt_state, record: list | N
     SHARD_OPT (ZeRO-1) holds whole parameters and gradients (``N = 1``) but a ``1/W`` slice
     of the optimizer state: each device updates its slice, then each unit's updated slices
     are all-gathered over the world, one collective per unit and dtype. HYBRID_SHARD_OPT
-    gets ``grads`` already as its ``[n_pad/(R*S)]`` slices (:func:`scatter_replica`),
+    gets ``grads`` already as its ``[n_pad/(R*S)]`` slices (reduce-scattered over
+    ``replica`` in each unit's backward, :func:`zshard.collectives.replica_slices`),
     updates the matching slice of its parameter shard and all-gathers the updated slices
     over ``replica``: ``[R, L/(R*S)] -> [n_pad/S]`` per parameter.
     """
@@ -304,7 +266,7 @@ def optimizer_program(plan, record: list | None = None):
 def optimizer_grad_specs(plan):
     """PartitionSpecs of the gradients :func:`apply_optimizer` takes: those of the trainable
     parameters, or over the optimizer axes where the step reduce-scatters over ``replica``
-    (:func:`scatter_replica`)."""
+    (:func:`zshard.collectives.replica_slices`, in each unit's backward)."""
     train_specs, _ = plan.split_trainable(plan.param_specs)
     if not plan.strategy.scatters_replica:
         return train_specs

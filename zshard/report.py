@@ -273,10 +273,11 @@ def _formula_comm(plan, k: int = 1) -> dict[str, float]:
     if st in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD):
         return {world: per_step * ring(W)}
     if st.scatters_replica:
-        # HYBRID_SHARD_OPT: the gradient shard (G/S) is reduce-scattered over replica and the
-        # updated slices all-gathered back (master dtype), once per step: with one dtype,
-        # 2 (G/S)(R-1)/R, the bytes of HYBRID_SHARD's all-reduce.
-        return {shard: per_step * ring(S), replica: (rs + master) / S * ring(R)}
+        # HYBRID_SHARD_OPT: the gradient shard (G/S) is reduce-scattered over replica in each
+        # unit's backward (once per micro-batch) and the updated slices all-gathered back
+        # (master dtype) once per step: with one dtype and no accumulation, 2 (G/S)(R-1)/R,
+        # the bytes of HYBRID_SHARD's all-reduce.
+        return {shard: per_step * ring(S), replica: (k * rs + master) / S * ring(R)}
     return {shard: per_step * ring(S), replica: 2 * (rs / S) * ring(R)}
 
 

@@ -7,7 +7,8 @@ Per device (docs/design.md section 5):
    unit is intercepted so that its ``__call__`` all-gathers the block's FlatParameter just
    before it runs and drops it afterwards (:func:`zshard.collectives.run_unit`);
 3. backward: each unit gathers again, recomputes, and reduce-scatters its gradient
-   (+ all-reduce of the shard over ``replica`` for HYBRID_SHARD); the loss is scaled by
+   (+ all-reduce of the shard over ``replica`` for HYBRID_SHARD; + reduce-scatter of it over
+   ``replica`` into the parameter's gradient sink for HYBRID_SHARD_OPT); the loss is scaled by
    ``1 / world`` so the summed gradient is that of the global mean loss;
 4. Optax updates the local shards; the loss and the gradient norm are ``psum``-ed.
 """
@@ -29,7 +30,7 @@ from zshard.collectives import remat_policy, vary
 from zshard.divergence import check_uniform_collectives
 from zshard.intercept import StepOptions, materialize, read_variables
 from zshard.mesh import AXES
-from zshard.optim import apply_optimizer, global_norm, scatter_replica
+from zshard.optim import apply_optimizer, global_norm
 from zshard.state import Plan, ShardedState
 
 __all__ = ["TokenMean", "TrainStep", "make_train_step"]
@@ -119,14 +120,17 @@ def _sync_variables(plan: Plan, new: dict, old: dict) -> dict:
     return out
 
 
-def _accumulate(plan: Plan, opts: StepOptions, objective: Callable, params: dict, variables: dict, batch, k: int):
+def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, batch, k: int):
     """Gradient accumulation over ``k`` micro-batches (``lax.scan``), on the shards.
 
-    The accumulator is an fp32 copy of the gradient shards, never a full gradient; every
-    micro-batch reduce-scatters over the shard axes (``opts.defer_replica_reduce``), and the
-    replica axes are all-reduced once per step, on the accumulated shard (FSDP2's
-    ``set_requires_all_reduce(False)``). Non-parameter variables (BatchNorm statistics, RNG
-    counts) are carried from one micro-batch to the next.
+    ``params``: what ``objective`` differentiates: the trainable shards, or HYBRID_SHARD_OPT's
+    gradient sinks. The accumulator is an fp32 copy of their gradients, never a full
+    gradient; every micro-batch reduce-scatters over the shard axes (the units run with
+    ``defer_replica_reduce``), and HYBRID_SHARD / HYBRID_SHARD_ZERO2 all-reduce the replica
+    axes once per step, on the accumulated shard (FSDP2's ``set_requires_all_reduce(False)``).
+    HYBRID_SHARD_OPT reduce-scatters over replica too in every micro-batch's backward, so the
+    accumulator is ``[n_pad/(R*S)]`` (docs/memory.md, "Gradient accumulation"). Non-parameter
+    variables (BatchNorm statistics, RNG counts) are carried from one micro-batch to the next.
     Returns ``((loss total, count total), aux summed, variables, grads)``.
     """
     replica = plan.replica_axes
@@ -150,7 +154,7 @@ def _accumulate(plan: Plan, opts: StepOptions, objective: Callable, params: dict
     )
     variables = jax.tree.map(lambda v: vary(v, AXES), variables)
     (acc, totals, aux_sum, variables), _ = jax.lax.scan(body, (zeros, (zero, zero), aux_zero, variables), micro)
-    if replica and not plan.strategy.scatters_replica:  # HYBRID_SHARD_OPT: scatter_replica instead
+    if replica and not plan.strategy.scatters_replica:  # HYBRID_SHARD_OPT: summed over replica already
         # [n_pad/N] --all_reduce(replica)--> [n_pad/N], once per step
         acc = jax.lax.psum(acc, replica)
     # floating aux: mean over micro-batches; integer aux: summed
@@ -171,7 +175,8 @@ def gradient_sinks(plan: Plan, train: dict) -> dict:
 def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
     """One optimizer step on this device's shards (inside ``shard_map``)."""
     world, k = plan.world, step.grad_accum
-    # HYBRID_SHARD_OPT reduces over replica once per step too (optim.scatter_replica).
+    # Units all-reduce over replica themselves only under HYBRID_SHARD without accumulation;
+    # HYBRID_SHARD_OPT reduce-scatters over replica in each unit's backward (UnitComm.scatter_axes).
     opts = StepOptions(step.remat, step.prefetch, defer_replica_reduce=k > 1 or plan.strategy.scatters_replica)
     token_weighted = []  # set while tracing: loss_fn returned zshard.TokenMean
 
@@ -195,23 +200,20 @@ def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
         # sum these into the gradient of the global mean.
         return loss / (world * k), ((loss, jnp.ones((), jnp.float32)), aux, new_variables)
 
-    if k == 1 and plan.strategy.scatters_replica:
+    if plan.strategy.scatters_replica:
         # HYBRID_SHARD_OPT: differentiate w.r.t. gradient sinks [n_pad/(R S)]; every unit's
         # backward reduce-scatters its gradient over shard and then replica into them, so no
         # [n_pad/S] gradient outlives its unit (docs/memory.md, "Gradient sinks").
-        sinks = gradient_sinks(plan, train)
+        wrt = gradient_sinks(plan, train)
 
-        def on_sinks(sinks, variables, batch):
+        def differentiated(sinks, variables, batch):
             return objective(train, variables, batch, sinks)
-
-        (_, (totals, aux, new_variables)), grads = jax.value_and_grad(on_sinks, has_aux=True)(sinks, variables, batch)
-    elif k == 1:
-        (_, (totals, aux, new_variables)), grads = jax.value_and_grad(objective, has_aux=True)(train, variables, batch)
     else:
-        totals, aux, new_variables, grads = _accumulate(plan, opts, objective, train, variables, batch, k)
-        # HYBRID_SHARD_OPT accumulates [n_pad/S] and reduce-scatters over replica once per
-        # step: [n_pad/S] -> [n_pad/(R S)] (other strategies: unchanged)
-        grads = scatter_replica(plan, grads)
+        wrt, differentiated = train, objective
+    if k == 1:
+        (_, (totals, aux, new_variables)), grads = jax.value_and_grad(differentiated, has_aux=True)(wrt, variables, batch)
+    else:
+        totals, aux, new_variables, grads = _accumulate(plan, differentiated, wrt, variables, batch, k)
     loss_total, count = (jax.lax.psum(t, AXES) for t in totals)
     if token_weighted:  # global token mean across devices and micro-batches
         loss = loss_total / count
