@@ -42,7 +42,7 @@ def tied():
     return TiedMLP(rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("strategy,mesh", [("FULL_SHARD", (1, 8)), ("HYBRID_SHARD", (2, 4)), ("SHARD_GRAD_OP", (4, 2))])
+@pytest.mark.parametrize("strategy,mesh", [("FULL_SHARD", (1, 8)), ("HYBRID_SHARD", (2, 4)), ("SHARD_GRAD_OP", (4, 2)), ("HYBRID_SHARD_OPT", (2, 4))])
 def test_a_weight_tied_across_units_trains_like_the_reference(strategy, mesh):
     data = mlp_batches(5)
     want = reference_run(tied, optax.adamw(1e-2), mse_loss, data)

@@ -107,7 +107,7 @@ def token_batches(n):
     return [(rng.integers(0, 11, (16, 4), dtype=np.int32), rng.integers(0, 11, (16, 4), dtype=np.int32)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("unit,strategy,shape", [(nnx.Embed, "FULL_SHARD", (1, 8)), (None, "HYBRID_SHARD", (2, 4))])
+@pytest.mark.parametrize("unit,strategy,shape", [(nnx.Embed, "FULL_SHARD", (1, 8)), (None, "HYBRID_SHARD", (2, 4)), (None, "HYBRID_SHARD_OPT", (4, 2))])
 def test_other_methods_and_reads_outside_the_unit(unit, strategy, shape):
     make = lambda: Tied(rngs=nnx.Rngs(0))  # noqa: E731
     batches = token_batches(2)

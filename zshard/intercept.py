@@ -131,6 +131,28 @@ def _intercepting_class(cls: type) -> type:
 # --- one unit call --------------------------------------------------------------------------------------
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ShardWithSink:
+    """HYBRID_SHARD_OPT: what a block-unit parameter holds inside the step (see :func:`materialize`).
+
+    A pytree of two leaves, so ``nnx.scan`` / ``nnx.vmap`` / ``jax.lax.scan`` slice both per layer.
+
+    Attributes:
+      shard: the parameter shard, ``[n_pad/S]`` (``[L, n_pad/S]`` stacked).
+      sink: its gradient sink, ``[n_pad/(R*S)]`` (``[L, n_pad/(R*S)]``); its value is never read.
+    """
+
+    shard: Any
+    sink: Any
+
+    def __getitem__(self, index):
+        # Flax's Variable.get_value(index=...) indexes the raw value before the gather-on-read
+        # hook: a whole read (...) keeps the pair; any other index reaches the hook with the
+        # shard's shape changed, and the hook refuses it with its usual message.
+        return self if index is Ellipsis else ShardWithSink(self.shard[index], None)
+
+
 def _is_param(var) -> bool:
     return isinstance(var, nnx.Param)
 
@@ -165,8 +187,8 @@ class UnitBinding:
         raw, sink_of = {}, {}
         for rel, slot in own.items():
             value = variables[rel].get_raw_value()
-            if isinstance(value, tuple):  # (shard, gradient sink): HYBRID_SHARD_OPT, see materialize
-                value, sink_of[rel] = value
+            if isinstance(value, ShardWithSink):  # HYBRID_SHARD_OPT, see materialize
+                value, sink_of[rel] = value.shard, value.sink
             want = (unit.layers,) if unit.layers is not None and value.ndim == 2 else ()
             if want:
                 raise ValueError(
@@ -275,8 +297,8 @@ class _GatherOnRead:
 
     def __call__(self, var, value):
         raw, sink = var.get_raw_value(), None
-        if isinstance(raw, tuple):  # (shard, gradient sink): HYBRID_SHARD_OPT
-            raw, (value, sink) = raw[0], (value if isinstance(value, tuple) else (value, None))
+        if isinstance(raw, ShardWithSink):  # HYBRID_SHARD_OPT
+            raw, value, sink = raw.shard, value.shard, value.sink
         if np.shape(value) != np.shape(raw):
             raise ValueError(
                 f"zshard: parameter {path_str(self.slot.path)!r} is read with an index outside its unit; zshard gathers a "
@@ -349,7 +371,7 @@ def materialize(plan, shards: dict, variables: dict, opts: StepOptions, sinks: d
     hooks = {}
     for unit in blocks:
         for s in unit.slots:
-            values[s.path] = shards[s.path] if sinks is None or s.path not in sinks else (shards[s.path], sinks[s.path])
+            values[s.path] = shards[s.path] if sinks is None or s.path not in sinks else ShardWithSink(shards[s.path], sinks[s.path])
             hooks[s.path] = _GatherOnRead(s, plan.num_shards, comm)
     with nnx.use_eager_sharding(False):  # zshard's layout, not the model's sharding annotations
         state = nnx.from_flat_state(
