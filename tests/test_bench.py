@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from train.bench import activation_bytes, median_ratio, memory_formula, train_flops_per_token
+from train.bench import activation_bytes, expected_peak, median_ratio, memory_formula, train_flops_per_token
 from train.bench import main as bench_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,10 +80,15 @@ def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
 
 
 def test_formulas():
-    # Korthikanti et al. 2022 section 4 terms, fp32, GELU (f = 4h): L*s*b*h + s*b*(8h + 2f) + a*s^2*b + 3*s*b*V
+    # Korthikanti et al. 2022 section 4 terms, fp32, GELU (f = 4h): L*s*b*h + s*b*(8h + 2f) + a*s^2*b at
+    # a block's backward, L*s*b*h + 4*s*b*V at the head's
     s, b, h, a, L, V = 4, 1, 8, 2, 3, 10
-    assert activation_bytes(h, L, a, 4 * h, V, s, b, glu=False) == 4 * (L * s * b * h + s * b * 16 * h + a * s * s * b + 3 * s * b * V)
-    assert activation_bytes(h, L, a, 4 * h, V, s, b, glu=True) - activation_bytes(h, L, a, 4 * h, V, s, b, glu=False) == 4 * 2 * s * b * 4 * h
+    gelu, glu = (activation_bytes(h, L, a, 4 * h, V, s, b, glu=g) for g in (False, True))
+    assert gelu == {"block": 4 * (L * s * b * h + s * b * 16 * h + a * s * s * b), "head": 4 * (L * s * b * h + 4 * s * b * V)}
+    assert glu["block"] - gelu["block"] == 4 * 2 * s * b * 4 * h and glu["head"] == gelu["head"]
+    form = {"state": 10.0, "grad_shard": 1.0, "root": 2.0, "unit": 5.0}
+    assert expected_peak(form, {"block": 20.0, "head": 24.0}) == (13.0 + 25.0, "block")
+    assert expected_peak(form, {"block": 20.0, "head": 26.0}) == (13.0 + 26.0, "head")
     f = memory_formula(psi=800, psi_root=100, psi_layer=70, shards=8)
     assert f == {"state": 1200.0, "grad_shard": 400.0, "root": 800, "unit": 560, "total": 2960.0}
     # HYBRID_SHARD_OPT: parameters over 8, Adam moments over 64
