@@ -313,6 +313,20 @@ def test_temp_holds_one_gradient_slice_not_a_parameter_copy():
     assert temp[NAME] == pytest.approx(temp["FULL_SHARD"], rel=0.01), temp
 
 
+def test_optimizer_gathers_stacked_layers_into_the_parameter_buffer():
+    # The updated slices of a stacked [L, n_pad/S] parameter are all-gathered over replica one
+    # layer at a time into the donated buffer. One gather of the whole [L, n_pad/(R S)] came
+    # out [L, R, n_pad/(R S)] with the gathered axis major (XLA:CPU), a temp as large as the
+    # parameter's shard, copied into the output (measured here: 2.11 MB against 1.44 MB now).
+    b = (jax.ShapeDtypeStruct((8, 16), np.float32), jax.ShapeDtypeStruct((8, 16), np.float32))
+    d, layers, r, s = 512, 8, 2, 4
+    state = zshard.init(lambda: StackedWide(nnx.Rngs(0), d=d, layers=layers), optax.adamw(1e-3), zshard.make_mesh(r, s),
+                        strategy=NAME, abstract=True)
+    rep = zshard.report(zshard.make_train_step(mse_loss), state, b)
+    kernel_slice = 4 * layers * d * d // (r * s)  # the kernel's updated slices [L, n_pad/(R S)], fp32
+    assert rep.optimizer["temp"] <= 1.5 * kernel_slice < 4 * layers * d * d // s, (rep.optimizer["temp"], kernel_slice)
+
+
 @pytest.mark.parametrize("r,s", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
 def test_replica_reduce_scatter_per_layer_inside_backward(r, s):
     # Stacked layers run under nnx.scan: the replica reduce-scatter of a block's gradient sits
