@@ -10,6 +10,10 @@ Two primitives, both on FlatParameter shards (see ``zshard.flat``):
   and reduce-scatters the parameter gradient. The gathered weights are never saved for
   backward (ZeRO-3 / FSDP ``reshard_after_forward=True``).
 
+HYBRID_SHARD_OPT passes *gradient sinks* to both: backward reduce-scatters over ``shard`` and
+then over ``replica`` (:func:`replica_slices`) and returns ``[n_pad/(R*S)]`` per parameter as
+the sinks' cotangent (docs/memory.md, "How the step does it").
+
 Why custom VJPs (docs/design.md section 7): left to autodiff, a parameter gathered over
 ``shard`` only but used with batch data that varies over ``replica`` is implicitly
 broadcast, and the transpose of that broadcast is an all-reduce of the *full* gradient over
@@ -225,21 +229,20 @@ def _scatter_all(flats, bufs, grads, comm, sink_dtypes=None):
     differentiated), so only ``[n_pad/(R*S)]`` per parameter leaves the unit.
     ``sink_dtypes``: per flat, the sinks' dtypes (``()`` for a frozen flat); ``None``: no sinks.
     """
-    sinks = sink_dtypes
     shard_axes, replica_axes, mp = comm.shard_axes, comm.replica_axes, comm.mp
     out, to_sinks, i = [], [], 0
     for k, (f, b) in enumerate(zip(flats, bufs)):
         n = len(f.slots)
         if not f.trainable:  # frozen: no gradient, no reduce-scatter
-            out.append(None if sinks is not None else jax.tree.map(jnp.zeros_like, b))
+            out.append(None if sink_dtypes is not None else jax.tree.map(jnp.zeros_like, b))
             to_sinks.append(())
         else:
             full = f.flatten(grads[i : i + n], mp.grad_dtype(f.dtype))  # [N, L/N] in the reduce dtype
             shard = reduce_scatter_flat(full, shard_axes, replica_axes)  # [L/N]
-            if sinks is not None:
+            if sink_dtypes is not None:
                 # [L/S] -> per parameter [n_pad_p/S] --reduce_scatter(replica)--> [n_pad_p/(R S)]
                 mine = replica_slices(f.split_shard(shard), comm.scatter_axes, comm.scatter_parts)
-                to_sinks.append(tuple(g.astype(dtype) for g, dtype in zip(mine, sinks[k])))
+                to_sinks.append(tuple(g.astype(dtype) for g, dtype in zip(mine, sink_dtypes[k])))
                 out.append(None)
             else:
                 shard = shard.astype(f.dtype)
@@ -247,7 +250,7 @@ def _scatter_all(flats, bufs, grads, comm, sink_dtypes=None):
                 out.append(tuple(f.split_shard(shard)) if isinstance(b, (tuple, list)) else shard)
                 to_sinks.append(())
         i += n
-    return tuple(out), (None if sinks is None else tuple(to_sinks))
+    return tuple(out), (None if sink_dtypes is None else tuple(to_sinks))
 
 
 def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], comm: UnitComm, sinks=None) -> list[jax.Array]:

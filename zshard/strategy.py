@@ -104,8 +104,8 @@ class Strategy(enum.Enum):
 
     @property
     def scatters_replica(self) -> bool:
-        """Gradients are reduce-scattered over ``replica`` once per step (to the optimizer's
-        slices), not all-reduced per unit: HYBRID_SHARD_OPT."""
+        """Gradients are reduce-scattered over ``replica`` to the optimizer's slices in each
+        unit's backward, not all-reduced: HYBRID_SHARD_OPT (docs/memory.md)."""
         return self is Strategy.HYBRID_SHARD_OPT
 
     @property
