@@ -81,10 +81,10 @@ def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
 
 def test_formulas():
     # Korthikanti et al. 2022 section 4 terms, fp32, GELU (f = 4h): L*s*b*h + s*b*(8h + 2f) + a*s^2*b at
-    # a block's backward, L*s*b*h + 4*s*b*V at the head's
+    # a block's backward, L*s*b*h + 4*s*b*h + 4*s*b*V at the head's
     s, b, h, a, L, V = 4, 1, 8, 2, 3, 10
     gelu, glu = (activation_bytes(h, L, a, 4 * h, V, s, b, glu=g) for g in (False, True))
-    assert gelu == {"block": 4 * (L * s * b * h + s * b * 16 * h + a * s * s * b), "head": 4 * (L * s * b * h + 4 * s * b * V)}
+    assert gelu == {"block": 4 * (L * s * b * h + s * b * 16 * h + a * s * s * b), "head": 4 * (L * s * b * h + 4 * s * b * h + 4 * s * b * V)}
     assert glu["block"] - gelu["block"] == 4 * 2 * s * b * 4 * h and glu["head"] == gelu["head"]
     form = {"state": 10.0, "grad_shard": 1.0, "root": 2.0, "unit": 5.0}
     assert expected_peak(form, {"block": 20.0, "head": 24.0}) == (13.0 + 25.0, "block")

@@ -154,19 +154,21 @@ def activation_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab
       gathered: :func:`memory_formula`'s ``unit`` term belongs to this moment), or
     - ``"head"``: the output layer's backward: logits, their log-softmax, and the gradients of
       both, ``4*s*b*V`` elements (section 4.2 counts ``4*s*b*V`` bytes for the fp32
-      cross-entropy); no block unit is gathered then.
+      cross-entropy), and the inputs of the final layer norm and of the output projection
+      with their gradients, ``4*s*b*h`` (section 4.2: ``s*b*h`` each forward); no block unit
+      is gathered then.
 
     They are two moments, not one sum: the compiled peaks (docs/memory.md, "The scale
     table") sit at the block moment for Llama-7B/70B and at the head moment for GPT-2 1.5B
     (vocabulary 50257), and :func:`expected_peak` takes the larger.
 
     Returns:
-      ``{"block": e*(L*s*b*h + s*b*(8h + m*f) + a*s^2*b), "head": e*(L*s*b*h + 4*s*b*V)}``,
+      ``{"block": e*(L*s*b*h + s*b*(8h + m*f) + a*s^2*b), "head": e*(L*s*b*h + 4*s*b*h + 4*s*b*V)}``,
       ``m`` = 2 (GELU) or 4 (SwiGLU).
     """
     s, b, h, a, f, L, V = seq, batch, d_model, n_heads, d_ff, n_layers, vocab
     layer = s * b * (8 * h + (4 if glu else 2) * f) + a * s * s * b
-    return {"block": float(itemsize * (L * s * b * h + layer)), "head": float(itemsize * (L * s * b * h + 4 * s * b * V))}
+    return {"block": float(itemsize * (L * s * b * h + layer)), "head": float(itemsize * (L * s * b * h + 4 * s * b * h + 4 * s * b * V))}
 
 
 def expected_peak(formula: dict, activations: dict) -> tuple[float, str]:
