@@ -330,7 +330,7 @@ def materialize(plan, shards: dict, variables: dict, opts: StepOptions) -> nnx.M
     for unit in blocks:
         for s in unit.slots:
             values[s.path] = shards[s.path]
-            hooks[s.path] = _GatherOnRead(s, plan.num_shards, comm)
+            hooks[s.path] = _GatherOnRead(s.param, plan.num_shards, comm)
     with nnx.use_eager_sharding(False):  # zshard's layout, not the model's sharding annotations
         state = nnx.from_flat_state(
             [
