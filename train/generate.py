@@ -110,17 +110,13 @@ def generate_local(model: nnx.Module, prompts, n: int, *, temperature: float = 0
 def _gather_all(state) -> dict:
     """Every parameter whole on every device: ``{path: logical array}``, replicated."""
     plan = state.plan
-    layers = plan.layers_of()
-    shapes = {p: tuple(v.get_value().shape) for p, v in plan.template}
 
     def local(params):
         out = {}
         for path, x in traverse_util.flatten_dict(params).items():
             # [.., n_pad/N] --all_gather(shard, tiled)--> [.., n_pad]
             full = jax.lax.all_gather(x, plan.shard_axes, axis=x.ndim - 1, tiled=True) if plan.shard_axes else x
-            lead = () if layers[path] is None else (layers[path],)
-            n = int(np.prod(shapes[path][len(lead):], dtype=np.int64))
-            out[path_str(path)] = full[..., :n].reshape(shapes[path])  # [.., n_pad] -> [.., n] -> shape
+            out[path_str(path)] = plan.layouts[path].from_storage(full)  # [.., n_pad] -> [.., n] -> shape
         return out
 
     # The tiled all-gather leaves identical copies on every device of a shard group, and the

@@ -14,6 +14,10 @@ of every parameter of the unit::
 At rest each parameter's shard is kept as its own array, globally ``[n_pad]`` with
 ``PartitionSpec(shard_axes)`` (local ``[n_pad / N]``), so the optimizer sees per-parameter
 shards; the step concatenates them into the FlatParameter just before the collective.
+
+:class:`ParamLayout` is the one record per parameter that knows this stored form
+(``to_storage`` / ``from_storage``); a :class:`FlatParameter` is built from the records of
+one unit's parameters of one dtype, each placed at an offset (:class:`ParamSlot`).
 """
 
 from __future__ import annotations
