@@ -81,7 +81,7 @@ class Unit:
 class Plan:
     """Everything static about a sharded model: mesh, strategy, units, FlatParameters, optimizer.
 
-    Hashed by identity: it is the static part of :class:`ShardedState`, so one ``jit``
+    Hashed by identity: it is the static part of :class:`~zshard.ShardedState`, so one ``jit``
     cache entry per plan.
 
     Attributes:
