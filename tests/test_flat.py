@@ -1,4 +1,4 @@
-"""FlatParameter layout: pad, flatten, shard, gather, unflatten; uneven sizes."""
+"""ParamLayout (the storage format) and FlatParameter layout: pad, flatten, shard, gather, unflatten; uneven sizes."""
 
 import math
 
@@ -6,13 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zshard.flat import FlatParameter, pad_flat, padded_size
+from jax.sharding import PartitionSpec as P
+
+from zshard.flat import FlatParameter, ParamLayout, padded_size
 
 SHAPES = [("a",), (13,)], [("b", 0, "w"), (19, 3)], [("c",), ()], [("d",), (1,)]
 
 
 def _build(n):
-    return FlatParameter.build("blocks.0", [(p, s, np.float32) for p, s in SHAPES], n)
+    return FlatParameter.build("blocks.0", [ParamLayout.build(p, s, np.float32, n) for p, s in SHAPES], n)
 
 
 def _values(seed=0):
@@ -24,7 +26,7 @@ def _values(seed=0):
 def _device_shards(flat, values):
     """Per device r: concat of row r of every padded parameter (the FlatParameter shard)."""
     n = flat.num_shards
-    rows = [pad_flat(np.asarray(v), n).reshape(n, -1) for v in values]
+    rows = [slot.param.to_storage(np.asarray(v)).reshape(n, -1) for slot, v in zip(flat.slots, values)]
     return [np.asarray(flat.concat_shards([jnp.asarray(r[d]) for r in rows])) for d in range(n)]
 
 
@@ -89,26 +91,57 @@ def test_zero_padding_location():
     assert np.count_nonzero(full == 0) == flat.padded_size - flat.size
 
 
-def test_pad_flat_numpy_and_jax():
+def test_to_storage_numpy_and_jax():
+    rec = ParamLayout.build(("w",), (13,), np.float32, 8)
+    assert rec.padded == 16 and rec.storage_shape == (16,) and rec.spec == P()
     x = np.arange(1, 14, dtype=np.float32)
-    p = pad_flat(x, 8)
+    p = rec.to_storage(x)
     assert isinstance(p, np.ndarray) and p.shape == (16,)
     np.testing.assert_array_equal(p[:13], x)
     np.testing.assert_array_equal(p[13:], 0)
-    pj = pad_flat(jnp.asarray(x).reshape(13, 1), 8)
-    assert pj.shape == (16,)
+    col = ParamLayout.build(("w",), (13, 1), np.float32, 8)
+    pj = col.to_storage(jnp.asarray(x).reshape(13, 1))
+    assert isinstance(pj, jnp.ndarray) and pj.shape == (16,)
     np.testing.assert_array_equal(np.asarray(pj), p)
-    assert pad_flat(np.float32(3.0).reshape(()), 4).tolist() == [3.0, 0, 0, 0]
-    assert pad_flat(np.ones(8, np.float32), 8).shape == (8,)
+    assert ParamLayout.build(("s",), (), np.float32, 4).to_storage(np.float32(3.0).reshape(())).tolist() == [3.0, 0, 0, 0]
+    assert ParamLayout.build(("e",), (8,), np.float32, 8).to_storage(np.ones(8, np.float32)).shape == (8,)
+
+
+@pytest.mark.parametrize("xp", [np, jnp])
+@pytest.mark.parametrize("shape,layers", [((19, 3), None), ((19, 3), 4), ((), None), ((), 3), ((1,), 2)])
+def test_storage_round_trip(xp, shape, layers):
+    """to_storage / from_storage are inverse, full and stacked, numpy and jax; padding is zero."""
+    rec = ParamLayout.build(("p",), shape, np.float32, 8, layers=layers, axes=("shard",))
+    assert rec.spec == (P("shard") if layers is None else P(None, "shard"))
+    lead = () if layers is None else (layers,)
+    assert rec.logical_shape == lead + shape and rec.storage_shape == lead + (rec.padded,)
+    x = xp.asarray(np.random.default_rng(0).standard_normal(rec.logical_shape).astype(np.float32) + 10)
+    stored = rec.to_storage(x)
+    assert stored.shape == rec.storage_shape and type(stored) is type(x)
+    np.testing.assert_array_equal(np.asarray(stored)[..., rec.size :], 0.0)
+    back = rec.from_storage(stored)
+    assert back.shape == rec.logical_shape
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+    # one layer of a stacked parameter (inside a scan): no leading dimension
+    if layers is not None:
+        np.testing.assert_array_equal(np.asarray(rec.from_storage(rec.to_storage(x[0]))), np.asarray(x[0]))
+    # the optimizer's view keeps the logical rank: [*lead, 1, .., n_pad/parts]
+    assert rec.view_shape(4) == lead + (1,) * (max(len(shape), 1) - 1) + (rec.padded // 4,)
+    assert rec.format_key() == ParamLayout.build(("other",), shape, np.float32, 8, layers=layers).format_key()
+
+
+def test_build_refuses_indivisible_padding():
+    with pytest.raises(ValueError, match="multiple of num_shards=4"):
+        FlatParameter.build("root", [ParamLayout.build(("w",), (5,), np.float32, 3)], 4)  # 6 elements
 
 
 def test_flatten_casts_to_dtype():
-    flat = FlatParameter.build("root", [(("w",), (5,), np.float32)], 4)
+    flat = FlatParameter.build("root", [ParamLayout.build(("w",), (5,), np.float32, 4)], 4)
     out = flat.flatten([jnp.arange(5, dtype=jnp.bfloat16)])
     assert out.dtype == jnp.float32 and out.shape == (4, 2)
 
 
 def test_single_parameter_concat_is_identity():
-    flat = FlatParameter.build("root", [(("w",), (13,), np.float32)], 4)
+    flat = FlatParameter.build("root", [ParamLayout.build(("w",), (13,), np.float32, 4)], 4)
     x = jnp.arange(4.0)
     assert flat.concat_shards([x]) is x

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import zshard
 from test_structure import count, parse_collectives
-from train.generate import _sharded_step, generate, generate_local
+from train.generate import sharded_step, generate, generate_local
 from train.model import GPT, GPTConfig, Llama, LlamaConfig, init_cache
 
 GPT_CFG = GPTConfig(seq_len=32, d_model=32, n_layers=2, n_heads=2)
@@ -68,15 +68,15 @@ def test_sharded_generation_equals_single_device(cfg, strategy, r, s):
 
 
 def _decode_hlo(state, gather_once):
-    from train.generate import _gather_all
+    from train.generate import gather_all
 
     batch = NamedSharding(state.plan.mesh, P(("replica", "shard")))
     cache = jax.device_put(init_cache(GPT_CFG, 8, 8), batch)
     tok = jax.device_put(np.zeros((8, 1), np.int32), batch)
     rows = jax.device_put(np.arange(8, dtype=np.int32), batch)
-    full = _gather_all(state) if gather_once else {}
+    full = gather_all(state) if gather_once else {}
     args = (state, full, tok, cache, jnp.int32(3), jnp.int32(1), rows, jnp.int32(0), jnp.float32(0))
-    return parse_collectives(_sharded_step.lower(*args, gather_once=gather_once).compile().as_text())
+    return parse_collectives(sharded_step.lower(*args, gather_once=gather_once).compile().as_text())
 
 
 def test_decode_step_collectives():

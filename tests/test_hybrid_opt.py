@@ -22,7 +22,7 @@ import optax
 import pytest
 from conftest import ResMLP, assert_same_training, flat_params, mlp_batches, mse_loss, reference_run, rel_l2, zshard_run
 from flax import nnx
-from test_structure import _describe, count, groups_of, parse_collectives
+from test_structure import describe, count, groups_of, parse_collectives
 
 import zshard
 from zshard import Strategy
@@ -133,26 +133,26 @@ def test_collectives_in_the_hlo(r, s):
     units = [(u, f) for u in plan.units for f in u.flats]
     for o in ops:
         if o.kind != "all-reduce" or max(o.sizes) > 1:
-            assert o.groups in (shard, replica), "a collective outside the shard and replica groups:\n" + _describe([o])
+            assert o.groups in (shard, replica), "a collective outside the shard and replica groups:\n" + describe([o])
     on = lambda kind, groups: [o for o in ops if o.kind == kind and o.groups == groups]  # noqa: E731
 
     # Inside each shard group, exactly HYBRID_SHARD's: every block gathered twice, the root
     # once, every unit's gradient reduce-scattered once.
     ag_shard, rs_shard = on("all-gather", shard), on("reduce-scatter", shard)
-    assert count(ag_shard, "all-gather") == 2 * L + 1, _describe(ag_shard)
+    assert count(ag_shard, "all-gather") == 2 * L + 1, describe(ag_shard)
     assert _elements(ag_shard) == collections.Counter(
         {f.padded_size: 0 for _, f in units}) + collections.Counter(
-        f.padded_size for u, f in units for _ in range(1 if u.name == "root" else 2)), _describe(ag_shard)
-    assert _elements(rs_shard) == collections.Counter(f.shard_size for _, f in units), _describe(rs_shard)
+        f.padded_size for u, f in units for _ in range(1 if u.name == "root" else 2)), describe(ag_shard)
+    assert _elements(rs_shard) == collections.Counter(f.shard_size for _, f in units), describe(rs_shard)
 
     # Across replicas: per unit, one reduce-scatter of its gradient shard [L_u/S] down to
     # [L_u/(R S)] and one all-gather of the updated slices back to [L_u/S]. Nothing else.
     ag_rep, rs_rep = on("all-gather", replica), on("reduce-scatter", replica)
-    assert count(ag_rep, "all-gather") == len(units) and count(rs_rep, "reduce-scatter") == len(units), _describe(ag_rep + rs_rep)
-    assert _elements(rs_rep) == collections.Counter(f.shard_size // r for _, f in units), _describe(rs_rep)  # outputs
-    assert _elements(ag_rep) == collections.Counter(f.shard_size for _, f in units), _describe(ag_rep)  # outputs
+    assert count(ag_rep, "all-gather") == len(units) and count(rs_rep, "reduce-scatter") == len(units), describe(ag_rep + rs_rep)
+    assert _elements(rs_rep) == collections.Counter(f.shard_size // r for _, f in units), describe(rs_rep)  # outputs
+    assert _elements(ag_rep) == collections.Counter(f.shard_size for _, f in units), describe(ag_rep)  # outputs
     big_ar = [o for o in ops if o.kind == "all-reduce" and max(o.sizes) > 1]
-    assert not big_ar, "HYBRID_SHARD_OPT all-reduces only scalars:\n" + _describe(big_ar)
+    assert not big_ar, "HYBRID_SHARD_OPT all-reduces only scalars:\n" + describe(big_ar)
 
 
 @pytest.mark.parametrize("r,s", [(2, 4), (4, 2)], ids=["2x4", "4x2"])

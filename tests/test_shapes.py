@@ -77,3 +77,23 @@ def test_two_dtypes_in_one_unit_make_two_flat_parameters_and_padding_stays_zero(
         for path, leaf in traverse_util.flatten_dict(tree).items():
             if path in sizes:
                 np.testing.assert_array_equal(np.asarray(leaf, np.float32).reshape(-1)[sizes[path]:], 0.0, err_msg=str(path))
+
+
+@pytest.mark.parametrize("strategy,mesh", [("HYBRID_SHARD", (2, 4)), ("SHARD_OPT", (2, 4))])
+def test_each_parameter_is_stored_as_its_record_says(strategy, mesh):
+    """Plan.layouts (one ParamLayout per parameter) is what init placed and unshard reads:
+    stored shape, PartitionSpec and dtype of every leaf; from_storage gives the model's value."""
+    model = OddNet(nnx.Rngs(0))
+    state = zshard.init(model, optax.adam(1e-3), zshard.make_mesh(*mesh), strategy=strategy)
+    plan = state.plan
+    logical = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    stored = traverse_util.flatten_dict(state.params)
+    assert list(plan.layouts) == [p for p, _ in plan.template] and set(plan.layouts) == set(stored) == set(logical)
+    for path, rec in plan.layouts.items():
+        leaf = stored[path]
+        assert leaf.shape == rec.storage_shape and leaf.dtype == rec.dtype and leaf.sharding.spec == rec.spec, path
+        assert rec.padded % plan.opt_shards == 0 and rec.logical_shape == logical[path].get_value().shape
+        host = np.asarray(leaf)
+        np.testing.assert_array_equal(rec.from_storage(host), np.asarray(logical[path].get_value()), err_msg=str(path))
+        np.testing.assert_array_equal(rec.to_storage(rec.from_storage(host)), host, err_msg=str(path))
+    assert plan.trainable == frozenset(p for p, r in plan.layouts.items() if r.trainable) == frozenset(logical)

@@ -224,7 +224,7 @@ def compiled(request):
     return _compile(*request.param)
 
 
-def _describe(ops):
+def describe(ops):
     return "\n".join(f"  {o.op} x{o.count} sizes={o.sizes} groups={o.groups}" for o in ops)
 
 
@@ -236,10 +236,10 @@ def test_plan_units(compiled):
 def test_all_gathers(compiled):
     plan = compiled.state.plan
     ags = [o for o in compiled.ops if o.kind == "all-gather"]
-    assert count(compiled.ops, "all-gather") == 2 * L + 1, _describe(ags)
+    assert count(compiled.ops, "all-gather") == 2 * L + 1, describe(ags)
     shard_groups = groups_of(plan.mesh, plan.shard_axes)
     for o in ags:
-        assert o.groups == shard_groups, _describe([o])
+        assert o.groups == shard_groups, describe([o])
     # each gather materialises one whole unit: the root once, every block twice (fwd + bwd)
     expected = collections.Counter()
     for u in plan.units:
@@ -249,21 +249,21 @@ def test_all_gathers(compiled):
     for o in ags:
         for n in o.sizes:
             got[n] += o.count
-    assert got == expected, _describe(ags)
+    assert got == expected, describe(ags)
 
 
 def test_reduce_scatters(compiled):
     plan = compiled.state.plan
     rss = [o for o in compiled.ops if o.kind == "reduce-scatter"]
-    assert count(compiled.ops, "reduce-scatter") == L + 1, _describe(rss)
+    assert count(compiled.ops, "reduce-scatter") == L + 1, describe(rss)
     shard_groups = groups_of(plan.mesh, plan.shard_axes)
     for o in rss:
-        assert o.groups == shard_groups, _describe([o])
+        assert o.groups == shard_groups, describe([o])
     got = collections.Counter()
     for o in rss:
         for n in o.sizes:
             got[n] += o.count
-    assert got == collections.Counter(f.shard_size for u in plan.units for f in u.flats), _describe(rss)
+    assert got == collections.Counter(f.shard_size for u in plan.units for f in u.flats), describe(rss)
 
 
 def test_all_reduces(compiled):
@@ -271,23 +271,23 @@ def test_all_reduces(compiled):
     ars = [o for o in compiled.ops if o.kind == "all-reduce"]
     scalars = [o for o in ars if max(o.sizes) <= 1]
     # the loss and the grad norm: a few scalars at most
-    assert sum(len(o.sizes) * o.count for o in scalars) <= 4, _describe(scalars)
+    assert sum(len(o.sizes) * o.count for o in scalars) <= 4, describe(scalars)
     big = [o for o in ars if max(o.sizes) > 1]
     if plan.strategy is zshard.Strategy.FULL_SHARD:
-        assert not big, "FULL_SHARD must not all-reduce anything but scalars:\n" + _describe(big)
+        assert not big, "FULL_SHARD must not all-reduce anything but scalars:\n" + describe(big)
         return
     replica_groups = groups_of(plan.mesh, plan.replica_axes)
     assert replica_groups == [tuple(int(i) for i in range(j, 8, plan.mesh.shape["shard"])) for j in range(plan.mesh.shape["shard"])]
     for o in big:
-        assert o.groups == replica_groups, "a non-scalar all-reduce outside the replica groups:\n" + _describe([o])
+        assert o.groups == replica_groups, "a non-scalar all-reduce outside the replica groups:\n" + describe([o])
     shard_sizes = [f.shard_size for u in plan.units for f in u.flats]
     # The replica trap: no element across replica larger than one gradient shard, and in
     # total exactly one all-reduce of each unit's gradient shard.
     elements = [n for o in big for n in o.sizes for _ in range(o.count)]
-    assert max(elements) <= max(shard_sizes), _describe(big)
+    assert max(elements) <= max(shard_sizes), describe(big)
     assert sum(elements) == sum(shard_sizes), (
         f"{sum(elements)} elements all-reduced across replica, expected the {L + 1} gradient shards "
-        f"= {sum(shard_sizes)}:\n" + _describe(big)
+        f"= {sum(shard_sizes)}:\n" + describe(big)
     )
 
 

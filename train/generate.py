@@ -107,20 +107,16 @@ def generate_local(model: nnx.Module, prompts, n: int, *, temperature: float = 0
 
 
 @jax.jit
-def _gather_all(state) -> dict:
+def gather_all(state) -> dict:
     """Every parameter whole on every device: ``{path: logical array}``, replicated."""
     plan = state.plan
-    layers = plan.layers_of()
-    shapes = {p: tuple(v.get_value().shape) for p, v in plan.template}
 
     def local(params):
         out = {}
         for path, x in traverse_util.flatten_dict(params).items():
             # [.., n_pad/N] --all_gather(shard, tiled)--> [.., n_pad]
             full = jax.lax.all_gather(x, plan.shard_axes, axis=x.ndim - 1, tiled=True) if plan.shard_axes else x
-            lead = () if layers[path] is None else (layers[path],)
-            n = int(np.prod(shapes[path][len(lead):], dtype=np.int64))
-            out[path_str(path)] = full[..., :n].reshape(shapes[path])  # [.., n_pad] -> [.., n] -> shape
+            out[path_str(path)] = plan.layouts[path].from_storage(full)  # [.., n_pad] -> [.., n] -> shape
         return out
 
     # The tiled all-gather leaves identical copies on every device of a shard group, and the
@@ -130,7 +126,7 @@ def _gather_all(state) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("gather_once", "prefetch"), donate_argnames=("cache",))
-def _sharded_step(state, full, tokens, cache, pos, t, rows, seed, temperature, gather_once=False, prefetch=1):
+def sharded_step(state, full, tokens, cache, pos, t, rows, seed, temperature, gather_once=False, prefetch=1):
     # (state.variables: the GPT and Llama have none; generation reads, never writes them)
     """One decoding step over the mesh: tokens [B, T] (rows split over all devices) -> next [B]."""
     plan = state.plan
@@ -192,13 +188,13 @@ def generate(
     cache = jax.jit(lambda: init_cache(cfg, bp, t0 + n), out_shardings=batch)()  # each device: its rows
     put = lambda a: jax.make_array_from_callback(a.shape, batch, lambda index: a[index])  # noqa: E731  (multi-process safe)
     rows = put(np.arange(bp, dtype=np.int32))
-    full = _gather_all(state) if gather_once else {}
+    full = gather_all(state) if gather_once else {}
     seed, temp = jnp.int32(seed), jnp.float32(temperature)
-    tok, cache = _sharded_step(state, full, put(padded), cache, jnp.int32(0), jnp.int32(0), rows, seed, temp,
+    tok, cache = sharded_step(state, full, put(padded), cache, jnp.int32(0), jnp.int32(0), rows, seed, temp,
                                gather_once=gather_once, prefetch=prefetch)
     out = [tok]
     for t in range(1, n):
-        tok, cache = _sharded_step(state, full, tok[:, None], cache, jnp.int32(t0 + t - 1), jnp.int32(t), rows, seed, temp,
+        tok, cache = sharded_step(state, full, tok[:, None], cache, jnp.int32(t0 + t - 1), jnp.int32(t), rows, seed, temp,
                                    gather_once=gather_once, prefetch=prefetch)
         out.append(tok)
     tokens = jnp.stack(out, axis=1)  # [bp, n], rows split over the devices

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from zshard.flat import FlatParameter, ParamSlot
+from zshard.flat import FlatParameter, ParamLayout
 from zshard.precision import FULL_PRECISION, MixedPrecision
 
 __all__ = [
@@ -286,12 +286,12 @@ def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], comm: Unit
     return _gather(tuple(bufs), None if sinks is None else tuple(sinks))
 
 
-def gather_param(slot: ParamSlot, shard: jax.Array, num_shards: int, comm: UnitComm, sink: jax.Array | None = None) -> jax.Array:
+def gather_param(slot: ParamLayout, shard: jax.Array, num_shards: int, comm: UnitComm, sink: jax.Array | None = None) -> jax.Array:
     """All-gather one parameter where it is read outside its unit's methods; backward
     reduce-scatters its gradient (+ replica all-reduce of the shard), like :func:`gather`.
 
     Args:
-      slot: the parameter's layout (logical shape, size, padded size).
+      slot: the parameter's record (logical shape, padded size; ``to_storage`` / ``from_storage``).
       shard: this device's padded slice, ``[n_pad/N]``, or ``[L, n_pad/N]`` for all layers
         of a stacked parameter.
       num_shards: ``N``, devices along ``comm.shard_axes``.
@@ -304,14 +304,13 @@ def gather_param(slot: ParamSlot, shard: jax.Array, num_shards: int, comm: UnitC
     """
     shard_axes, mp = comm.shard_axes, comm.mp
     replica_axes = comm.replica_axes + (comm.scatter_axes if sink is not None else ())
-    lead = shard.shape[:-1]
     sink_dtype = None if sink is None else sink.dtype
 
     def full_of(b):
         b = vary(b, shard_axes + replica_axes).astype(mp.gather_dtype(slot.dtype))
         # [..., n_pad/N] --all_gather(shard_axes, tiled)--> [..., n_pad]
         full = jax.lax.all_gather(b, shard_axes, axis=b.ndim - 1, tiled=True) if shard_axes else b
-        return full[..., : slot.size].reshape(lead + slot.shape)  # [..., n_pad] -> [..., n] -> [..., *shape]
+        return slot.from_storage(full)  # [..., n_pad] -> [..., n] -> [..., *shape]
 
     @jax.custom_vjp
     def _gather(b, sink):
@@ -321,9 +320,7 @@ def gather_param(slot: ParamSlot, shard: jax.Array, num_shards: int, comm: UnitC
         return full_of(b), None
 
     def bwd(_, g):
-        g = g.astype(mp.grad_dtype(slot.dtype)).reshape(lead + (slot.size,))  # [..., *shape] -> [..., n]
-        pad = [(0, 0)] * len(lead) + [(0, shard.shape[-1] * num_shards - slot.size)]
-        g = vary(jnp.pad(g, pad), shard_axes + replica_axes)  # [..., n] -> [..., n_pad]
+        g = vary(slot.to_storage(g.astype(mp.grad_dtype(slot.dtype))), shard_axes + replica_axes)  # [..., *shape] -> [..., n_pad]
         if shard_axes:
             # [..., n_pad] --reduce_scatter(shard_axes, tiled)--> [..., n_pad/N]
             g = jax.lax.psum_scatter(g, shard_axes, scatter_dimension=g.ndim - 1, tiled=True)

@@ -14,6 +14,10 @@ of every parameter of the unit::
 At rest each parameter's shard is kept as its own array, globally ``[n_pad]`` with
 ``PartitionSpec(shard_axes)`` (local ``[n_pad / N]``), so the optimizer sees per-parameter
 shards; the step concatenates them into the FlatParameter just before the collective.
+
+:class:`ParamLayout` is the one record per parameter that knows this stored form
+(``to_storage`` / ``from_storage``); a :class:`FlatParameter` is built from the records of
+one unit's parameters of one dtype, each placed at an offset (:class:`ParamSlot`).
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["FlatParameter", "ParamSlot", "padded_size", "pad_flat"]
+__all__ = ["FlatParameter", "ParamLayout", "ParamSlot", "padded_size"]
 
 
 def padded_size(size: int, num_shards: int) -> int:
@@ -33,35 +38,136 @@ def padded_size(size: int, num_shards: int) -> int:
     return -(-size // num_shards) * num_shards  # 0 stays 0
 
 
-def pad_flat(value, num_shards: int, layers: int | None = None):
-    """A parameter -> its padded flat form: ``[n_pad]``, or ``[L, n_pad]`` for a stacked
-    parameter ``[L, *shape]`` (``layers=L``; each layer padded on its own). numpy or jax input."""
-    xp = np if isinstance(value, np.ndarray) else jnp
-    lead = () if layers is None else (layers,)
-    flat = xp.reshape(value, lead + (-1,))  # [n] or [L, n]
-    pad = padded_size(flat.shape[-1], num_shards) - flat.shape[-1]
-    return xp.pad(flat, [(0, 0)] * len(lead) + [(0, pad)]) if pad else flat
-
-
 @dataclasses.dataclass(frozen=True)
-class ParamSlot:
-    """Where one parameter lives in its unit's FlatParameter.
+class ParamLayout:
+    """One parameter's storage format: the only place that knows how a parameter is stored.
+
+    A parameter of logical shape ``shape`` (one layer's) is stored flat and zero-padded:
+    ``[n_pad]``, or ``[L, n_pad]`` for a stacked parameter ``[L, *shape]`` (each layer padded
+    on its own), with ``PartitionSpec(shard_axes)`` (``PartitionSpec(None, shard_axes)``
+    stacked) at rest. Every module that turns a parameter (or a parameter-shaped gradient,
+    optimizer leaf or checkpoint array) into its stored form or back calls
+    :meth:`to_storage` / :meth:`from_storage`; the FlatParameters are built from these
+    records (:meth:`FlatParameter.build`).
 
     Attributes:
-      path: the parameter's path in the model state, e.g. ``("blocks", 0, "mlp", "kernel")``.
-      shape: logical shape.
-      dtype: dtype (numpy).
-      size: ``prod(shape)`` elements.
-      padded: ``size`` rounded up to a multiple of the shard count (elements).
-      offset: column of this parameter's row inside one device's FlatParameter shard.
+      path: the parameter's path in the model state, ``("blocks", 0, "mlp", "kernel")``.
+      shape: logical shape of one layer.
+      dtype: the parameter's dtype (numpy).
+      padded: ``n_pad``: ``size`` rounded up to a multiple of the devices the optimizer
+        state is split over (``Plan.opt_shards``), so that every shard count used on it
+        divides it (elements).
+      layers: ``L`` of a stacked parameter (the layer axis is never sharded), else ``None``.
+      spec: PartitionSpec of the stored array at rest (``PartitionSpec()``: replicated).
+      trainable: ``False`` for a frozen parameter (no gradient, no optimizer state).
+      unit: name of the unit that gathers it (``"blocks.0"``, ``"root"``).
     """
 
     path: tuple
     shape: tuple[int, ...]
     dtype: np.dtype
-    size: int
-    padded: int
+    padded: int  # n_pad
+    layers: int | None = None
+    spec: P = P()
+    trainable: bool = True
+    unit: str = ""
+
+    @classmethod
+    def build(cls, path, shape, dtype, pad_multiple: int, layers=None, axes: tuple[str, ...] = (), trainable=True, unit=""):
+        """The record of a parameter whose layer has logical ``shape``, padded to a multiple of
+        ``pad_multiple`` and split over the mesh ``axes`` at rest."""
+        size = int(np.prod(shape, dtype=np.int64))
+        lead = () if layers is None else (None,)
+        spec = P(*lead, axes) if axes else P()
+        return cls(tuple(path), tuple(shape), np.dtype(dtype), padded_size(size, pad_multiple), layers, spec, trainable, unit)
+
+    @property
+    def size(self) -> int:
+        """``n = prod(shape)``: logical elements of one layer."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """``(L,)`` for a stacked parameter, else ``()``."""
+        return () if self.layers is None else (self.layers,)
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        """``[*shape]``, or ``[L, *shape]`` stacked: the parameter as the model holds it."""
+        return self.lead + self.shape
+
+    @property
+    def storage_shape(self) -> tuple[int, ...]:
+        """``[n_pad]``, or ``[L, n_pad]`` stacked: the global stored array."""
+        return self.lead + (self.padded,)
+
+    def shard_shape(self, parts: int) -> tuple[int, ...]:
+        """``[n_pad/parts]`` (``[L, n_pad/parts]``): one device's piece over ``parts`` devices."""
+        if self.padded % parts:
+            raise ValueError(f"{self.path}: {self.padded} padded elements do not split over {parts} devices")
+        return self.lead + (self.padded // parts,)
+
+    def to_storage(self, x):
+        """A value in logical form ``[..., *shape]`` -> stored form ``[..., n_pad]``, zero padding.
+
+        ``...`` is any leading dimensions: none (one layer, or an unstacked parameter), ``[L]``
+        (all layers of a stacked one). numpy in, numpy out; jax in, jax out. The dtype is kept.
+        """
+        xp = np if isinstance(x, np.ndarray) else jnp
+        lead = tuple(np.shape(x)[: np.ndim(x) - len(self.shape)])
+        flat = xp.reshape(x, lead + (self.size,))  # [..., *shape] -> [..., n]
+        pad = self.padded - self.size
+        return xp.pad(flat, [(0, 0)] * len(lead) + [(0, pad)]) if pad else flat  # [..., n] -> [..., n_pad]
+
+    def from_storage(self, x):
+        """Stored form ``[..., n_pad]`` -> logical form ``[..., *shape]``; padding dropped.
+
+        ``...`` as in :meth:`to_storage`. numpy or jax. (An optimizer view ``[.., 1, n_pad]``
+        is reshaped to :attr:`storage_shape` first.)
+        """
+        return x[..., : self.size].reshape(tuple(np.shape(x)[:-1]) + self.shape)  # [..., n_pad] -> [..., n] -> [..., *shape]
+
+    @property
+    def view_ndim(self) -> int:
+        """Rank of the optimizer's view of one layer: the logical rank, at least 1."""
+        return max(len(self.shape), 1)
+
+    def view_shape(self, parts: int) -> tuple[int, ...]:
+        """The optimizer's view of one device's piece over ``parts`` devices:
+        ``[*lead, 1, ..., 1, n_pad/parts]`` with the logical rank (:attr:`view_ndim`), so that
+        Optax masks and labels (``p.ndim > 1``) see weights and biases as they are."""
+        piece = self.shard_shape(parts)
+        return piece[:-1] + (1,) * (self.view_ndim - 1) + piece[-1:]
+
+    def view_spec(self, axes: tuple[str, ...]) -> P:
+        """PartitionSpec of the global optimizer view (the last dimension split over ``axes``)."""
+        return P(*([None] * (len(self.lead) + self.view_ndim - 1)), axes) if axes else P()
+
+    def format_key(self) -> "ParamLayout":
+        """This record without its identity (path, spec, trainable, unit): equal for every
+        parameter stored alike, the static argument of a program compiled once per format."""
+        return ParamLayout((), self.shape, self.dtype, self.padded, self.layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter (its :class:`ParamLayout`) lives in its unit's FlatParameter.
+
+    Attributes:
+      param: the parameter's record.
+      offset: column of this parameter's row inside one device's FlatParameter shard.
+
+    ``path``, ``shape``, ``dtype``, ``size`` and ``padded`` are the record's.
+    """
+
+    param: ParamLayout
     offset: int
+
+    path = property(lambda self: self.param.path)
+    shape = property(lambda self: self.param.shape)
+    dtype = property(lambda self: self.param.dtype)
+    size = property(lambda self: self.param.size)
+    padded = property(lambda self: self.param.padded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,30 +189,23 @@ class FlatParameter:
     trainable: bool = True
 
     @classmethod
-    def build(
-        cls,
-        unit: str,
-        params: Sequence[tuple[tuple, tuple[int, ...], np.dtype]],
-        num_shards: int,
-        pad_multiple: int | None = None,
-        trainable: bool = True,
-    ):
-        """Lay out ``(path, shape, dtype)`` triples (all of one dtype) in the given order.
+    def build(cls, unit: str, params: Sequence[ParamLayout], num_shards: int, trainable: bool = True):
+        """Lay out parameter records (all of one dtype) in the given order over ``num_shards`` devices.
 
-        ``pad_multiple`` (a multiple of ``num_shards``; default ``num_shards``) is what each
-        parameter is padded to: SHARD_OPT keeps whole parameters (``num_shards=1``) padded
-        to a multiple of the optimizer's shard count (all devices), so that it can slice them.
+        Each record's ``padded`` must divide by ``num_shards``: records are padded to the
+        optimizer's shard count (SHARD_OPT keeps whole parameters, ``num_shards=1``, padded to
+        a multiple of all devices, so that it can slice them).
+
+        Raises:
+          ValueError: a record's ``padded`` does not divide by ``num_shards``.
         """
-        pad_multiple = pad_multiple or num_shards
-        if pad_multiple % num_shards:
-            raise ValueError(f"pad_multiple={pad_multiple} must be a multiple of num_shards={num_shards}")
         slots, offset = [], 0
-        for path, shape, dtype in params:
-            size = int(np.prod(shape, dtype=np.int64))
-            padded = padded_size(size, pad_multiple)
-            slots.append(ParamSlot(path, tuple(shape), np.dtype(dtype), size, padded, offset))
-            offset += padded // num_shards
-        return cls(unit, np.dtype(params[0][2]), num_shards, tuple(slots), trainable)
+        for p in params:
+            if p.padded % num_shards:
+                raise ValueError(f"{p.path}: padded size {p.padded} must be a multiple of num_shards={num_shards}")
+            slots.append(ParamSlot(p, offset))
+            offset += p.padded // num_shards
+        return cls(unit, np.dtype(params[0].dtype), num_shards, tuple(slots), trainable)
 
     @property
     def shard_size(self) -> int:
@@ -137,7 +236,7 @@ class FlatParameter:
             n = s.padded // self.num_shards  # [n_pad/N], the slot's shard
             if n % parts:
                 raise ValueError(f"{s.path}: shard of {n} elements does not split into {parts} rows; pad to a multiple of N*{parts}")
-            slots.append(ParamSlot(s.path, (n,), s.dtype, n, n, offset))
+            slots.append(ParamSlot(ParamLayout(s.path, (n,), s.dtype, n, unit=self.unit), offset))
             offset += n // parts
         return FlatParameter(self.unit, self.dtype, parts, tuple(slots), self.trainable)
 
@@ -169,15 +268,13 @@ class FlatParameter:
 
     def unflatten(self, full: jax.Array) -> list[jax.Array]:
         """Gathered FlatParameter ``[N, L/N]`` -> the parameters in their logical shapes."""
-        # [n_pad] -> [n] -> shape
-        return [v[: s.size].reshape(s.shape) for s, v in zip(self.slots, self.split_padded(full))]
+        return [s.param.from_storage(v) for s, v in zip(self.slots, self.split_padded(full))]  # [n_pad] -> shape
 
     def flatten(self, values: Sequence[jax.Array], dtype=None) -> jax.Array:
         """Full-size values (e.g. gradients) in logical shapes -> ``[N, L/N]`` in ``dtype``
         (default: the FlatParameter's), zero padding."""
         rows = []
         for s, v in zip(self.slots, values):
-            flat = v.astype(dtype or self.dtype).reshape(-1)
-            flat = jnp.pad(flat, (0, s.padded - s.size)) if s.padded > s.size else flat  # [n] -> [n_pad]
+            flat = s.param.to_storage(v.astype(dtype or self.dtype))  # shape -> [n_pad]
             rows.append(flat.reshape(self.num_shards, -1))  # [N, n_pad/N]
         return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)  # [N, L/N]

@@ -19,6 +19,10 @@
   its own stream; a unit's method gets them as inputs and hands back their new values.
 
 docs/design.md, "Data flow of one step", describes where this sits in the step.
+
+About 400 lines: the step options, the intercepted classes, one unit call in named steps
+(:meth:`UnitBinding.call`), gather on read and :func:`materialize`, which all work on the
+same rebuilt model.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from zshard.collectives import PrefetchLink, UnitComm, gather, gather_param, run_unit
+from zshard.flat import ParamLayout
 from zshard.mesh import AXES
 from zshard.units import path_str
 
@@ -165,7 +170,7 @@ class UnitBinding:
 
     Attributes:
       plan: the sharding plan.
-      unit: the :class:`~zshard.state.Unit`.
+      unit: the :class:`~zshard.planner.Unit`.
       comm: its communication settings.
       prefetch: prefetch depth (0: off; stacked units are never prefetched).
       chain: the block-unit calls of this forward pass, in call order (prefetch links).
@@ -178,65 +183,94 @@ class UnitBinding:
     chain: list
 
     def call(self, module: nnx.Module, name: str, args: tuple, kwargs: dict):
-        """``module.<name>(*args, **kwargs)`` with the unit's parameters gathered just in time."""
-        unit, plan = self.unit, self.plan
+        """``module.<name>(*args, **kwargs)`` with the unit's parameters gathered just in time.
+
+        Steps: read this device's shards from the module (:meth:`_shards`), split the
+        call's arguments into traced inputs and static leaves (:class:`_CallArgs`), build the
+        function of the gathered parameters that runs the original method on a plain copy of
+        the module (:meth:`_apply`), pick the prefetch link to wait on (:meth:`_after`), run
+        it through :func:`~zshard.collectives.run_unit`, and write the non-parameter
+        variables it changed or created back into the module.
+        """
+        unit = self.unit
         cls = type(module).__mro__[1]  # the user's class under the intercepting subclass
         variables = dict(nnx.to_flat_state(nnx.state(module)))  # relative path -> Variable
-        own = {s.path[len(unit.path) :]: s for s in unit.slots}
+        bufs, sinks = self._shards(variables, cls, name)
+        # Tied weights (the root's gathered values) and non-parameter variables enter as inputs.
         shared = dict(unit.shared)  # relative path -> the root's model path (tied weights)
+        tied_rel = [r for r, _ in unit.shared]
+        other_rel = [p for p, v in variables.items() if not _is_param(v) and p not in shared]
+        call_args = _CallArgs.of(args, kwargs)
+        apply = self._apply(module, cls, name, variables, call_args, tied_rel, other_rel)
+        link = PrefetchLink(trace=_trace())
+        tied = [variables[r].get_raw_value() for r in tied_rel]
+        others = [variables[p].get_raw_value() for p in other_rel]
+        with jax.named_scope(f"zshard.unit.{unit.name}.{name}"):
+            out, new_others, created = run_unit(
+                apply, unit.flats, bufs, call_args.inputs + tied + others, self.comm, self._after(link), link, unit.name, sinks
+            )
+        if unit.layers is None:
+            self.chain.append(link)
+        for p, v in zip(other_rel, new_others):
+            variables[p].set_raw_value(v)
+        for p, var in created.items():
+            _attach(module, p, var)
+        return out
+
+    def _shards(self, variables: dict, cls: type, name: str) -> tuple[list[tuple], list[tuple] | None]:
+        """Per FlatParameter of the unit, this device's per-parameter shards as the module
+        holds them (``[n_pad/N]``; one layer's inside a scan); the collectives concatenate
+        them (no saved copy). Second: HYBRID_SHARD_OPT's gradient sinks per FlatParameter
+        (``[n_pad/(R*S)]`` each, ``()`` for a frozen one), ``None`` for other strategies.
+
+        Raises:
+          ValueError: a stacked unit called with all its layers at once (``[L, n_pad/N]``).
+        """
+        unit = self.unit
         raw, sink_of = {}, {}
-        for rel, slot in own.items():
+        for s in unit.slots:
+            rel = s.path[len(unit.path) :]
             value = variables[rel].get_raw_value()
             if isinstance(value, ShardWithSink):  # HYBRID_SHARD_OPT, see materialize
                 value, sink_of[rel] = value.shard, value.sink
-            want = (unit.layers,) if unit.layers is not None and value.ndim == 2 else ()
-            if want:
+            if unit.layers is not None and value.ndim == 2:
                 raise ValueError(
                     f"zshard: the stacked unit {unit.name!r} ({cls.__name__}, {unit.layers} layers) was called with all its "
                     f"layers at once ({name}); run it one layer at a time under nnx.scan (or jax.lax.scan over "
                     f"nnx.split state), as the model that built it with nnx.vmap intends"
                 )
             raw[rel] = value
-        # per dtype, the per-parameter shards; the collectives concatenate them (no saved copy)
         bufs = [tuple(raw[s.path[len(unit.path) :]] for s in f.slots) for f in unit.flats]
         sinks = None  # HYBRID_SHARD_OPT: per flat, the per-parameter gradient sinks (() when frozen)
         if sink_of:
             sinks = [tuple(sink_of[s.path[len(unit.path) :]] for s in f.slots) if f.trainable else () for f in unit.flats]
-        # Tied weights (the root's gathered values) and non-parameter variables enter as inputs.
-        tied_rel = [r for r, _ in unit.shared]
-        tied = [variables[r].get_raw_value() for r in tied_rel]
-        other_rel = [p for p, v in variables.items() if not _is_param(v) and p not in shared]
-        others = [variables[p].get_raw_value() for p in other_rel]
+        return bufs, sinks
+
+    def _apply(self, module, cls: type, name: str, variables: dict, call_args: "_CallArgs", tied_rel: list, other_rel: list):
+        """``apply(params, all_inputs) -> (out, new other variables, created variables)``: the
+        original method on a plain module rebuilt from the gathered ``params`` (in slot order,
+        then the tied weights) and ``all_inputs`` (the call's traced inputs, the tied weights'
+        values, the other variables' values)."""
+        unit, mp = self.unit, self.plan.mp
         rel_params = [s.path[len(unit.path) :] for s in unit.slots] + tied_rel
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
-        static = [None if i in dynamic else x for i, x in enumerate(leaves)]
-        inputs = [leaves[i] for i in dynamic]
-        in_dtypes = [x.dtype for x in inputs if jnp.issubdtype(x.dtype, jnp.floating)]
-        template = {p: v for p, v in unit.template}
-        n_in, n_tied = len(inputs), len(tied)
-        mp = plan.mp
+        template = dict(unit.template)
+        n_in, n_tied = len(call_args.inputs), len(tied_rel)
+        in_dtypes = [x.dtype for x in call_args.inputs if jnp.issubdtype(x.dtype, jnp.floating)]
         # The module as it is now (flags set by model.eval() / model.train(), attributes the
         # user changed), with the template's variables: no gather-on-read hooks inside.
         graphdef = nnx.graphdef(module)
 
         def apply(params, all_inputs):
             xs = mp.cast_inputs(list(all_inputs[:n_in]))  # compute in param_dtype (FSDP cast_forward_inputs)
-            tied_values = all_inputs[n_in : n_in + n_tied]
-            other_values = all_inputs[n_in + n_tied :]
-            values = dict(zip(rel_params, list(params) + list(tied_values)))
-            values.update(zip(other_rel, other_values))
+            values = dict(zip(rel_params, list(params) + list(all_inputs[n_in : n_in + n_tied])))
+            values.update(zip(other_rel, all_inputs[n_in + n_tied :]))
             with nnx.use_eager_sharding(False):
                 pairs = [(p, v.replace(values[p]) if p in values else v) for p, v in template.items()]
                 pairs += [(p, variables[p].replace(values[p])) for p in other_rel if p not in template]  # earlier sow-s
-                state = nnx.from_flat_state(pairs)
-                inner = nnx.merge(graphdef, state)
+                inner = nnx.merge(graphdef, nnx.from_flat_state(pairs))
             object.__setattr__(inner, "__class__", cls)  # a plain module: its own calls are not intercepted
             vars(inner).pop("_zshard_unit", None)
-            full = list(static)
-            for i, x in zip(dynamic, xs):
-                full[i] = x
-            a, kw = jax.tree.unflatten(treedef, full)
+            a, kw = call_args.rebuild(xs)
             out = getattr(cls, name)(inner, *a, **kw)
             # Floating outputs leave the unit in the dtype its floating inputs came in (the
             # residual stream stays fp32 under bf16 compute; an nnx.scan carry keeps its type).
@@ -247,22 +281,42 @@ class UnitBinding:
             created = {p: v for p, v in after.items() if p not in template and not _is_param(v)}  # sow-ed intermediates
             return out, new_others, created
 
-        link, earlier = PrefetchLink(trace=_trace()), None
-        if self.prefetch and unit.layers is None and len(self.chain) >= self.prefetch:
-            candidate = self.chain[-self.prefetch]
-            if candidate.trace == link.trace and candidate.token is not None:
-                earlier, candidate.taken = candidate, True
-        with jax.named_scope(f"zshard.unit.{unit.name}.{name}"):
-            out, new_others, created = run_unit(
-                apply, unit.flats, bufs, inputs + tied + others, self.comm, earlier, link, unit.name, sinks
-            )
-        if unit.layers is None:
-            self.chain.append(link)
-        for p, v in zip(other_rel, new_others):
-            variables[p].set_raw_value(v)
-        for p, var in created.items():
-            _attach(module, p, var)
-        return out
+        return apply
+
+    def _after(self, link: PrefetchLink) -> PrefetchLink | None:
+        """The earlier call's link this call's forward gather waits on (docs/design.md
+        section 8.2), marked taken; ``None``: wait on this call's own inputs."""
+        if not self.prefetch or self.unit.layers is not None or len(self.chain) < self.prefetch:
+            return None
+        candidate = self.chain[-self.prefetch]
+        if candidate.trace != link.trace or candidate.token is None:
+            return None  # made in another trace (a model's own checkpoint / scan / vmap): not linked
+        candidate.taken = True
+        return candidate
+
+
+@dataclasses.dataclass(frozen=True)
+class _CallArgs:
+    """A unit call's ``(args, kwargs)`` split into traced inputs (arrays) and static leaves."""
+
+    treedef: Any
+    static: list  # the leaves, ``None`` where an input goes
+    dynamic: list  # leaf indices of the inputs
+    inputs: list  # the arrays
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict) -> "_CallArgs":
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+        static = [None if i in dynamic else x for i, x in enumerate(leaves)]
+        return cls(treedef, static, dynamic, [leaves[i] for i in dynamic])
+
+    def rebuild(self, inputs: list) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` with ``inputs`` in place of the arrays."""
+        full = list(self.static)
+        for i, x in zip(self.dynamic, inputs):
+            full[i] = x
+        return jax.tree.unflatten(self.treedef, full)
 
 
 def _attach(module: nnx.Module, path: tuple, var) -> None:
@@ -291,7 +345,7 @@ class _GatherOnRead:
     """Flax ``on_get_value`` hook of a block-unit parameter: its value, read outside the
     unit's methods, is the parameter all-gathered where it is read (gradient reduce-scattered)."""
 
-    slot: Any
+    slot: ParamLayout
     num_shards: int
     comm: UnitComm
 
@@ -372,7 +426,7 @@ def materialize(plan, shards: dict, variables: dict, opts: StepOptions, sinks: d
     for unit in blocks:
         for s in unit.slots:
             values[s.path] = shards[s.path] if sinks is None or s.path not in sinks else ShardWithSink(shards[s.path], sinks[s.path])
-            hooks[s.path] = _GatherOnRead(s, plan.num_shards, comm)
+            hooks[s.path] = _GatherOnRead(s.param, plan.num_shards, comm)
     with nnx.use_eager_sharding(False):  # zshard's layout, not the model's sharding annotations
         state = nnx.from_flat_state(
             [

@@ -36,27 +36,18 @@ def _opt_slice(plan, tree):
     return jax.tree.map(mine, tree)
 
 
-def view_rank(logical_ndim: int) -> int:
-    """Rank of the optimizer's view of a parameter of ``logical_ndim`` dimensions (one layer)."""
-    return max(logical_ndim, 1)
-
-
-def _ndims(plan) -> dict:
-    layers = plan.layers_of()
-    return {p: len(v.get_value().shape) - (layers[p] is not None) for p, v in plan.template}
-
-
 def _to_view(plan, tree: dict) -> dict:
-    """Flat shards ``[..., n]`` -> ``[..., 1, ..., 1, n]`` with the parameter's logical rank.
+    """Flat shards ``[..., n]`` -> ``[..., 1, ..., 1, n]`` with the parameter's logical rank
+    (:attr:`ParamLayout.view_ndim <zshard.flat.ParamLayout.view_ndim>`).
 
     Optax masks and ``multi_transform`` labels see the logical tree (paths) and the logical
     rank (``p.ndim > 1`` tells weights from biases and norm scales); the values are this
     device's padded slice, so elementwise transformations are unchanged.
     """
-    ndims = _ndims(plan)
+    records = plan.layouts
     flat = traverse_util.flatten_dict(tree)
     return traverse_util.unflatten_dict(
-        {p: x.reshape(x.shape[:-1] + (1,) * (view_rank(ndims[p]) - 1) + x.shape[-1:]) for p, x in flat.items()}
+        {p: x.reshape(x.shape[:-1] + (1,) * (records[p].view_ndim - 1) + x.shape[-1:]) for p, x in flat.items()}
     )
 
 

@@ -37,6 +37,12 @@ Each equation costs exactly what it needs:
 Optimizer-state leaves shaped like their parameter stay sharded exactly like the
 elementwise path's; other leaves (counts, Adafactor's factors, Muon's coefficients) are
 replicated. Side-effecting transformations (host callbacks) are refused before compiling.
+
+Over 400 lines on purpose: it is one interpreter. The rule of each kind of equation
+(``_eval_eqn`` and the helpers it dispatches to) uses the shard arithmetic of ``_Ctx``
+(element indices, logical coordinates, gathers); split apart, a rule and the arithmetic it
+relies on would live in different files. The stored form of a parameter comes from
+:class:`zshard.flat.ParamLayout` (:meth:`Layout.storage`).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ import numpy as np
 import optax
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
+
+from zshard.flat import ParamLayout, padded_size
 
 __all__ = ["Layout", "OptView", "Shard", "build_view", "view_init", "view_update"]
 
@@ -90,7 +98,11 @@ class Layout:
 
     @property
     def n_loc(self) -> int:  # n_pad / N
-        return -(-self.n // self.num_shards)
+        return padded_size(self.n, self.num_shards) // self.num_shards
+
+    def storage(self, dtype) -> ParamLayout:
+        """The stored form of a ``dtype`` value of this shape (``[*lead, n_pad]``)."""
+        return ParamLayout.build((), self.shape[self.lead :], dtype, self.num_shards, self.shape[0] if self.lead else None)
 
     @property
     def local_shape(self) -> tuple:  # [*lead, n_pad/N]
@@ -184,8 +196,7 @@ class _Ctx:
         if tuple(x.shape) != tuple(lay.shape):  # [.., 1, ..] -> index arithmetic, no full-size copy
             return self.broadcast(x, lay, tuple(range(len(lay.shape))))
         lead = tuple(lay.shape[: lay.lead])
-        flat = x.reshape(lead + (-1,))  # [*lead, n]
-        flat = jnp.pad(flat, [(0, 0)] * lay.lead + [(0, lay.n_loc * self.num_shards - lay.n)])  # [*lead, n_pad]
+        flat = lay.storage(x.dtype).to_storage(x)  # [*lead, *inner] -> [*lead, n_pad]
         rows = flat.reshape(lead + (self.num_shards, lay.n_loc))  # [*lead, N, n_pad/N]
         # [*lead, N, n_pad/N] --row r (no collective)--> [*lead, n_pad/N]
         return Shard(jax.lax.dynamic_index_in_dim(rows, self.index, axis=lay.lead, keepdims=False), lay)
@@ -211,8 +222,7 @@ class _Ctx:
             self.collectives.append(("all-gather", x.size * x.dtype.itemsize * self.num_shards))
             # [*lead, n_pad/N] --all_gather(opt axes)--> [*lead, n_pad]
             x = jax.lax.all_gather(x, self.axes, axis=lay.lead, tiled=True, to="invarying")
-        # [*lead, n_pad] -> [*lead, n] -> logical shape
-        return x[..., : lay.n].reshape(lay.shape)
+        return lay.storage(x.dtype).from_storage(x)  # [*lead, n_pad] -> [*lead, n] -> logical shape
 
     def reduce(self, kind: str, x):
         """All-reduce of a locally reduced value over the optimizer axes."""

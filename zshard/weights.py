@@ -4,25 +4,26 @@ and :func:`fetch_params`.
 ``weights`` maps each dotted parameter path (``"blocks.0.attn.qkv.kernel"``, the names of
 zshard checkpoints, :func:`zshard.units.path_str`) to a zero-argument callable that returns
 the parameter in its logical shape (numpy or jax array). Each callable is called once; its
-array is padded and flattened (``[n]`` -> ``[n_pad]``, ``[L, n_pad]`` for stacked layers,
-see ``zshard.flat``) and each device's piece is copied straight to it
+array is put in its stored form (:meth:`zshard.flat.ParamLayout.to_storage`: ``[n_pad]``,
+``[L, n_pad]`` for stacked layers) and each device's piece is copied straight to it
 (``jax.make_array_from_callback``), so host memory holds about one tensor at a time.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
+from flax import traverse_util
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.flat import pad_flat
+from zshard.flat import ParamLayout
 from zshard.units import path_str
 
-__all__ = ["check_weights", "place_weights", "fetch_params"]
+__all__ = ["auto_axes", "check_weights", "fetch_params", "logical_replicated", "place_weights"]
 
 
 def _declared_shape(fn) -> tuple | None:
@@ -30,11 +31,11 @@ def _declared_shape(fn) -> tuple | None:
     return tuple(int(d) for d in shape) if shape is not None else None
 
 
-def check_weights(template, weights: Mapping[str, Callable]) -> None:
+def check_weights(layouts: Sequence[ParamLayout], weights: Mapping[str, Callable]) -> None:
     """Names and (where the callable declares ``.shape``) shapes against the model, before any read.
 
     Args:
-      template: ``(path, abstract Variable)`` pairs of the model (``Plan.template``).
+      layouts: the model's parameter records (``Plan.layouts.values()``).
       weights: dotted path -> zero-argument callable.
 
     Raises:
@@ -43,7 +44,7 @@ def check_weights(template, weights: Mapping[str, Callable]) -> None:
     """
     if not isinstance(weights, Mapping):
         raise TypeError(f"params= must be a mapping from dotted parameter path to a zero-argument callable, got {type(weights).__name__}")
-    want = {path_str(p): tuple(v.get_value().shape) for p, v in template}
+    want = {path_str(rec.path): rec.logical_shape for rec in layouts}
     problems = []
     for name, fn in weights.items():
         if not callable(fn):
@@ -60,47 +61,50 @@ def check_weights(template, weights: Mapping[str, Callable]) -> None:
         )
 
 
-def place_weights(template, weights: Mapping[str, Callable], shardings, layers: dict, pad_multiple: int) -> list[jax.Array]:
+def place_weights(layouts: Sequence[ParamLayout], weights: Mapping[str, Callable], shardings) -> list[jax.Array]:
     """Read each tensor once and write it into its shards.
 
     Args:
-      template: ``(path, abstract Variable)`` pairs, the order of the returned arrays.
+      layouts: the parameter records, the order of the returned arrays.
       weights: checked by :func:`check_weights`.
-      shardings: one ``NamedSharding`` per template entry (``PartitionSpec(shard_axes)``,
-        ``PartitionSpec(None, shard_axes)`` for stacked layers).
-      layers: path -> ``L`` of a stacked parameter, else ``None``.
-      pad_multiple: what each (layer of a) parameter is padded to (``opt_shards``).
+      shardings: one ``NamedSharding`` per record (its ``spec``).
 
     Returns:
-      The padded flat parameters ``[n_pad]`` / ``[L, n_pad]``, in the parameters' dtypes.
+      The stored parameters ``[n_pad]`` / ``[L, n_pad]``, in the parameters' dtypes.
 
     Raises:
       ValueError: a callable returned an array of another shape than the parameter's (named
         with both shapes; raised before that tensor is placed).
     """
     out = []
-    for (path, var), sharding in zip(template, shardings):
-        name, want = path_str(path), var.get_value()
+    for rec, sharding in zip(layouts, shardings):
+        name = path_str(rec.path)
         value = np.asarray(weights[name]())
-        if tuple(value.shape) != tuple(want.shape):
-            raise ValueError(f"zshard.init(params=...): {name} returned shape {tuple(value.shape)}, the model's parameter is {tuple(want.shape)}")
-        padded = pad_flat(value.astype(want.dtype, copy=False), pad_multiple, layers[path])  # shape -> [n_pad] / [L, n_pad]
-        out.append(jax.make_array_from_callback(padded.shape, sharding, lambda index, a=padded: a[index]))
-        del value, padded  # one tensor on the host at a time
+        if tuple(value.shape) != rec.logical_shape:
+            raise ValueError(f"zshard.init(params=...): {name} returned shape {tuple(value.shape)}, the model's parameter is {rec.logical_shape}")
+        stored = rec.to_storage(value.astype(rec.dtype, copy=False))  # shape -> [n_pad] / [L, n_pad]
+        out.append(jax.make_array_from_callback(stored.shape, sharding, lambda index, a=stored: a[index]))
+        del value, stored  # one tensor on the host at a time
     return out
 
 
-def _auto(mesh: Mesh) -> Mesh:
+def auto_axes(mesh: Mesh) -> Mesh:
+    """The same devices with ``Auto`` axes: the unpadding programs slice dimensions that do
+    not divide by the axis size, which Explicit axes refuse; the partitioner moves the data."""
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _logical_replicated(x, shape: tuple, layers: int | None, mesh: Mesh):
-    """``[n_pad]`` / ``[L, n_pad]`` sharded -> the logical array, replicated (compiled once per shape)."""
-    lead = () if layers is None else (layers,)
-    n = int(np.prod(shape[len(lead):], dtype=np.int64))
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _logical_replicated(x, layout: ParamLayout, mesh: Mesh):
     # [.., n_pad/N] --all_gather(shard)--> [.., n_pad] -> [.., n] -> shape (collectives inserted by the partitioner)
-    return jax.lax.with_sharding_constraint(x.reshape(lead + (-1,))[..., :n].reshape(shape), NamedSharding(mesh, P()))
+    return jax.lax.with_sharding_constraint(layout.from_storage(x.reshape(layout.storage_shape)), NamedSharding(mesh, P()))
+
+
+def logical_replicated(x: jax.Array, layout: ParamLayout, mesh: Mesh) -> jax.Array:
+    """A stored array of ``layout``'s size (``[n_pad]`` / ``[L, n_pad]``, or an optimizer view
+    of it) on ``mesh`` (Auto axes, :func:`auto_axes`) -> the logical array, replicated.
+    Compiled once per storage format (:meth:`ParamLayout.format_key`), not per parameter."""
+    return _logical_replicated(x, layout.format_key(), mesh)
 
 
 def fetch_params(state) -> Iterator[tuple[str, tuple, np.dtype, Callable[[], np.ndarray]]]:
@@ -110,17 +114,13 @@ def fetch_params(state) -> Iterator[tuple[str, tuple, np.dtype, Callable[[], np.
     replicated) and returns it as a numpy array: host memory holds one parameter at a time.
     Every process must call each ``fetch`` (the gather is a collective program).
     """
-    from flax import traverse_util  # noqa: PLC0415
-
     plan = state.plan
     flat = traverse_util.flatten_dict(state.params)
-    layers = plan.layers_of()
-    mesh = _auto(plan.mesh)  # Auto axes: the unpadding slices sizes that do not divide
-    for path, var in plan.template:
-        shape, dtype = tuple(var.get_value().shape), np.dtype(var.get_value().dtype)
+    mesh = auto_axes(plan.mesh)  # Auto axes: the unpadding slices sizes that do not divide
+    for path, rec in plan.layouts.items():
 
-        def fetch(path=path, shape=shape):
+        def fetch(path=path, rec=rec):
             x = jax.device_put(flat[path], NamedSharding(mesh, flat[path].sharding.spec))  # same pieces, Auto axes
-            return np.asarray(_logical_replicated(x, shape, layers[path], mesh).addressable_data(0))
+            return np.asarray(logical_replicated(x, rec, mesh).addressable_data(0))
 
-        yield path_str(path), shape, dtype, fetch
+        yield path_str(path), rec.logical_shape, rec.dtype, fetch

@@ -13,7 +13,6 @@ checksums stored beside catch a flipped byte that Orbax restores silently.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 from typing import Any
 
@@ -22,16 +21,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import traverse_util
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.flat import padded_size
+from zshard.flat import ParamLayout
 from zshard.state import ShardedState
 from zshard.units import path_str
+from zshard.weights import auto_axes
 
 __all__ = [
     "FORMAT", "Entry", "auto_axes", "checksums", "differences", "logical_layout", "logical_spec", "nested",
-    "pad_to_state", "relabel", "short_error", "state_tree", "to_logical_fn", "unpad_replicated", "variables_from_tree",
+    "pad_to_state", "relabel", "short_error", "state_tree", "to_logical_fn", "variables_from_tree",
 ]  # fmt: skip
 
 FORMAT = 1
@@ -46,18 +46,22 @@ class Entry:
       key: storage path, strings: ``("params", "blocks", "0", "lin", "kernel")``.
       shape: logical shape (what is stored).
       dtype: numpy dtype (the state leaf's).
-      param: the parameter path for a parameter or a parameter-like optimizer leaf, else
-        ``None`` (a scalar count, stored as is).
-      layers: ``L`` of a stacked parameter (each layer padded on its own), else ``None``.
+      layout: the parameter's record (:class:`~zshard.flat.ParamLayout`) for a parameter or a
+        parameter-like optimizer leaf (stored in its logical shape), else ``None`` (a scalar
+        count, stored as is).
       axes: mesh axes the logical array is split over (``()``: replicated).
     """
 
     key: tuple[str, ...]
     shape: tuple[int, ...]
     dtype: np.dtype
-    param: tuple | None
-    layers: int | None
+    layout: ParamLayout | None
     axes: tuple[str, ...]
+
+    @property
+    def param(self) -> tuple | None:
+        """The parameter path of a parameter-like leaf, else ``None``."""
+        return None if self.layout is None else self.layout.path
 
 
 class _Ref:
@@ -120,11 +124,10 @@ def logical_layout(state: ShardedState) -> tuple[list[Entry], Any]:
     plan = state.plan
     if plan in _LAYOUTS:
         return _LAYOUTS[plan]
-    template = {p: v.get_value() for p, v in plan.template}
-    layers = plan.layers_of()
+    records = plan.layouts
     # Which optimizer leaves belong to which parameter: Optax's own map over params-like
     # subtrees (the same one zshard.init uses for the PartitionSpecs).
-    refs = traverse_util.unflatten_dict({p: _Ref(p) for p in template if p in plan.trainable})
+    refs = traverse_util.unflatten_dict({p: _Ref(p) for p in records if p in plan.trainable})
     masked = optax.MaskedNode
     opt_refs = optax.tree_map_params(
         plan.tx,
@@ -144,24 +147,22 @@ def logical_layout(state: ShardedState) -> tuple[list[Entry], Any]:
         shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
         if key[0] == "params":
             path = tuple(getattr(k, "key", None) for k in kpath[1:])
-            entry = Entry(key, tuple(template[path].shape), dtype, path, layers[path], plan.shard_axes)
+            entry = Entry(key, records[path].logical_shape, dtype, records[path], plan.shard_axes)
         elif key[0] == "opt_state":
             ref = next(ref_iter)
             if isinstance(ref, _Ref):
-                logical = tuple(template[ref.path].shape)
-                lead = 1 if layers[ref.path] is None else layers[ref.path]
-                n_pad = padded_size(int(np.prod(logical[(layers[ref.path] is not None) :], dtype=np.int64)), plan.opt_shards)
-                if int(np.prod(shape, dtype=np.int64)) != lead * n_pad:
+                rec = records[ref.path]
+                if int(np.prod(shape, dtype=np.int64)) != int(np.prod(rec.storage_shape, dtype=np.int64)):
                     raise ValueError(
                         f"optimizer state leaf {'.'.join(key)} has shape {shape}, not that of parameter "
-                        f"{path_str(ref.path)} {logical} (padded {lead} x {n_pad}); zshard checkpoints "
+                        f"{path_str(ref.path)} {rec.logical_shape} (stored {rec.storage_shape}); zshard checkpoints "
                         f"elementwise optimizer states (adam, adamw, sgd, lion, ...) only"
                     )
-                entry = Entry(key, logical, dtype, ref.path, layers[ref.path], opt_axes)
+                entry = Entry(key, rec.logical_shape, dtype, rec, opt_axes)
             else:
-                entry = Entry(key, shape, dtype, None, None, ())
+                entry = Entry(key, shape, dtype, None, ())
         else:
-            entry = Entry(key, shape, dtype, None, None, ())
+            entry = Entry(key, shape, dtype, None, ())
         if key in seen:  # pragma: no cover - two pytree keys with the same string form
             raise ValueError(f"two state leaves share the checkpoint name {'.'.join(key)}: {seen[key]} and {kpath}")
         seen[key] = kpath
@@ -185,36 +186,12 @@ def logical_spec(mesh, shape: tuple[int, ...], axes: tuple[str, ...]) -> P:
 
 def _unpad(x, e: Entry):
     """State leaf -> logical array: ``[n_pad]`` / ``[L, n_pad]`` / ``[.., 1, n_pad]`` -> ``shape``."""
-    return x if e.param is None else _unpad_to(x, e.shape, e.layers)
-
-
-def _unpad_to(x, shape: tuple, layers: int | None):
-    lead = () if layers is None else (layers,)
-    n = int(np.prod(shape[len(lead) :], dtype=np.int64))
-    return x.reshape(lead + (-1,))[..., :n].reshape(shape)  # [.., n_pad] -> [.., n] -> shape
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def unpad_replicated(x, shape: tuple, layers: int | None, mesh: Mesh):
-    """One parameter's logical array, replicated on ``mesh`` (compiled once per shape)."""
-    return jax.lax.with_sharding_constraint(_unpad_to(x, shape, layers), NamedSharding(mesh, P()))
+    return x if e.layout is None else e.layout.from_storage(x.reshape(e.layout.storage_shape))
 
 
 def pad_to_state(x, e: Entry, stored_shape):
     """Logical array -> state leaf of ``stored_shape``, zero padding (the inverse of ``_unpad``)."""
-    if e.param is None:
-        return x
-    lead = () if e.layers is None else (e.layers,)
-    flat = x.reshape(lead + (-1,))  # shape -> [.., n]
-    pad = int(np.prod(stored_shape, dtype=np.int64)) // int(np.prod(lead, dtype=np.int64)) - flat.shape[-1]
-    flat = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, pad)]) if pad else flat  # [.., n_pad]
-    return flat.reshape(stored_shape)
-
-
-def auto_axes(mesh: Mesh) -> Mesh:
-    """The same devices with ``Auto`` axes: the un/padding programs slice dimensions that do
-    not divide by the axis size, which Explicit axes refuse; the partitioner moves the data."""
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    return x if e.layout is None else e.layout.to_storage(x).reshape(stored_shape)
 
 
 def relabel(mesh: Mesh, x):

@@ -19,9 +19,10 @@ import orbax.checkpoint as ocp
 from flax import nnx, traverse_util
 
 from zshard.checkpoint.checkpointer import Checkpointer
-from zshard.checkpoint.layout import FORMAT, auto_axes, checksums, differences, logical_layout, relabel, short_error, unpad_replicated
+from zshard.checkpoint.layout import FORMAT, checksums, differences, short_error
 from zshard.state import ShardedState
 from zshard.units import path_str
+from zshard.weights import fetch_params
 
 __all__ = ["export", "load_params"]
 
@@ -36,17 +37,7 @@ def _export_tensors(source):
     """``(name, shape, dtype, fetch)`` per parameter; ``fetch()`` -> one numpy array."""
     if isinstance(source, ShardedState):
         plan = source.plan
-        entries, _ = logical_layout(source)
-        flat = traverse_util.flatten_dict(source.params)
-        auto = auto_axes(plan.mesh)
-        for e in entries:
-            if e.key[0] != "params":
-                continue
-            # One parameter at a time: [n_pad] shards -> logical array, replicated, then host.
-            fetch = lambda e=e: np.asarray(  # noqa: E731
-                unpad_replicated(relabel(auto, flat[e.param]), e.shape, e.layers, auto).addressable_data(0)
-            )
-            yield path_str(e.param), e.shape, e.dtype, fetch
+        yield from fetch_params(source)  # one parameter at a time: [n_pad] shards -> logical array, replicated, then host
         kinds = dict(plan.var_template)
         for path, value in traverse_util.flatten_dict(source.variables).items() if source.variables else ():
             if not isinstance(kinds[path], nnx.RngState):  # statistics and counters; not RNG state
