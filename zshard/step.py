@@ -257,10 +257,10 @@ class TrainStep:
     ):
         self.remat = remat_policy(remat)
         self.has_aux = bool(has_aux)
-        prefetch = default_prefetch() if prefetch is None else prefetch
-        if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0:
-            raise ValueError(f"prefetch={prefetch!r}: must be a non-negative integer (units gathered ahead; 0 turns prefetch off)")
-        self.prefetch = int(prefetch)
+        if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0):
+            raise ValueError(f"prefetch={prefetch!r}: must be a non-negative integer (units gathered ahead; 0 turns prefetch off), "
+                             "or None for the backend's default")
+        self._prefetch = None if prefetch is None else int(prefetch)
         if isinstance(grad_accum, bool) or not isinstance(grad_accum, numbers.Integral) or grad_accum < 1:
             raise ValueError(f"grad_accum={grad_accum!r}: must be a positive integer (micro-batches per step)")
         if clip_norm is not None and (
@@ -274,6 +274,12 @@ class TrainStep:
         self.skip_nonfinite = bool(skip_nonfinite)
         self._jitted = jax.jit(self._step, donate_argnums=0)
         self._checked: set = set()  # (plan, batch shapes) whose traced step passed the checks
+
+    @property
+    def prefetch(self) -> int:
+        """Units gathered ahead: the value given, or (``None``) :func:`default_prefetch`, read
+        when first used so that building the step does not start a JAX backend."""
+        return default_prefetch() if self._prefetch is None else self._prefetch
 
     def _step(self, state: ShardedState, batch):
         fn = jax.shard_map(
