@@ -141,7 +141,8 @@ def zshard_run(init_arg, tx, mesh, strategy, loss_fn, batches, **init_kw) -> Tra
     import zshard
 
     state = zshard.init(init_arg, tx, mesh, strategy=strategy, **init_kw)
-    step = zshard.make_train_step(loss_fn)
+    # prefetch=1 (the GPU / TPU default): CPU's default, 0, would leave the prefetch chain untested
+    step = zshard.make_train_step(loss_fn, prefetch=1)
     losses, norms = [], []
     for b in batches:
         state, metrics = step(state, b)

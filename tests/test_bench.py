@@ -41,8 +41,9 @@ def quick(tmp_path_factory):
 def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
     out, stdout, res = quick
     rows = {r["name"]: r for r in res["configs"]["Q"]["rows"]}
-    assert list(rows) == ["reference (1 device)", "DDP", "FSDP-compiler", "zshard/NO_SHARD", "zshard/FULL_SHARD", "zshard/HYBRID_SHARD",
-                          "zshard/FULL_SHARD prefetch=0"]  # fmt: skip
+    assert list(rows) == ["reference (1 device)", "DDP", "FSDP-compiler", "FSDP-compiler remat=block", "zshard/NO_SHARD",
+                          "zshard/FULL_SHARD", "zshard/HYBRID_SHARD", "zshard/FULL_SHARD remat=none",
+                          "zshard/FULL_SHARD prefetch=1"]  # fmt: skip (CPU: the default prefetch is 0)
     ref = rows["reference (1 device)"]["losses"]
     for name, r in rows.items():
         # every peer trains the same model on the same data: same losses over the first two steps
@@ -53,7 +54,7 @@ def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
         assert set(pd) == {"argument", "output", "temp", "alias"} and pd["argument"] > 0
         if name != "reference (1 device)":
             assert len(r["step_s_all"]) == 3 and all(t > 0 for t in r["step_s_all"])
-            assert set(r["step_ratio"]) == {"DDP", "FSDP-compiler"}
+            assert {"DDP", "FSDP-compiler", "FSDP-compiler same remat"} == set(r["step_ratio"]), name
     for name in ("zshard/NO_SHARD", "zshard/FULL_SHARD", "zshard/HYBRID_SHARD"):
         assert abs(rows[name]["model_state"]["ratio"] - 1) <= 0.01, name
     # sharding shows in the numbers: 8-way sharded state is 1/8 of the replicated one,
@@ -71,10 +72,21 @@ def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
     assert "| zshard/FULL_SHARD |" in stdout and "### Targets" in stdout
     assert "GPU section skipped" in stdout  # the suite runs on CPU
     names = {t["name"] for t in res["targets"]}
-    assert "Q FULL_SHARD temp / FSDP-compiler temp" in names and "Q FULL_SHARD step time / FSDP-compiler step time" in names
-    assert "Q FULL_SHARD prefetch=0 temp / FSDP-compiler temp" in names
-    # prefetch holds more gathered units at once, never fewer
-    assert rows["zshard/FULL_SHARD prefetch=0"]["per_device_bytes"]["temp"] <= full["per_device_bytes"]["temp"]
+    # like with like: each zshard policy against the compiler peer at the same recomputation policy
+    assert full["remat"] == "block" and full["prefetch"] == 0 and rows["zshard/FULL_SHARD remat=none"]["remat"] == "none"
+    assert full["same_remat_peer"] == "FSDP-compiler remat=block"
+    assert rows["zshard/FULL_SHARD remat=none"]["same_remat_peer"] == "FSDP-compiler"
+    assert {"Q zshard/FULL_SHARD step time / FSDP-compiler remat=block", "Q zshard/FULL_SHARD remat=none step time / FSDP-compiler",
+            "Q zshard/FULL_SHARD (prefetch=0) temp: gathered units beyond activations",
+            "Q zshard/FULL_SHARD prefetch=1 temp: gathered units beyond activations"} <= names, names
+    # the policies are real: recomputing each block adds its forward FLOPs again, for the peer and for zshard
+    # (Q: 1.20x for the peer, the embeddings, head and optimizer dilute it; S: 1.23x)
+    assert rows["FSDP-compiler remat=block"]["flops"] > 1.1 * fsdp["flops"], (rows["FSDP-compiler remat=block"]["flops"], fsdp["flops"])
+    assert full["flops"] > 1.1 * rows["zshard/FULL_SHARD remat=none"]["flops"]
+    # zshard: recomputing blocks saves temp; prefetch holds more gathered units at once, never fewer
+    assert full["per_device_bytes"]["temp"] < rows["zshard/FULL_SHARD remat=none"]["per_device_bytes"]["temp"]
+    assert full["per_device_bytes"]["temp"] <= rows["zshard/FULL_SHARD prefetch=1"]["per_device_bytes"]["temp"]
+    assert full["unit_bytes"] == 4 * (12 * 64 * 64 + 10 * 64)  # one gathered GPT block, d_model 64 (no qkv bias; no padding)
     assert (out / "bench-peers.png").stat().st_size > 10_000
     assert (out / "bench.md").read_text().strip() in stdout
 

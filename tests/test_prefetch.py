@@ -8,6 +8,7 @@ from conftest import ResMLP, mlp_batches, mse_loss, reference_run
 from flax import nnx
 
 import zshard
+from zshard.step import default_prefetch
 
 D = 256
 
@@ -64,8 +65,9 @@ def test_prefetch_memory_is_bounded_by_units_not_by_depth():
     unit_bytes = (D * D + D) * 4  # one gathered block, fp32
     grad_shard_bytes = unit_bytes // 8  # the block's gradient shard, kept until the update
     temp = {(n, pf): _compiled(n, pf)[1].memory_analysis().temp_size_in_bytes for n in (8, 16) for pf in (0, 1)}
-    # the prefetched unit costs a bounded number of gathered units (seen: 2.0) ...
-    assert temp[8, 1] - temp[8, 0] <= 2.5 * unit_bytes, temp
+    # the prefetched unit costs one gathered unit, plus a little (seen: 1.19; 2.0 before the
+    # prefetched unit was sliced only once its own input / cotangent exists) ...
+    assert temp[8, 1] - temp[8, 0] <= 1.5 * unit_bytes, temp
     # ... and twice the depth adds only the new blocks' gradient shards (ZeRO: 1/N of the
     # gradient) and activations, less than half a gathered unit beyond them (seen: 0.25)
     assert temp[16, 1] - temp[8, 1] < 8 * grad_shard_bytes + unit_bytes / 2, temp
@@ -81,6 +83,13 @@ def test_prefetch_gives_the_reference_numbers(strategy, mesh, prefetch):
     for b, loss in zip(data, want.losses):
         state, metrics = step(state, b)
         assert abs(float(metrics["loss"]) - loss) <= 1e-5 * abs(loss)
+
+
+def test_default_prefetch_is_chosen_per_backend():
+    # CPU runs collectives synchronously: a prefetched gather overlaps nothing and only costs a unit
+    assert default_prefetch("cpu") == 0 and default_prefetch("gpu") == 1 and default_prefetch("tpu") == 1
+    assert zshard.make_train_step(mse_loss).prefetch == default_prefetch()  # prefetch=None: the backend's
+    assert zshard.make_train_step(mse_loss, prefetch=2).prefetch == 2  # an explicit value is kept
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])

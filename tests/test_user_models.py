@@ -1,7 +1,7 @@
 """Model code as users write it: transforms around blocks, other methods, nested containers,
 parameters read outside their unit, device-dependent control flow, aux outputs.
 
-Each model runs with zshard's defaults (``prefetch=1``, ``remat="block"``) and is compared
+Each model runs with ``prefetch=1`` (the GPU / TPU default) and ``remat="block"`` and is compared
 with the plain single-device step (``conftest.reference_run``) within 1e-5.
 """
 

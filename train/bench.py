@@ -23,7 +23,13 @@ Sections
      the largest dimension divisible by the device count over all devices
      (``NamedSharding(mesh, P(..., ("replica", "shard"), ...))``), batch split; the compiler
      inserts all-gathers and reduce-scatters;
-   - ``zshard/<STRATEGY>``: ``zshard.init`` / ``zshard.make_train_step`` in each strategy.
+   - ``zshard/<STRATEGY>``: ``zshard.init`` / ``zshard.make_train_step`` in each strategy, at
+     the step's defaults (``remat="block"``, ``prefetch`` = the backend's default).
+
+   Like with like: ``FSDP-compiler remat=block`` puts each block of the peer under
+   ``jax.checkpoint`` (zshard's default policy) and ``zshard/FULL_SHARD remat=none`` saves every
+   activation (the plain peers' policy); every row's step time is also divided by the compiler
+   peer's at the *same* policy. ``zshard/FULL_SHARD prefetch=k`` is the other prefetch setting.
 
    Per peer: per-device argument / output / temp bytes (``memory_analysis()`` of the compiled
    step), model-state bytes (params + optimizer state, from the shard shapes) against the
@@ -32,8 +38,9 @@ Sections
    seconds), step time (the executable is warmed up by the two checked steps; then in each
    round every peer, in rotating order, runs one step from a fresh initial state, so that only
    one peer's state is in memory at a time; median over rounds; ratios are medians of
-   per-round ratios, pair by pair), and the loss of the first two steps (must agree with the
-   reference within 1e-5 relative, fp32).
+   per-round ratios, pair by pair), the loss of the first two steps (must agree with the
+   reference within 1e-5 relative, fp32), XLA's FLOP count (``cost_analysis``: recomputation
+   shows) and, for zshard, the bytes of one gathered block unit (the unit of the temp targets).
 2. **Depth sweep**: the scanned GPT of config S at 2 / 8 / 32 layers, zshard FULL_SHARD and
    FSDP-compiler compile time (the fastest of two compiles, jax caches cleared before each).
 3. **Scale by simulation**: GPT-2 1.5B, Llama 7B and 70B shapes, seq 2048, one sequence per
@@ -47,7 +54,7 @@ Sections
 4. **GPU** (only when ``jax.default_backend() == "gpu"``): one-device overhead of zshard
    (FULL_SHARD on a 1x1 mesh) against a plain ``jax.jit`` step, and model FLOPs utilisation.
 
-The targets of issue 8 are printed as ratios at the end (``--- targets ---``).
+The targets of issues 8 and 17 are printed at the end (``### Targets``).
 """
 
 from __future__ import annotations
@@ -262,6 +269,14 @@ def _local_bytes(tree) -> int:
     return sum(int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+def _flops(compiled) -> float | None:
+    """XLA's FLOP count of one device's compiled step (``cost_analysis()``; recomputation
+    included, so a ``remat="block"`` step counts each block's forward twice)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"]) if cost and "flops" in cost else None
+
+
 def _fsdp_spec(shape, world: int, axes):
     """MaxText-style FSDP: shard the largest dimension divisible by ``world`` over ``axes``."""
     from jax.sharding import PartitionSpec as P  # noqa: PLC0415
@@ -307,9 +322,25 @@ def _initial(cfg):
     return graphdef, jax.tree.map(np.asarray, params)
 
 
-def _plain_peer(name, init, tx, batches, mesh, mode):
+class _Checkpointed:
+    """A block under ``jax.checkpoint`` (``nnx.remat``): the plain peers' ``remat="block"``,
+    the same policy as zshard's default (each block's input saved, the block recomputed in
+    backward)."""
+
+    def __init__(self, block):
+        self.block = block
+
+    def __call__(self, x):
+        from flax import nnx  # noqa: PLC0415
+
+        return nnx.remat(lambda blk, x: blk(x))(self.block, x)
+
+
+def _plain_peer(name, init, tx, batches, mesh, mode, remat="none"):
     """DDP / FSDP-compiler / single-device reference: ``jax.jit`` over ``(graphdef, params)``
-    of an NNX model; ``mode`` (``"reference"``, ``"ddp"``, ``"fsdp"``) picks the shardings."""
+    of an NNX model; ``mode`` (``"reference"``, ``"ddp"``, ``"fsdp"``) picks the shardings;
+    ``remat``: ``"none"`` (every activation saved) or ``"block"`` (each block under
+    ``jax.checkpoint``, like zshard's default)."""
     import jax  # noqa: PLC0415
     import optax  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
@@ -335,7 +366,10 @@ def _plain_peer(name, init, tx, batches, mesh, mode):
 
     def step(params, opt_state, batch):
         def loss_of(p):
-            return cross_entropy_loss(nnx.merge(graphdef, p), batch)
+            model = nnx.merge(graphdef, p)
+            if remat == "block":  # the model's Python loop calls each block: wrap it in jax.checkpoint
+                model.blocks = [_Checkpointed(b) for b in model.blocks]
+            return cross_entropy_loss(model, batch)
 
         loss, grads = jax.value_and_grad(loss_of)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -345,6 +379,7 @@ def _plain_peer(name, init, tx, batches, mesh, mode):
     abstract = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)  # noqa: E731
     placed = [jax.device_put(b, (b_sh, b_sh)) for b in batches]
     peer = Peer(name, "reference" if mode == "reference" else "peer")
+    peer.info["remat"] = remat
     t0 = time.perf_counter()
     compiled = jitted.lower(abstract(host, p_sh), abstract(abs_opt, o_sh), placed[0]).compile()
     peer.compile_s = time.perf_counter() - t0
@@ -359,6 +394,7 @@ def _plain_peer(name, init, tx, batches, mesh, mode):
         return (params, opt_state), loss
 
     peer.fresh, peer.step = fresh, run
+    peer.info["flops"] = _flops(compiled)
     ma = compiled.memory_analysis()
     peer.info["per_device_bytes"] = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
     leaves = jax.tree.leaves((abstract(host, p_sh), abstract(abs_opt, o_sh)))
@@ -372,7 +408,9 @@ def _plain_peer(name, init, tx, batches, mesh, mode):
     return peer
 
 
-def _zshard_peer(strategy, init, tx, batches, mesh, prefetch=1):
+def _zshard_peer(strategy, init, tx, batches, mesh, prefetch=None, remat="block"):
+    """zshard in ``strategy``; ``prefetch=None`` and ``remat="block"`` are the step's defaults
+    (the label names only what differs from them)."""
     import jax  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
@@ -387,9 +425,14 @@ def _zshard_peer(strategy, init, tx, batches, mesh, prefetch=1):
     def fresh():  # a new init's arrays under the first init's plan (its static pytree data), as compiled
         return jax.tree.unflatten(treedef, jax.tree.leaves(zshard.init(build(), tx, mesh, strategy=strategy)))
 
-    step = zshard.make_train_step(cross_entropy_loss, prefetch=prefetch)
+    step = zshard.make_train_step(cross_entropy_loss, prefetch=prefetch, remat=remat)
     placed = [step.put_batch(state, b) for b in batches]
-    peer = Peer(f"zshard/{strategy}" + ("" if prefetch == 1 else f" prefetch={prefetch}"), "zshard")
+    label = f"zshard/{strategy}" + ("" if remat == "block" else f" remat={remat}") + ("" if prefetch is None else f" prefetch={prefetch}")
+    peer = Peer(label, "zshard")
+    peer.info["remat"], peer.info["prefetch"] = remat, step.prefetch
+    # one gathered block unit (bytes; the largest non-root unit, one layer): the unit of the P temp targets
+    peer.info["unit_bytes"] = max((sum(f.padded_size * f.dtype.itemsize for f in u.flats) for u in state.plan.units
+                                   if u.name != "root"), default=0)
     t0 = time.perf_counter()
     compiled = step.lower(state, placed[0]).compile()
     peer.compile_s = time.perf_counter() - t0
@@ -401,6 +444,7 @@ def _zshard_peer(strategy, init, tx, batches, mesh, prefetch=1):
         return state, metrics["loss"]
 
     peer.fresh, peer.step = fresh, run
+    peer.info["flops"] = _flops(compiled)
     ms = rep.model_state_bytes
     peer.info["per_device_bytes"] = rep.per_device_bytes
     peer.info["model_state"] = {"measured": ms["measured"]["total"], "formula": ms["formula"]["total"], "ratio": ms["ratio"]}
@@ -417,6 +461,7 @@ def bench_config(cfg: BenchConfig, strategies, repeats: int, progress) -> dict:
     import optax  # noqa: PLC0415
 
     import zshard  # noqa: PLC0415
+    from zshard.step import default_prefetch  # noqa: PLC0415
 
     init = _initial(cfg.gpt())
     devices = jax.devices("cpu")[:NUM_DEVICES]
@@ -431,10 +476,16 @@ def bench_config(cfg: BenchConfig, strategies, repeats: int, progress) -> dict:
 
     builders = [("reference", lambda: _plain_peer("reference (1 device)", init, tx, batches, mesh, "reference")),
                 ("DDP", lambda: _plain_peer("DDP", init, tx, batches, mesh, "ddp")),
-                ("FSDP-compiler", lambda: _plain_peer("FSDP-compiler", init, tx, batches, mesh, "fsdp"))]
+                ("FSDP-compiler", lambda: _plain_peer("FSDP-compiler", init, tx, batches, mesh, "fsdp")),
+                # like with like: the compiler peer at zshard's default policy (each block recomputed)
+                ("FSDP-compiler remat=block", lambda: _plain_peer("FSDP-compiler remat=block", init, tx, batches, mesh, "fsdp", "block"))]
     builders += [(s, (lambda s=s: _zshard_peer(s, init, tx, batches, zmesh))) for s in strategies]
-    if "FULL_SHARD" in strategies:  # prefetch's memory, beside the default (prefetch=1)
-        builders.append(("FULL_SHARD prefetch=0", lambda: _zshard_peer("FULL_SHARD", init, tx, batches, zmesh, prefetch=0)))
+    if "FULL_SHARD" in strategies:
+        # like with like: FULL_SHARD at the compiler peer's policy (every activation saved) ...
+        builders.append(("FULL_SHARD remat=none", lambda: _zshard_peer("FULL_SHARD", init, tx, batches, zmesh, remat="none")))
+        # ... and prefetch on the other side of the backend default (what the extra gathered unit costs)
+        pf = 1 - min(default_prefetch(), 1)  # CPU: 1 (the default is 0); GPU / TPU: 0
+        builders.append((f"FULL_SHARD prefetch={pf}", lambda: _zshard_peer("FULL_SHARD", init, tx, batches, zmesh, prefetch=pf)))
     peers = []
     for label, build in builders:
         progress.set_description(f"{cfg.name}: compile, 2 steps {label}")
@@ -467,8 +518,18 @@ def bench_config(cfg: BenchConfig, strategies, repeats: int, progress) -> dict:
             row["step_s"] = statistics.median(p.times)
             row["step_s_all"] = p.times
             row["step_ratio"] = {q: median_ratio(p.times, by[q].times) for q in ("DDP", "FSDP-compiler")}
+            # like with like: against the compiler peer at the same recomputation policy
+            same = "FSDP-compiler" + ("" if p.info.get("remat", "none") == "none" else f" remat={p.info['remat']}")
+            if same in by:
+                row["step_ratio"]["FSDP-compiler same remat"] = median_ratio(p.times, by[same].times)
+                row["same_remat_peer"] = same
         rows.append(row)
-    return {"config": dataclasses.asdict(cfg), "mesh": {"replica": MESH_8[0], "shard": MESH_8[1]}, "repeats": repeats, "rows": rows}
+    gpt = cfg.gpt()
+    # activations per device with per-block recomputation (the P temp targets' allowance)
+    act = activation_bytes(gpt.d_model, gpt.n_layers, gpt.n_heads, 4 * gpt.d_model, gpt.vocab_size, gpt.seq_len,
+                           cfg.batch // NUM_DEVICES, glu=False)
+    return {"config": dataclasses.asdict(cfg), "mesh": {"replica": MESH_8[0], "shard": MESH_8[1]}, "repeats": repeats,
+            "activation_bytes": act, "default_prefetch": default_prefetch(), "rows": rows}
 
 
 def _fmt(x, spec=".2f") -> str:
@@ -479,11 +540,13 @@ def config_table(res: dict) -> str:
     c = res["config"]
     head = (f"### {c['name']}: d_model {c['d_model']}, {c['n_layers']} layers, seq {c['seq_len']}, global batch "
             f"{c['batch']}, vocab {c['vocab']}; mesh 2x4 (8 emulated CPU devices), AdamW fp32, "
-            f"median of {res['repeats']} interleaved rounds")
+            f"median of {res['repeats']} interleaved rounds; zshard rows: remat=block, prefetch={res.get('default_prefetch', '')} "
+            "(the step's defaults here) unless the name says otherwise; DDP, FSDP-compiler: every activation saved "
+            "(remat=none) unless the name says otherwise")
     lines = [head, "",
              "| peer | argument MiB | temp MiB | state / formula | shard MiB/step | replica MiB/step | world MiB/step "
-             "| compile s | step ms | / DDP | / FSDP-compiler | loss step 1, 2 | rel. err |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "| compile s | step ms | / DDP | / FSDP-compiler | / FSDP-compiler, same remat | loss step 1, 2 | rel. err |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in res["rows"]:
         pd, cb = r["per_device_bytes"], r["comm_bytes"]
         step = r.get("step_s")
@@ -492,7 +555,7 @@ def config_table(res: dict) -> str:
             f"| {r['name']} | {_mib(pd['argument'])} | {_mib(pd['temp'])} | {r['model_state']['ratio']:.4f} | "
             f"{_mib(cb.get('shard', 0))} | {_mib(cb.get('replica', 0))} | {_mib(cb.get('world', 0))} | "
             f"{r['compile_s']:.2f} | {_fmt(None if step is None else 1e3 * step, '.1f')} | "
-            f"{_fmt(ratios.get('DDP'))} | {_fmt(ratios.get('FSDP-compiler'))} | "
+            f"{_fmt(ratios.get('DDP'))} | {_fmt(ratios.get('FSDP-compiler'))} | {_fmt(ratios.get('FSDP-compiler same remat'))} | "
             f"{r['losses'][0]:.6f}, {r['losses'][1]:.6f} | {r['loss_rel_err']:.1e} |")
     return "\n".join(lines)
 
@@ -731,16 +794,19 @@ def targets(results: dict) -> list[dict]:
                 add(f"{cname} {r['name']} model-state bytes / formula", r["model_state"]["ratio"], 1.01)
         err = max(r["loss_rel_err"] for r in res["rows"])
         add(f"{cname} max loss rel. error vs reference (steps 1, 2)", err, LOSS_RTOL)
-        fs, fc = rows.get("zshard/FULL_SHARD"), rows.get("FSDP-compiler")
-        if fs and fc:
-            if cname in ("P", "Q"):
-                add(f"{cname} FULL_SHARD temp / FSDP-compiler temp", fs["per_device_bytes"]["temp"] / fc["per_device_bytes"]["temp"], 1.0)
-                f0 = rows.get("zshard/FULL_SHARD prefetch=0")
-                if f0:
-                    add(f"{cname} FULL_SHARD prefetch=0 temp / FSDP-compiler temp",
-                        f0["per_device_bytes"]["temp"] / fc["per_device_bytes"]["temp"], 1.0)
-            if cname in ("S", "Q"):
-                add(f"{cname} FULL_SHARD step time / FSDP-compiler step time", fs["step_ratio"]["FSDP-compiler"], 1.0)
+        if cname in ("P", "Q"):
+            # issue 17: FULL_SHARD temp (remat=block) within 2.2 gathered block units + activations
+            # without prefetch, 3.2 with prefetch=1 (memory_analysis of the compiled step)
+            act = res["activation_bytes"]
+            for r in res["rows"]:
+                if r["name"].startswith("zshard/FULL_SHARD") and r.get("remat") == "block":
+                    pf = r["prefetch"]
+                    units = (r["per_device_bytes"]["temp"] - act) / r["unit_bytes"]
+                    label = r["name"] + ("" if "prefetch=" in r["name"] else f" (prefetch={pf})")
+                    add(f"{cname} {label} temp: gathered units beyond activations", units, 2.2 + pf)
+        for r in res["rows"]:  # like with like: step time against the compiler peer at the same remat policy
+            if cname in ("S", "Q") and r["name"] in ("zshard/FULL_SHARD", "zshard/FULL_SHARD remat=none"):
+                add(f"{cname} {r['name']} step time / {r['same_remat_peer']}", r["step_ratio"]["FSDP-compiler same remat"], 1.0)
     if results.get("depth"):
         add(f"compile time {DEPTHS[-1]} / {DEPTHS[0]} layers (zshard FULL_SHARD)", results["depth"]["zshard/FULL_SHARD ratio"], 1.3)
     if "scale" in results:
@@ -896,7 +962,7 @@ def main(argv=None) -> int:
     strategies = ("NO_SHARD", "FULL_SHARD", "HYBRID_SHARD") if args.quick else STRATEGIES
     do_depth, do_scale = not (args.quick or args.no_depth), not (args.quick or args.no_scale)
     scale_strats = ("FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_OPT")
-    total = sum(3 + len(strategies) + ("FULL_SHARD" in strategies) + (args.repeats or c.repeats) for c in configs.values()) + (2 * len(DEPTHS) if do_depth else 0) + \
+    total = sum(4 + len(strategies) + 2 * ("FULL_SHARD" in strategies) + (args.repeats or c.repeats) for c in configs.values()) + (2 * len(DEPTHS) if do_depth else 0) + \
         (len(SCALE_DEVICES) * len(SCALE_MODELS) * len(scale_strats) if do_scale else 0)
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
                f"{platform.system()} {platform.release()}", "jax": jax.__version__, "backend": jax.default_backend(),

@@ -25,6 +25,10 @@ output cotangent.
 
 The gradients that come out are sums over devices; the caller scales the loss by
 ``1 / world`` so that the sum is the gradient of the global mean loss.
+
+Over 400 lines because the two custom VJPs share their gather / scatter helpers and the
+schedule tokens of the forced schedule and the prefetch chain; splitting them apart would
+export those private helpers.
 """
 
 from __future__ import annotations
@@ -176,16 +180,28 @@ def _flat_shard(flat, buf):
     return flat.concat_shards(list(buf)) if isinstance(buf, (tuple, list)) else buf
 
 
-def _gather_all(flats, bufs, shard_axes, replica_axes, mp):
-    """``replica_axes``: every axis the gathered parameters must vary over besides ``shard_axes``
-    (HYBRID_SHARD's all-reduce axes, or HYBRID_SHARD_OPT's ``scatter_axes``)."""
-    bufs = [_flat_shard(f, b) for f, b in zip(flats, bufs)]
+def _gather_all(flats, bufs, shard_axes, replica_axes, mp, ready=None):
+    """A unit's shards -> its parameters in logical shapes (all-gather, then per-parameter views).
+
+    ``replica_axes``: every axis the gathered parameters must vary over besides ``shard_axes``
+    (HYBRID_SHARD's all-reduce axes, or HYBRID_SHARD_OPT's ``scatter_axes``).
+    ``ready``: a prefetched gather (issued before this unit's own input or cotangent exists)
+    is cut into per-parameter arrays only once ``ready`` exists (:func:`_after` on the
+    gathered FlatParameter; XLA fuses the scalar add into the slices it makes anyway). Without
+    it XLA slices a prefetched unit as soon as it arrives and holds it twice, gathered and
+    sliced: one more gathered unit of temp (config P, ``prefetch=1``: 4.35 -> 3.22 gathered units,
+    docs/benchmarks.md).
+    """
+    bufs = [_flat_shard(f, b) for f, b in zip(flats, bufs)]  # ([n_pad_p/N], ...) -> [L/N]
     # The gathered parameters meet batch data that varies over every mesh axis. Marking the
     # shard varying over replica *before* the gather keeps autodiff from inserting a
     # broadcast whose transpose would all-reduce the full gradient across replicas
     # (docs/design.md section 7, "the replica trap"); the backward sums only the shard instead.
     bufs = [vary(b, shard_axes + replica_axes).astype(mp.gather_dtype(f.dtype)) for f, b in zip(flats, bufs)]
-    return [p for f, b in zip(flats, bufs) for p in f.unflatten(all_gather_flat(b, shard_axes))]
+    fulls = [all_gather_flat(b, shard_axes) for b in bufs]  # [L_k/N] --all_gather--> [N, L_k/N] each
+    if ready is not None:
+        fulls = _after(fulls, ready)  # [N, L_k/N] + 0: the slicing below waits for ``ready``
+    return [p for f, full in zip(flats, fulls) for p in f.unflatten(full)]  # [N, L_k/N] -> parameters
 
 
 def replica_slices(slots_shards: Sequence[jax.Array], axes: tuple[str, ...], parts: int) -> list[jax.Array]:
@@ -430,7 +446,8 @@ def run_unit(
         # The gather may not start before the unit's input exists (or, prefetching, the
         # input of the earlier unit call), so the gathered copy is alive only around this
         # unit (and the one before it). docs/design.md, "Forced schedule".
-        params = _gather_all(flats, _after(bufs, inputs if after is None else after_token), shard_axes, replica_axes, mp)
+        ready = None if after is None else inputs  # prefetched: slice only once this unit's input exists
+        params = _gather_all(flats, _after(bufs, inputs if after is None else after_token), shard_axes, replica_axes, mp, ready)
         kept = [] if reshard else params
         out_token = schedule_token(inputs)
         if remat == "block":
@@ -456,7 +473,8 @@ def run_unit(
             # The re-gather depends on a cotangent, so it cannot be merged with the forward
             # gather: this unit's own, or (prefetch) the token a later unit handed back as
             # soon as its own backward began.
-            params = _gather_all(flats, _after(bufs, g_token if link.taken else g), shard_axes, replica_axes, mp)
+            ready = g if link.taken else None  # prefetched: slice only once this unit's cotangent exists
+            params = _gather_all(flats, _after(bufs, g_token if link.taken else g), shard_axes, replica_axes, mp, ready)
         else:
             params = kept
             # Kept weights: make the recompute depend on the cotangent instead, or XLA folds it
