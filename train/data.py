@@ -181,7 +181,8 @@ def load_tokens(path: str | os.PathLike, vocab_size: int | None, token_dtype: st
         tokens; the file is missing, empty, a ``.bin`` whose size is not a multiple of the
         dtype's size, a ``.npy`` that is not a 1-D uint16/uint32 array; or a token is
         ``>= vocab_size`` (the first such token and its index are named). The whole file is
-        scanned, :data:`CHECK_CHUNK` tokens at a time (about 1 s per GB read from the page cache).
+        scanned, :data:`CHECK_CHUNK` tokens at a time (0.3 s for 1 GB of uint16 in the page cache,
+        measured on the 2-core development machine; a cold disk adds its read time).
     """
     p = Path(path)
     where = f"--data {str(p)!r}"
