@@ -201,3 +201,17 @@ def test_token_file_resume_is_bitwise(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "continuing from step 4" in res.stderr
     assert _losses(out) == want
+
+
+def test_init_from_a_checkpoint_needs_room_for_the_token_ids(tmp_path, capsys):
+    """--init-from keeps the checkpoint's vocabulary (256 in the fixture); the file's ids must fit in it."""
+    from train.__main__ import parse_config, validate
+
+    path = write_tokens(tmp_path / "t.bin", np.arange(2_000) % 200, "uint16")
+    base = ["--init-from", str(ROOT / "tests" / "fixtures" / "hf" / "gpt2"), "--seq-len", "16", "--data", str(path),
+            "--out", str(tmp_path / "run")]
+    with pytest.raises(SystemExit):
+        validate(parse_config([*base, "--vocab-size", "300"])[0])
+    assert "the checkpoint's vocab_size is 256; --vocab-size 300 needs >= 300 tokens" in capsys.readouterr().err
+    setup = validate(parse_config([*base, "--vocab-size", "200"])[0])
+    assert setup.cfg.vocab_size == 256 and setup.train_data.dtype == np.uint16
