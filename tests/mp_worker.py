@@ -84,7 +84,10 @@ def local_rows(batch, index: int, count: int):
     return tuple(x[index * rows : (index + 1) * rows] for x in batch)
 
 
-_COLLECTIVE = re.compile(r"=\s*\S.*?\s(all-gather|reduce-scatter|all-reduce)(?:-start)?\(.*?replica_groups=(\S+?)(?:,\s*\w+=|\s*$)")
+_COLLECTIVE = re.compile(
+    r"=\s*\S.*?\s(all-gather|reduce-scatter|all-reduce)(?:-start)?\(.*?replica_groups="
+    r"(@?mesh(?:<[^>]*>|\[[^\]]*\])\s*\{[^}]*\}|\S+?)(?:,\s*\w+=|\s*$)"  # jax 0.12 mesh['replica'=2,'shard'=4] {'shard'}, or one token
+)
 
 
 def collectives(hlo: str, mesh) -> list[dict]:

@@ -25,6 +25,7 @@ from flax import nnx
 
 import zshard
 from conftest import ResMLP, mlp_batches, mse_loss
+from zshard.report import parse_replica_groups as report_replica_groups
 
 L = 4  # blocks
 D = 64
@@ -64,9 +65,13 @@ def parse_replica_groups(text: str, num_devices: int) -> list[tuple[int, ...]]:
     """``replica_groups=`` in any of its HLO spellings -> sorted list of device-id groups.
 
     ``{{0,1,2,3},{4,5,6,7}}``; ``{}`` (all devices, one group); iota ``[2,4]<=[8]`` and
-    ``[4,2]<=[2,4]T(1,0)`` (``arange(prod(dims)).reshape(dims).transpose(perm).reshape(shape)``).
+    ``[4,2]<=[2,4]T(1,0)`` (``arange(prod(dims)).reshape(dims).transpose(perm).reshape(shape)``);
+    mesh axes ``mesh['replica'=2,'shard'=4] {'shard'}`` (jax 0.12; read by ``zshard.report``'s
+    parser, whose notations tests/test_report.py checks).
     """
     text = text.strip()
+    if re.match(r"@?mesh[<\[]", text):
+        return sorted(tuple(g) for g in report_replica_groups(text, num_devices))
     m = re.fullmatch(r"\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?", text)
     if m:
         shape = [int(x) for x in m.group("shape").split(",")]
@@ -85,7 +90,11 @@ def parse_replica_groups(text: str, num_devices: int) -> list[tuple[int, ...]]:
 
 
 def _replica_groups_text(rest: str) -> str | None:
-    m = re.search(r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|\{(?:\{[\d,\s]*\},?)*\})", rest)
+    m = re.search(
+        r"replica_groups=(\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|\{(?:\{[\d,\s]*\},?)*\}"
+        r"|@?mesh(?:<[^>]*>|\[[^\]]*\])\s*\{[^}]*\})",  # the last: jax 0.12's mesh['replica'=2,'shard'=4] {'shard'}
+        rest,
+    )
     return m.group(1) if m else None
 
 
@@ -170,6 +179,10 @@ def test_parse_replica_groups_forms():
     assert parse_replica_groups("[1,8]<=[8]", 8) == [tuple(range(8))]
     assert parse_replica_groups("[4,2]<=[2,4]T(1,0)", 8) == [(0, 4), (1, 5), (2, 6), (3, 7)]
     assert parse_replica_groups("[2,4]<=[4,2]T(1,0)", 8) == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert parse_replica_groups("mesh['replica'=2,'shard'=4] {'shard'}", 8) == [(0, 1, 2, 3), (4, 5, 6, 7)]  # jax 0.12
+    assert parse_replica_groups("mesh['replica'=2,'shard'=4] {'replica'}", 8) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    line = "%ag = f32[4,8]{1,0} all-gather(%x), channel_id=1, replica_groups=mesh['replica'=2,'shard'=4] {'shard'}, dimensions={0}"
+    assert _replica_groups_text(line) == "mesh['replica'=2,'shard'=4] {'shard'}"
 
 
 def test_parse_instructions():

@@ -159,8 +159,8 @@ class Setup:
       resolved: ``run`` with every derived value written out (``Config.resolved``).
       cfg: the model shape (the preset, with ``seq_len`` and ``scan`` from the config).
       source: one line naming the corpus.
-      train_data: uint8 ``[n_train]``, the training bytes.
-      eval_data: uint8 ``[n_eval]``, the held-out bytes (last 10% of the corpus).
+      train_data: uint8 ``[n_train]``, the training bytes, or uint16/uint32 tokens of a token file (a memmap).
+      eval_data: the held-out bytes or tokens (last 10% of the corpus), same dtype.
       devices: the devices of the mesh.
       replica: size of the mesh's ``replica`` axis.
       shard: size of the mesh's ``shard`` axis.
@@ -235,10 +235,14 @@ def validate(run) -> Setup:
 
     source = data.describe_source(run.data.path)
     try:
-        train_data, eval_data = data.split_corpus(data.load_corpus(run.data.path))
+        train_data, eval_data = data.split_corpus(data.load_data(run.data.path, run.data.vocab_size, run.data.token_dtype))
         data.check_split(train_data, eval_data, run.model.seq_len, source=source)
+        if run.data.vocab_size is not None and run.logging.prompt is not None:
+            data.parse_token_prompt(run.logging.prompt, run.data.vocab_size)
     except ValueError as e:
         fail(f"data.path: {e}")
+    if run.data.vocab_size is not None and builder is None:  # a token file: its vocabulary is the model's
+        cfg = dataclasses.replace(cfg, vocab_size=run.data.vocab_size)
     try:
         # no mesh.shape with several processes: one row per process (jax's hybrid-mesh helper)
         mesh = zshard.make_mesh() if procs > 1 and run.mesh.shape is None else zshard.make_mesh(replica, shard, devices=devices)
@@ -263,8 +267,9 @@ def _init_from(run):
     except (OSError, ValueError) as e:
         fail(f"{key} {run.model.init_from!r}: {e}")
     cfg = builder.config
-    if cfg.vocab_size < 256:
-        fail(f"{key}: the checkpoint's vocab_size is {cfg.vocab_size}; the byte-level data needs >= 256 tokens")
+    need, what = (run.data.vocab_size, f"--vocab-size {run.data.vocab_size}") if run.data.vocab_size else (256, "the byte-level data")
+    if cfg.vocab_size < need:
+        fail(f"{key}: the checkpoint's vocab_size is {cfg.vocab_size}; {what} needs >= {need} tokens")
     if isinstance(cfg, GPTConfig) and run.model.seq_len > cfg.seq_len:
         fail(f"model.seq_len (--seq-len) {run.model.seq_len} > the checkpoint's n_positions {cfg.seq_len}; lower --seq-len")
     return builder, weights, cfg  # (model.preset and model.scan do not apply: the checkpoint's layers are a list)
@@ -324,7 +329,7 @@ def make_evaluator(state, batches: list, prefetch: int = 1):
 
 
 def make_sampler(seq_len: int, prefetch: int = 1):
-    """``sample(state, prompt, n, temperature, seed) -> bytes``: ``n`` bytes generated after ``prompt``.
+    """``sample(state, prompt, n, temperature, seed) -> list[int]``: ``n`` tokens generated after ``prompt`` (token ids).
 
     Sharded generation with a KV cache (``train.generate.generate``: each unit gathered per
     decoding step, never the whole model). The context is at most ``seq_len`` bytes: when
@@ -334,7 +339,7 @@ def make_sampler(seq_len: int, prefetch: int = 1):
     """
     from train.generate import generate  # noqa: PLC0415
 
-    def sample(state, prompt: bytes, n: int, temperature: float, seed: int) -> bytes:
+    def sample(state, prompt: list[int], n: int, temperature: float, seed: int) -> list[int]:
         tokens, chunk = list(prompt[-(seq_len // 2):] if len(prompt) >= seq_len else prompt), 0
         new: list[int] = []
         while len(new) < n:
@@ -344,7 +349,7 @@ def make_sampler(seq_len: int, prefetch: int = 1):
             tokens += out.tolist()
             new += out.tolist()
             chunk += 1
-        return bytes(t if t < 256 else ord("?") for t in new)  # a checkpoint's non-byte tokens print as '?'
+        return new  # ids; train.output.format_sample prints bytes as text, other tokens as ids
 
     return sample
 
@@ -366,7 +371,7 @@ class Built:
       per_device_bytes: the compiled step's ``memory_analysis()`` (argument/output/temp/alias), or ``None``.
       report: ``zshard.report`` of the step (``--report``), or ``None``.
       evaluate: ``evaluate(state) -> float``, the held-out loss.
-      sample: ``sample(state, prompt, n, temperature, seed) -> bytes``.
+      sample: ``sample(state, prompt, n, temperature, seed) -> list[int]`` (token ids).
       eval_loss0: the held-out loss this run starts from (measured, or the checkpoint's last).
       eval_step0: the step of ``eval_loss0``.
     """
@@ -483,6 +488,8 @@ def train_loop(setup: Setup, b: Built, interrupts: Interrupts) -> Progress:
     import numpy as np  # noqa: PLC0415
     from tqdm import tqdm  # noqa: PLC0415
 
+    from train import data  # noqa: PLC0415
+
     run, out, ckpt = setup.run, setup.out, setup.ckpt
     t_cfg, lg = run.training, run.logging
     state, step, batches, batch = b.state, b.step, b.batches, b.batch
@@ -492,9 +499,13 @@ def train_loop(setup: Setup, b: Built, interrupts: Interrupts) -> Progress:
     tb = TensorBoard(out / "tb" if lg.tensorboard and output.WRITES_FILES else None)
     if not b.start:
         tb.log(records[0])
-    tokens_per_step = t_cfg.batch_size * run.model.seq_len  # tokens = bytes
+    tokens_per_step = t_cfg.batch_size * run.model.seq_len  # tokens (bytes for text)
     lrs = np.asarray(b.schedule(np.arange(t_cfg.steps)))  # lr of step i is lrs[i - 1] (optax count before the update)
-    prompt = lg.prompt.encode() if lg.prompt is not None else bytes(setup.eval_data[: min(64, run.model.seq_len // 2)])
+    byte_level = run.data.vocab_size is None  # else a token file: samples are token ids
+    if lg.prompt is not None:
+        prompt = list(lg.prompt.encode()) if byte_level else data.parse_token_prompt(lg.prompt, run.data.vocab_size)
+    else:
+        prompt = [int(t) for t in setup.eval_data[: min(64, run.model.seq_len // 2)]]
     first_step = b.start + 1
     bar = tqdm(total=t_cfg.steps, initial=first_step - 1, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
                disable=not output.WRITES_FILES)
@@ -504,15 +515,14 @@ def train_loop(setup: Setup, b: Built, interrupts: Interrupts) -> Progress:
     saved: list[int] = []
 
     def write_sample(i: int) -> None:
-        text = b.sample(state, prompt, lg.sample_tokens, lg.temperature, t_cfg.seed + i)
-        head = f"=== step {i}: {lg.sample_tokens} bytes after a {len(prompt)}-byte prompt, temperature {lg.temperature} ==="
-        body = (prompt + text).decode("utf-8", errors="replace")
+        new = b.sample(state, prompt, lg.sample_tokens, lg.temperature, t_cfg.seed + i)
+        text = output.format_sample(i, prompt, new, lg.temperature, byte_level)
         if output.WRITES_FILES:
             bar.clear()
-            print(f"{head}\n{body}\n", flush=True)
+            print(text, flush=True)
             bar.refresh()
             with open(out / "samples.txt", "a", encoding="utf-8") as f:
-                f.write(f"{head}\n{body}\n\n")
+                f.write(f"{text}\n")
 
     def record(i: int, metrics) -> dict:
         """Read step ``i``'s metrics (waits for that step only), log them, stop on a non-finite loss."""
@@ -635,11 +645,13 @@ def finish(setup: Setup, b: Built, p: Progress) -> dict:
         "seed": t_cfg.seed,
         "data": {
             "source": setup.source,
-            "train_bytes": len(setup.train_data),
-            "eval_bytes": len(setup.eval_data),
+            "vocab_size": run.data.vocab_size or 256,  # a token file's --vocab-size, or bytes
+            "train_tokens": len(setup.train_data),  # bytes for text
+            "eval_tokens": len(setup.eval_data),
+            **({"train_bytes": len(setup.train_data), "eval_bytes": len(setup.eval_data)} if run.data.vocab_size is None else {}),
             "eval_sequences": run.data.eval_batches * t_cfg.batch_size,
         },
-        "final_train_loss": losses[-1] if losses else None,  # nats per byte, last step
+        "final_train_loss": losses[-1] if losses else None,  # nats per token (byte), last step
         "final_train_loss_mean10": float(np.mean(losses[-10:])) if losses else None,  # mean of the last 10 steps
         "initial_eval_loss": evals[0]["eval_loss"],  # step 0 (of the first run, when resumed)
         "final_eval_loss": evals[-1]["eval_loss"],  # at step final_eval_step
@@ -667,14 +679,15 @@ def finish(setup: Setup, b: Built, p: Progress) -> dict:
 def summary_line(summary: dict, b: Built, out: Path) -> str:
     """The last line: what the run did (evaluations of this run only) and every file it wrote."""
     last, steps = summary["steps_done"], summary["steps"]
+    unit = "nats/byte" if "train_bytes" in summary["data"] else "nats/token"
     what = f"interrupted after step {last} of {steps}" if summary["interrupted"] else f"{steps} steps"
     if b.start:
         what += f" (resumed after step {b.start})"
     if summary["final_eval_step"] > b.eval_step0:
-        evals = (f"eval loss {b.eval_loss0:.4f} (step {b.eval_step0}) -> {summary['final_eval_loss']:.4f} nats/byte "
+        evals = (f"eval loss {b.eval_loss0:.4f} (step {b.eval_step0}) -> {summary['final_eval_loss']:.4f} {unit} "
                  f"(step {summary['final_eval_step']})")
     else:
-        evals = f"no evaluation in this run (the last: {b.eval_loss0:.4f} nats/byte at step {b.eval_step0})"
+        evals = f"no evaluation in this run (the last: {b.eval_loss0:.4f} {unit} at step {b.eval_step0})"
     if summary["final_train_loss"] is not None:
         evals += f"; last train loss {summary['final_train_loss']:.4f}"
     names = [n for n in ("metrics.jsonl", "summary.json", "config.toml", "samples.txt", "tb", "checkpoints", "model.safetensors")
@@ -709,7 +722,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = validate(run)
     say(f"{PROG}: {run.model.init_from or run.model.preset + ' GPT'}, {setup.strategy} on a {setup.replica}x{setup.shard} (replica x shard) mesh of "
         f"{len(setup.devices)} {setup.devices[0].platform} devices; data: {setup.source}: {len(setup.train_data):,} train / "
-        f"{len(setup.eval_data):,} held-out bytes; output: {setup.out}")
+        f"{len(setup.eval_data):,} held-out {'bytes' if run.data.vocab_size is None else f'tokens (vocabulary {run.data.vocab_size})'}; "
+        f"output: {setup.out}")
     b = build(setup)
     if b.report is not None and output.WRITES_FILES:
         print(b.report.table(), file=sys.stderr)

@@ -107,12 +107,16 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    """``[data]``: the byte-level corpus (``train/data.py``)."""
+    """``[data]``: the corpus, bytes or a token file (``train/data.py``)."""
 
     path: str | None = dataclasses.field(default=None, metadata=_flag("path", "--data"))
-    """text file, or folder of text files (concatenated in sorted path order), to train on (bytes; the last 10% held out; a relative path is taken from the working directory); unset: the Python stdlib's .py sources, first 8 MiB"""
+    """text file, or folder of text files (concatenated in sorted path order), to train on (bytes; the last 10% held out; a relative path is taken from the working directory); or a pre-tokenised .bin / .npy token file with --vocab-size; unset: the Python stdlib's .py sources, first 8 MiB"""
     eval_batches: int = 8
     """held-out batches (of training.batch_size sequences) per evaluation"""
+    vocab_size: int | None = None
+    """tokens in the vocabulary of a token file (--data FILE.bin or FILE.npy, nanoGPT layout); required for one, and the model's vocab_size; every token must be < it; unset for text (bytes, 256)"""
+    token_dtype: str | None = None
+    """dtype of a .bin token file: uint16 or uint32 (raw tokens, no header); unset: uint16 as nanoGPT (a .npy carries its own)"""
 
 
 @dataclasses.dataclass
@@ -295,6 +299,10 @@ class Config:
         if d.path is not None and not d.path:
             raise ConfigError(_key("data.path"), "is empty; give a text file, or leave it unset for the stdlib corpus")
         _at_least("data.eval_batches", d.eval_batches, 1)
+        if d.vocab_size is not None:
+            _at_least("data.vocab_size", d.vocab_size, 2)
+        if d.token_dtype is not None:
+            _choice("data.token_dtype", d.token_dtype, ["uint16", "uint32"])
         _at_least("mesh.devices", me.devices, 1)
         self.strategy()  # a known name / stage, and not two that disagree
         replica, shard = self.mesh_shape(n, processes)
