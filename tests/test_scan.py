@@ -1,6 +1,8 @@
 """Stacked blocks (built with nnx.vmap, run with nnx.scan) as units: the layer axis is never
 sharded and each scan iteration gathers only its own layer."""
 
+import functools
+
 import jax
 import numpy as np
 import optax
