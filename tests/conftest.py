@@ -2,7 +2,10 @@
 
 ``XLA_FLAGS`` must hold ``--xla_force_host_platform_device_count=8`` before jax is imported
 anywhere (docs/design.md section 7); pytest imports this file before any test module, so it is
-set here, at the very top, before the first ``import jax``.
+set here, at the very top, before the first ``import jax``. The suite runs on 2 pytest-xdist
+workers (``-n 2 --dist loadfile`` in pyproject.toml): each worker is its own process that
+imports this file first, so each has 8 emulated devices; a test file runs whole in one worker,
+so its module-scoped fixtures are built once. ``-n 0`` runs everything in one process.
 
 Test modules import the helpers below with ``from conftest import ...``.
 """

@@ -13,6 +13,8 @@ statistics averaged over devices).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,23 +126,39 @@ def image_batches(n):
     return [(rng.standard_normal((16, 6, 6, 3)).astype(np.float32), rng.integers(0, 5, (16,), dtype=np.int32)) for _ in range(n)]
 
 
+def make_llama():
+    return TinyLlama(rngs=nnx.Rngs(0, dropout=7))
+
+
+def make_resnet():
+    return TinyResNet(rngs=nnx.Rngs(0))
+
+
+@functools.cache
+def llama_reference():
+    """``(losses, model)`` of :func:`dp_reference` on 8 emulated devices; computed once per
+    module (read-only: the tests compare against it), not once per strategy."""
+    return dp_reference(make_llama, optax.adamw(3e-3), lm_loss, llama_batches(2), 8)
+
+
+@functools.cache
+def resnet_reference():
+    """As :func:`llama_reference`, for the ResNet."""
+    return dp_reference(make_resnet, optax.sgd(0.05, momentum=0.9), image_loss, image_batches(2), 8)
+
+
 @pytest.mark.parametrize("strategy,shape", STRATEGIES, ids=[s for s, _ in STRATEGIES])
 def test_llama_style_model_with_its_own_scan_remat_and_dropout(strategy, shape):
-    make = lambda: TinyLlama(rngs=nnx.Rngs(0, dropout=7))  # noqa: E731
     tx = optax.adamw(3e-3)
-    batches = llama_batches(2)
-    plan = zshard.init(make, tx, zshard.make_mesh(*shape), strategy=strategy, abstract=True).plan
+    plan = zshard.init(make_llama, tx, zshard.make_mesh(*shape), strategy=strategy, abstract=True).plan
     assert any(u.layers == L for u in plan.units)  # the stacked blocks are one unit, gathered per layer
-    losses, state = run(make, tx, lm_loss, batches, strategy, shape)
-    ref_losses, ref_model = dp_reference(make, tx, lm_loss, batches, 8)
+    losses, state = run(make_llama, tx, lm_loss, llama_batches(2), strategy, shape)
+    ref_losses, ref_model = llama_reference()
     assert_close(losses, ref_losses, zshard.unshard(state), ref_model)
 
 
 @pytest.mark.parametrize("strategy,shape", STRATEGIES, ids=[s for s, _ in STRATEGIES])
 def test_resnet_style_model_with_batchnorm(strategy, shape):
-    make = lambda: TinyResNet(rngs=nnx.Rngs(0))  # noqa: E731
-    tx = optax.sgd(0.05, momentum=0.9)
-    batches = image_batches(2)
-    losses, state = run(make, tx, image_loss, batches, strategy, shape)
-    ref_losses, ref_model = dp_reference(make, tx, image_loss, batches, 8)
+    losses, state = run(make_resnet, optax.sgd(0.05, momentum=0.9), image_loss, image_batches(2), strategy, shape)
+    ref_losses, ref_model = resnet_reference()
     assert_close(losses, ref_losses, zshard.unshard(state), ref_model)
