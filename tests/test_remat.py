@@ -55,7 +55,10 @@ def _measure(strategy, remat):
 def test_full_shard_policies_order_temp_bytes_and_never_save_gathered_weights():
     reports = {r: _measure("FULL_SHARD", r) for r in ("none", "dots", "block")}
     temp = {r: rep.per_device_bytes["temp"] for r, (rep, _) in reports.items()}
-    assert temp["none"] > temp["dots"] > temp["block"], temp
+    # Saving nothing but block inputs or only matmul outputs both hold less than saving every
+    # activation. Between "dots" and "block" the order is XLA's: jax 0.10 gives dots > block,
+    # jax 0.12 (its buffer assignment) 3,049,936 < 3,336,784 bytes; not a property of zshard.
+    assert temp["none"] > max(temp["dots"], temp["block"]), temp
     # root once + every block twice (forward, backward): whatever is saved, weights are not
     assert {g for _, g in reports.values()} == {1 + 2 * CFG.n_layers}
     assert {rep.remat for rep, _ in reports.values()} == {"none", "dots", "block"}
