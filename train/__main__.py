@@ -298,7 +298,7 @@ def make_optimizer(run):
     return tx, warmup, schedule
 
 
-def make_evaluator(state, batches: list, prefetch: int = 1):
+def make_evaluator(state, batches: list, prefetch: int | None = None):
     """``evaluate(state) -> float``: mean next-byte cross-entropy (nats) over ``batches``.
 
     Runs the sharded, forward-only ``zshard.make_eval_step`` (each unit gathered just in
@@ -328,7 +328,7 @@ def make_evaluator(state, batches: list, prefetch: int = 1):
     return evaluate
 
 
-def make_sampler(seq_len: int, prefetch: int = 1):
+def make_sampler(seq_len: int, prefetch: int | None = None):
     """``sample(state, prompt, n, temperature, seed) -> list[int]``: ``n`` tokens generated after ``prompt`` (token ids).
 
     Sharded generation with a KV cache (``train.generate.generate``: each unit gathered per

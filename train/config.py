@@ -165,8 +165,8 @@ class TrainingConfig:
     """skip the update of a step whose loss or gradient is NaN/inf; otherwise such a step stops the run"""
     remat: str = "block"
     """activation checkpointing in each block: block (recompute the block), dots (save matmul outputs), none (save all)"""
-    prefetch: int = 1
-    """units whose all-gather may be issued ahead of the unit computing (0: off)"""
+    prefetch: int | None = None
+    """units whose all-gather may be issued ahead of the unit computing (0: off; unset: zshard.default_prefetch(), 0 on CPU and 1 on GPU/TPU)"""
     seed: int = 0
     """seed of the initial weights, of the batches and of sampling"""
     eval_every: int = 100
@@ -327,7 +327,8 @@ class Config:
             if getattr(t, name) is not None:
                 _choice(f"training.{name}", getattr(t, name), list(DTYPES))
         _choice("training.remat", t.remat, ["block", "dots", "none"])
-        _at_least("training.prefetch", t.prefetch, 0)
+        if t.prefetch is not None:
+            _at_least("training.prefetch", t.prefetch, 0)
         _at_least("training.seed", t.seed, 0)
         _at_least("training.eval_every", t.eval_every, 0)
         unit = n * t.grad_accum  # the global batch splits over devices x micro-batches

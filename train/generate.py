@@ -126,7 +126,7 @@ def gather_all(state) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("gather_once", "prefetch"), donate_argnames=("cache",))
-def sharded_step(state, full, tokens, cache, pos, t, rows, seed, temperature, gather_once=False, prefetch=1):
+def sharded_step(state, full, tokens, cache, pos, t, rows, seed, temperature, gather_once=False, prefetch=None):
     # (state.variables: the GPT and Llama have none; generation reads, never writes them)
     """One decoding step over the mesh: tokens [B, T] (rows split over all devices) -> next [B]."""
     plan = state.plan
@@ -152,7 +152,7 @@ def sharded_step(state, full, tokens, cache, pos, t, rows, seed, temperature, ga
 
 
 def generate(
-    state, prompts, n: int, *, temperature: float = 0.0, seed: int = 0, gather_once: bool = False, prefetch: int = 1
+    state, prompts, n: int, *, temperature: float = 0.0, seed: int = 0, gather_once: bool = False, prefetch: int | None = None
 ) -> np.ndarray:
     """Sample ``n`` tokens after each prompt from a sharded GPT / Llama (``train.model``).
 
