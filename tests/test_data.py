@@ -106,6 +106,8 @@ def _validate(argv):
         ("t.bin", np.arange(501) % 300, "uint8", ["--vocab-size", "300"],
          ["--data '{path}': 501 bytes is not a multiple of 2 (--token-dtype uint16)", "pass --token-dtype uint32"]),
         ("t.bin", np.arange(1000) % 300, "uint32", ["--vocab-size", "300", "--token-dtype", "uint32"], None),
+        ("t.bin", np.arange(1000) % 300, "uint32", ["--vocab-size", "300"],  # uint32 read as the default uint16
+         ["--data '{path}': read as uint16 (the default), every second token is 0", "pass --token-dtype uint32"]),
         ("t.bin", np.arange(500) % 301, "uint16", ["--vocab-size", "300"],
          ["--data '{path}': token 300 at index 300 is >= --vocab-size 300", "(at least 301)"]),
         ("t.npy", np.arange(500) % 301, "uint32", ["--vocab-size", "300"], ["token 300 at index 300 is >= --vocab-size 300"]),

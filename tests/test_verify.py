@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -73,3 +75,33 @@ def test_bad_mesh_and_strategy_exit_2(capsys):
 def test_load_function_from_a_file():
     fn = load_function(str(ROOT / "tests" / "verify_cases.py") + ":gpt")
     assert len(fn()) == 4
+
+
+class _Shifted(nnx.Module):
+    """Logits plus one shared shift: softmax cross-entropy ignores it, so its true gradient is
+    zero (as an attention key bias's); the computed one is rounding noise."""
+
+    def __init__(self, rngs):
+        self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(2)])
+        self.head = nnx.Linear(8, 5, rngs=rngs)
+        self.shift = nnx.Param(jnp.zeros((1,)))
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = jnp.tanh(block(x))
+        return self.head(x) + self.shift[...]
+
+
+def _shifted_loss(model, batch):
+    x, y = batch
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+
+def test_a_parameter_without_gradient_signal_is_shown_not_judged():
+    rng = np.random.default_rng(0)
+    batch = (rng.normal(size=(16, 8)).astype(np.float32), rng.integers(0, 5, 16).astype(np.int32))
+    res = verify(lambda: _Shifted(nnx.Rngs(0)), optax.adam(1e-2), _shifted_loss, batch,
+                 strategy="FULL_SHARD", mesh=zshard.make_mesh(1, 8), steps=3)
+    assert res.no_signal == ("shift",), res.no_signal  # every other parameter has a real gradient
+    assert res.passed, res.table()
+    assert "not judged (reference gradient at rounding level" in res.table() and "shift" in res.table()

@@ -797,7 +797,7 @@ def targets(results: dict) -> list[dict]:
         if cname in ("P", "Q"):
             # issue 17: FULL_SHARD temp (remat=block) within 2.2 gathered block units + activations
             # without prefetch, 3.2 with prefetch=1 (memory_analysis of the compiled step)
-            act = res["activation_bytes"]
+            act = res["activation_bytes"]["block"]  # the moment a block unit is gathered (activation_bytes)
             for r in res["rows"]:
                 if r["name"].startswith("zshard/FULL_SHARD") and r.get("remat") == "block":
                     pf = r["prefetch"]

@@ -229,15 +229,27 @@ def load_tokens(path: str | os.PathLike, vocab_size: int | None, token_dtype: st
         )
     if len(tokens) == 0:
         raise ValueError(f"{where}: the file holds no token; give a file with tokens in it")
+    # A uint32 .bin read as the default uint16 (little-endian): every second uint16 is a high half,
+    # 0 for any vocabulary <= 65536, and every id would still pass the vocabulary check below.
+    guess_dtype = p.suffix.lower() == ".bin" and token_dtype is None and len(tokens) >= 2
+    high_halves_zero, any_token = guess_dtype, False
     for lo in range(0, len(tokens), CHECK_CHUNK):
         chunk = tokens[lo : lo + CHECK_CHUNK]  # a window of the memmap: read, checked, dropped
+        if high_halves_zero:  # CHECK_CHUNK is even: chunk[1::2] are the odd indices of the file
+            high_halves_zero = not chunk[1::2].any()
         top = int(chunk.max())
+        any_token = any_token or top > 0
         if top >= vocab_size:
             at = lo + int(np.argmax(chunk >= vocab_size))
             raise ValueError(
                 f"{where}: token {int(tokens[at])} at index {at} is >= --vocab-size {vocab_size}; pass the tokenizer's "
                 f"vocabulary size (at least {top + 1}){', or --token-dtype uint32 if the file holds uint32 tokens' if p.suffix.lower() == '.bin' and dtype == 'uint16' else ''}"
             )
+    if high_halves_zero and any_token:
+        raise ValueError(
+            f"{where}: read as uint16 (the default), every second token is 0, as in uint32 tokens below 65536; "
+            f"pass --token-dtype uint32 if it holds uint32 tokens, or --token-dtype uint16 if these are its tokens"
+        )
     return tokens
 
 
