@@ -4,7 +4,9 @@
 import hashlib
 import json
 import shutil
+import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -290,6 +292,9 @@ def test_export_and_load_params_give_the_same_logits(saved, tmp_path):
     want = np.asarray(zshard.unshard(state)(x))
     for source, name in ((state, "state.safetensors"), (directory, "dir.safetensors")):
         path = zshard.export(source, tmp_path / name)
+        umask = os.umask(0)
+        os.umask(umask)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # readable like any file the user writes
         with safe_open(path, framework="numpy") as f:
             assert set(f.keys()) == {"inp.kernel", "inp.bias", "head.kernel", "head.bias"} | {
                 f"blocks.{i}.lin.{k}" for i in (0, 1) for k in ("kernel", "bias")

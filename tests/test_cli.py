@@ -52,9 +52,10 @@ def test_metrics_have_every_field_for_every_step(run):
         assert {"loss", "grad_norm", "lr", "tokens_per_s", "step_time_s"} <= r.keys()
         assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0
     # the learning rate each step used: optax's schedule at the count before the update
-    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=2, decay_steps=STEPS, end_value=3e-4)
+    schedule = optax.warmup_cosine_decay_schedule(1e-3, 3e-3, warmup_steps=2, decay_steps=STEPS, end_value=3e-4)
     assert [r["lr"] for r in steps] == pytest.approx([float(schedule(i)) for i in range(STEPS)], rel=1e-6)
-    assert steps[0]["lr"] == 0.0 and steps[2]["lr"] == pytest.approx(3e-3)
+    # warmup 2: lr * (t + 1) / 3, never 0
+    assert [r["lr"] for r in steps[:3]] == pytest.approx([1e-3, 2e-3, 3e-3], rel=1e-6)
     assert [r["step"] for r in records if "eval_loss" in r] == [0, EVERY, 2 * EVERY]
 
 

@@ -237,10 +237,13 @@ def validate(run) -> Setup:
     try:
         train_data, eval_data = data.split_corpus(data.load_data(run.data.path, run.data.vocab_size, run.data.token_dtype))
         data.check_split(train_data, eval_data, run.model.seq_len, source=source)
-        if run.data.vocab_size is not None and run.logging.prompt is not None:
-            data.parse_token_prompt(run.logging.prompt, run.data.vocab_size)
     except ValueError as e:
         fail(f"data.path: {e}")
+    if run.data.vocab_size is not None and run.logging.prompt is not None:
+        try:
+            data.parse_token_prompt(run.logging.prompt, run.data.vocab_size)
+        except ValueError as e:
+            fail(f"logging.prompt: {e}")
     if run.data.vocab_size is not None and builder is None:  # a token file: its vocabulary is the model's
         cfg = dataclasses.replace(cfg, vocab_size=run.data.vocab_size)
     try:
@@ -278,6 +281,10 @@ def _init_from(run):
 def make_optimizer(run):
     """AdamW with linear warmup and cosine decay to ``lr / 10``; returns ``(tx, warmup steps, schedule)``.
 
+    Warmup step ``t`` (0-based) uses ``lr * (t + 1) / (warmup + 1)``: the first step already
+    moves the weights (a schedule from 0 would spend step 0 on Adam's moments alone), and
+    step ``warmup`` reaches ``lr`` (nanoGPT's ``get_lr``, the same line).
+
     Weight decay applies to kernels and embeddings only (the mask goes by name).
     ``optimizer.clip_norm`` goes to the step (``make_train_step(clip_norm=...)``), which is
     the same as ``optax.clip_by_global_norm`` first in the chain (docs/optimizers.md).
@@ -288,7 +295,7 @@ def make_optimizer(run):
     o, steps = run.optimizer, run.training.steps
     warmup = run.warmup_steps()
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=o.lr, warmup_steps=warmup, decay_steps=steps, end_value=o.lr / 10
+        init_value=o.lr / (warmup + 1), peak_value=o.lr, warmup_steps=warmup, decay_steps=steps, end_value=o.lr / 10
     )
 
     def decay_mask(params):

@@ -140,7 +140,7 @@ class OptimizerConfig:
     lr: float = 3e-3
     """peak learning rate (per step, dimensionless)"""
     warmup: int | None = None
-    """linear warmup, steps; unset: 10% of training.steps (at most steps - 1)"""
+    """linear warmup, steps (step t uses lr * (t + 1) / (warmup + 1)); unset: 10% of training.steps (at most steps - 1)"""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay on kernels and embeddings (not on norms or biases)"""
     clip_norm: float | None = None

@@ -203,7 +203,7 @@ def load_tokens(path: str | os.PathLike, vocab_size: int | None, token_dtype: st
             tokens = np.load(p, mmap_mode="r")  # header read; the array stays on disk
             if tokens.ndim != 1 or tokens.dtype.kind != "u" or tokens.dtype.itemsize not in (2, 4):
                 raise ValueError(
-                    f"{where}: holds a {tokens.dtype} array of shape {tokens.shape}; a .npy token file is a 1-D "
+                    f"{where}: holds an array of dtype {tokens.dtype} and shape {tokens.shape}; a .npy token file is a 1-D "
                     f"uint16 or uint32 array: np.save(path, tokens.reshape(-1).astype(np.uint16)) (np.uint32 for a "
                     f"vocabulary above 65536)"
                 )

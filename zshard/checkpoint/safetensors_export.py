@@ -123,6 +123,9 @@ def export(source: ShardedState | str | os.PathLike, file: str | os.PathLike) ->
         partial = os.path.join(tmp, "out.safetensors")
         serialize_file(specs, partial, metadata={"format": "zshard", "zshard_format": str(FORMAT)})
         del maps
+        umask = os.umask(0)  # the library creates the file 0600; give it the usual mode, 0666 & ~umask
+        os.umask(umask)
+        os.chmod(partial, 0o666 & ~umask)
         os.replace(partial, file)
     return file
 
