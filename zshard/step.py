@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from zshard.collectives import remat_policy, vary
 from zshard.divergence import check_uniform_collectives
+from zshard.shard_reads import LOSS_SCOPE, block_shard_inputs, check_shard_reads
 from zshard.intercept import StepOptions, materialize, read_variables
 from zshard.mesh import AXES
 from zshard.optim import apply_optimizer, global_norm
@@ -191,7 +192,9 @@ def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
         ``((loss, count), aux, variables)``."""
         shards = traverse_util.flatten_dict(plan.merge_params(params, frozen))
         model = materialize(plan, shards, variables, opts, None if sinks is None else traverse_util.flatten_dict(sinks))
-        loss, aux = _read_loss(step.loss_fn(model, batch), step.has_aux)
+        with jax.named_scope(LOSS_SCOPE):  # where zshard.shard_reads judges uses of raw shards
+            out = step.loss_fn(model, batch)
+        loss, aux = _read_loss(out, step.has_aux)
         new_variables = read_variables(plan, model, variables)
         if isinstance(loss, TokenMean):
             # differentiate the sum; divide by the global count afterwards
@@ -378,18 +381,26 @@ class TrainStep:
 
     def _check(self, state: ShardedState, batch) -> None:
         """Trace (no compile) once per plan and batch shape and refuse a unit under
-        device-dependent control flow (:func:`zshard.divergence.check_uniform_collectives`)."""
+        device-dependent control flow (:func:`zshard.divergence.check_uniform_collectives`)
+        and a block unit's raw shard used as a value in ``loss_fn``
+        (:func:`zshard.shard_reads.check_shard_reads`)."""
         key = (state.plan, tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(batch)), jax.tree.structure(batch))
         if key not in self._checked:
-            check_uniform_collectives(self._jitted.trace(state, batch).jaxpr.jaxpr)
+            _check_traced(self._jitted.trace(state, batch).jaxpr.jaxpr, state, batch)
             self._checked.add(key)
 
     def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
         """The lowered step (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
         batch = self.put_batch(state, batch)
         traced = self._jitted.trace(state, batch)
-        check_uniform_collectives(traced.jaxpr.jaxpr)
+        _check_traced(traced.jaxpr.jaxpr, state, batch)
         return traced.lower()
+
+
+def _check_traced(jaxpr, state: ShardedState, batch) -> None:
+    """The checks of a traced step (``jaxpr``: its inputs are ``(state, batch)`` flattened)."""
+    check_uniform_collectives(jaxpr)
+    check_shard_reads(jaxpr, state.plan, block_shard_inputs(state.plan, (state, batch)))
 
 
 def default_prefetch(backend: str | None = None) -> int:
