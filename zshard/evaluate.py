@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 from zshard.mesh import AXES
 from zshard.state import ShardedState
 from zshard.intercept import StepOptions, materialize
+from zshard.shard_reads import LOSS_SCOPE, block_shard_inputs, check_shard_reads
 from zshard.step import TokenMean, TrainStep, default_prefetch
 
 __all__ = ["EvalStep", "make_eval_step", "forward"]
@@ -60,7 +61,9 @@ def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *a
     others = {p: x for p, x in flat.items() if p not in floats}
 
     def run(floats):
-        return fn(materialize(plan, {**others, **floats}, var_flat, opts), *args)
+        model = materialize(plan, {**others, **floats}, var_flat, opts)
+        with jax.named_scope(LOSS_SCOPE):  # where zshard.shard_reads judges uses of raw shards
+            return fn(model, *args)
 
     out, _ = jax.vjp(run, floats)
     return out
@@ -98,7 +101,9 @@ class EvalStep:
 
     Raises:
       ValueError: a batch leaf is a scalar or its leading dimension does not divide by the
-        device count (before any compile); a dict result without ``"loss"``.
+        device count (before any compile); a dict result without ``"loss"``; ``fn`` using a
+        block unit's raw shard as a value, e.g. ``jax.tree.leaves(nnx.state(model))``
+        (named, before compiling; :func:`zshard.shard_reads.check_shard_reads`).
       TypeError: ``fn`` returned a tuple or a non-scalar.
     """
 
@@ -112,6 +117,7 @@ class EvalStep:
             raise ValueError(f"prefetch={prefetch!r}: must be a non-negative integer (units gathered ahead; 0 turns prefetch off)")
         self.fn, self.prefetch = fn, prefetch
         self._jitted = jax.jit(self._eval)
+        self._checked: set = set()  # (plan, batch shapes) whose traced step passed the check
 
     def _eval(self, state: ShardedState, batch):
         plan = state.plan
@@ -127,7 +133,13 @@ class EvalStep:
     def __call__(self, state: ShardedState, batch) -> dict:
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state.params)):
             raise ValueError("this state was donated to a train step (its buffers are deleted); evaluate the state that step returned")
-        return self._jitted(state, self.put_batch(state, batch))
+        batch = self.put_batch(state, batch)
+        key = (state.plan, tuple((jnp.shape(x), str(x.dtype)) for x in jax.tree.leaves(batch)), jax.tree.structure(batch))
+        if key not in self._checked:  # trace (no compile) once: a block's raw shard used as a value
+            jaxpr = self._jitted.trace(state, batch).jaxpr.jaxpr
+            check_shard_reads(jaxpr, state.plan, block_shard_inputs(state.plan, (state, batch)))
+            self._checked.add(key)
+        return self._jitted(state, batch)
 
     def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
         """The lowered eval step (``.compile().memory_analysis()``, ``.compile().as_text()``)."""

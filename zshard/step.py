@@ -470,7 +470,10 @@ def make_train_step(
       ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive,
         ``remat`` not a known policy, ``prefetch`` negative. When the step is traced: a
         non-scalar loss (named with its shape); a tuple returned without ``has_aux``
-        (``TypeError``).
+        (``TypeError``); a unit under device-dependent control flow; a block unit's raw
+        shard used as a value in ``loss_fn``, e.g. an L2 penalty over
+        ``jax.tree.leaves(nnx.state(model))`` (the parameter named; read it as
+        ``variable[...]``, :func:`zshard.shard_reads.check_shard_reads`).
     """
     return TrainStep(
         loss_fn,
