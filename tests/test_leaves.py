@@ -140,3 +140,13 @@ def test_eval_step_refuses_it_too():
     with pytest.raises(ValueError, match=r"parameter 'blocks\.0\.lin\.bias' of block unit 'blocks\.0'"):
         ev(state, mlp_batches(1)[0])
     assert float(zshard.make_eval_step(variables_l2)(state, mlp_batches(1)[0])["loss"]) > 0
+
+
+def test_other_raw_walks_are_refused_too():
+    """``optax.global_norm`` of the raw leaves, and leaves concatenated first."""
+    state = zshard.init(lambda: RematMLP(rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
+    norm = lambda m, b: mse_loss(m, b) + optax.global_norm(nnx.state(m.blocks, nnx.Param))  # noqa: E731
+    flat = lambda m, b: mse_loss(m, b) + jnp.linalg.norm(jnp.concatenate([p.ravel() for p in jax.tree.leaves(nnx.state(m.blocks))]))  # noqa: E731
+    for fn in (norm, flat):
+        with pytest.raises(ValueError, match=r"parameter 'blocks\.0\.lin\.bias' of block unit 'blocks\.0'"):
+            zshard.make_train_step(fn).lower(state, mlp_batches(1)[0])

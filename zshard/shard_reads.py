@@ -32,18 +32,26 @@ __all__ = ["LOSS_SCOPE", "check_shard_reads", "block_shard_inputs"]
 LOSS_SCOPE = "zshard.loss_fn"  # jax.named_scope around the user's loss_fn / eval fn
 _OWN = ("zshard.unit.", "zshard.read.")  # zshard's gathers, unit calls and reads
 
-# Primitives that hand a shard on unchanged in value (a view, a copy, a type mark, a layer's
-# slice of a stacked parameter): their outputs are followed like the shard itself.
+# Primitives that hand a shard on with its values unchanged (a view, a copy, a type or
+# placement mark, a layer's slice of a stacked parameter, a broadcast or concatenation): their
+# outputs are followed like the shard itself, and a value computed from them is refused where
+# it is computed (``reduce_sum``, ``mul``, ...).
 _CARRY = frozenset(
     (
         "pvary",
         "pcast",
         "copy",
         "copy_p",
+        "device_put",
+        "sharding_constraint",
+        "mesh_cast",
+        "reshard",
         "convert_element_type",
         "reshape",
         "squeeze",
         "expand_dims",
+        "broadcast_in_dim",
+        "concatenate",
         "slice",
         "dynamic_slice",
         "gather",
