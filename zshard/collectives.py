@@ -177,9 +177,9 @@ def _param_shards(flat: FlatParameter, buf) -> list[jax.Array]:
 
 def _gather_all(flats, bufs, comm: UnitComm, ready=None):
     """A unit's shards -> its parameters in logical shapes: one all-gather per parameter
-    (XLA:GPU and TPU combine a unit's into one collective, ``AllGatherCombiner``, the forced
-    schedule keeping units apart; XLA:CPU runs them one by one, like the compiler-sharded
-    peer's per-weight gathers).
+    (XLA:GPU and TPU have a pass that combines independent all-gathers, ``AllGatherCombiner``;
+    not measured here. XLA:CPU runs them one by one, like the compiler-sharded peer's
+    per-weight gathers).
 
     Each parameter is gathered straight into its own ``[n_pad]`` buffer, so its logical view
     is a slice + reshape of it (a bitcast where there is no padding): no FlatParameter
@@ -216,7 +216,7 @@ def _gather_all(flats, bufs, comm: UnitComm, ready=None):
 def _reduce_scatter(grads, slots, comm: UnitComm, to_sinks: bool) -> list[jax.Array]:
     """Full-size gradients of one FlatParameter's parameters (logical shapes) -> this device's
     summed shards ``[n_pad_p/N]`` in the reduce dtype: one reduce-scatter per parameter (XLA:GPU
-    combines them, ``ReduceScatterCombiner``), straight from each gradient's own ``[n_pad_p]``
+    has a combiner pass for them, ``ReduceScatterCombiner``), straight from each gradient's own ``[n_pad_p]``
     (no FlatParameter-layout copy of the unit's gradient); + the replica all-reduce of the
     shards (HYBRID_SHARD) unless ``to_sinks``."""
     axes = comm.shard_axes + comm.vary_axes
