@@ -41,7 +41,8 @@ def test_accumulation_all_reduces_across_replica_once_per_step():
     shard_bytes = sum(f.shard_size * 4 for u in state.plan.units for f in u.flats)
     assert sum(c.buffer_bytes for c in replica) == shard_bytes  # the accumulated shards, once
     scatters = [c for c in colls if c.kind == "reduce-scatter"]
-    assert sum(c.trips for c in scatters) == k * len(state.plan.units)  # one per unit per micro-batch
+    params = sum(len(f.slots) for u in state.plan.units for f in u.flats)
+    assert sum(c.trips for c in scatters) == k * params  # one per parameter (collectives._gather_all) per micro-batch
 
 
 def test_accumulation_adds_one_gradient_shard_not_a_full_gradient():

@@ -67,7 +67,9 @@ def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
     assert set(hyb["comm_bytes"]) == {"shard", "replica"}
     assert any(k.startswith("all-gather/") for k in fsdp["collectives"])  # the compiler inserted the gathers
     # ZeRO-3 moves 3 Psi against DDP's 2 Psi (arXiv 1910.02054 section 7); zshard matches its formula
-    assert full["comm_bytes"]["world"] == pytest.approx(full["comm_formula"]["world"], rel=1e-6)
+    # at most the formula: gathered per parameter, XLA drops a backward re-gather the recompute
+    # does not read (seen on Q: 448 of 1,290,240 bytes, the sent bytes of two 64-float gathers)
+    assert 0.999 * full["comm_formula"]["world"] <= full["comm_bytes"]["world"] <= full["comm_formula"]["world"]
     # the printed table and the files
     assert "| zshard/FULL_SHARD |" in stdout and "### Targets" in stdout
     assert "GPU section skipped" in stdout  # the suite runs on CPU

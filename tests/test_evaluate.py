@@ -2,7 +2,7 @@
 
 1. The loss equals a plain single-device forward on the same weights (fp32, 1e-5 relative),
    for every strategy and mesh shape, token-weighted ``zshard.TokenMean`` losses included.
-2. HLO: one all-gather per unit per call, no reduce-scatter, only scalar all-reduces.
+2. HLO: one all-gather per parameter of each unit per call, no reduce-scatter, only scalar all-reduces.
 3. Memory: the compiled eval step's temporary bytes stay at about two blocks, far below the
    whole model; the unsharded forward needs the whole model as arguments.
 """
@@ -85,8 +85,10 @@ def test_eval_hlo_one_gather_per_unit_no_reduce_scatter(strategy, r, s):
     ops = parse_collectives(compiled.as_text())
     plan = state.plan
     ags = [o for o in ops if o.kind == "all-gather"]
-    assert count(ops, "all-gather") == len(plan.units) == L + 1, [(o.op, o.sizes) for o in ags]
-    assert sorted(n for o in ags for n in o.sizes) == sorted(f.padded_size for u in plan.units for f in u.flats)
+    # one all-gather per parameter (collectives._gather_all), every unit once
+    slots = [sl for u in plan.units for f in u.flats for sl in f.slots]
+    assert len(plan.units) == L + 1 and count(ops, "all-gather") == len(slots), [(o.op, o.sizes) for o in ags]
+    assert sorted(n for o in ags for n in o.sizes) == sorted(sl.padded for sl in slots)
     assert all(o.groups == groups_of(plan.mesh, plan.shard_axes) for o in ags)
     assert count(ops, "reduce-scatter") == 0
     assert all(max(o.sizes) <= 1 for o in ops if o.kind == "all-reduce"), "only the scalar loss is all-reduced"

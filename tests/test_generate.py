@@ -4,7 +4,7 @@
 2. Sharded generation (per-unit gathers, and gather-once) gives the tokens of a plain
    single-device decode, for GPT and Llama (GQA), stacked layers included; the same seed
    gives the same tokens, another seed others.
-3. HLO of one decoding step: sharded, one all-gather per unit and no reduce-scatter;
+3. HLO of one decoding step: sharded, one all-gather per parameter and no reduce-scatter;
    gather-once, no all-gather at all (the model was gathered before the loop).
 """
 
@@ -82,7 +82,8 @@ def _decode_hlo(state, gather_once):
 def test_decode_step_collectives():
     state = zshard.init(_make(GPT_CFG), optax.sgd(0.1), zshard.make_mesh(1, 8))
     ops = _decode_hlo(state, gather_once=False)
-    assert count(ops, "all-gather") == len(state.plan.units) == 1 + GPT_CFG.n_layers
+    slots = [sl for u in state.plan.units for f in u.flats for sl in f.slots]
+    assert len(state.plan.units) == 1 + GPT_CFG.n_layers and count(ops, "all-gather") == len(slots)  # one per parameter
     assert count(ops, "reduce-scatter") == 0
     once = _decode_hlo(state, gather_once=True)
     assert count(once, "all-gather") == 0 and count(once, "reduce-scatter") == 0

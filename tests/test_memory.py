@@ -111,8 +111,13 @@ def test_temp_bytes_zero3(strategy, r, s):
     if strategy != "HYBRID_SHARD":
         # gathered weights are not kept: far below the model (keeping them costs >= 1x)
         assert temp < 0.5 * model_bytes, info
-    if strategy == "HYBRID_SHARD_OPT":  # the same temp as FULL_SHARD on as many devices
-        assert temp == pytest.approx(_compiled("FULL_SHARD", 1, 8, n_blocks=8, prefetch=0, **BIG)[3].temp_size_in_bytes, rel=0.02), info
+    if strategy == "HYBRID_SHARD_OPT":
+        # FULL_SHARD's temp on as many devices, + at most one block's gradient shard: the
+        # replica reduce-scatter's input [R, L_u/(R S)] concatenates the unit's per-parameter
+        # shards (collectives.replica_slices; FULL_SHARD reduce-scatters per parameter, no copy).
+        # Seen: 2.28 MB against 2.11 MB (equal, 1.10 MB each, while both concatenated).
+        full = _compiled("FULL_SHARD", 1, 8, n_blocks=8, prefetch=0, **BIG)[3].temp_size_in_bytes
+        assert full * 0.98 <= temp <= full + block_bytes / s, info + f"; FULL_SHARD on 1x8: {full / 1e6:.2f} MB"
     # beyond this device's gradient shards (Psi/N, needed until the optimizer runs), only a
     # few blocks are alive at once (gathered weights + full gradient of the current block)
     assert temp - grad_shard_bytes <= 4 * block_bytes, info

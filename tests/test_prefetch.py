@@ -25,17 +25,20 @@ def _compiled(n_blocks, prefetch):
 
 def _schedule(state, compiled) -> str:
     """The scheduled entry computation as letters: G block all-gather, R block reduce-scatter,
-    c matmul (a dot or a custom fusion around one), in execution order."""
-    width = state.plan.units[1].flats[0].shard_size  # one block's FlatParameter shard
+    c matmul (a dot or a custom fusion around one), in execution order. A unit call gathers
+    and reduce-scatters per parameter: a block's are told by its kernel's ``[n_pad]`` (gathered)
+    and ``[n_pad/8]`` (reduce-scattered), sizes no root parameter has."""
+    n_pad = max(s.padded for s in state.plan.units[1].flats[0].slots)  # the block kernel, [D*D]
+    assert n_pad == D * D and all(s.padded != n_pad for s in state.plan.units[0].flats[0].slots)
     text = compiled.as_text()
     seq = ""
     for line in text[text.index("ENTRY") :].splitlines():
         m = re.search(r"= (\S+) (all-gather|reduce-scatter|dot|fusion)\(", line)
         if not m:
             continue
-        if m.group(2) == "all-gather" and f",{width}]" in m.group(1):
+        if m.group(2) == "all-gather" and m.group(1).startswith(f"f32[{n_pad}]"):
             seq += "G"
-        elif m.group(2) == "reduce-scatter" and f"[1,{width}]" in m.group(1):
+        elif m.group(2) == "reduce-scatter" and m.group(1).startswith(f"f32[{n_pad // 8}]"):
             seq += "R"
         elif m.group(2) == "dot" or "kind=kCustom" in line:
             seq += "c"

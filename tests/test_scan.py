@@ -88,9 +88,19 @@ def test_gather_happens_inside_the_loop_once_per_layer(strategy, mesh, gathers, 
     block = state.plan.units[1]
     layer_bytes = sum(f.padded_size * f.dtype.itemsize for f in block.flats)  # one layer, not the stack
     in_loop = [c for c in colls if c.trips == L]
-    assert sum(1 for c in in_loop if c.kind == "all-gather") * L == gathers
-    assert sum(1 for c in in_loop if c.kind == "reduce-scatter") * L == scatters
-    assert all(c.buffer_bytes == layer_bytes for c in in_loop if c.kind in ("all-gather", "reduce-scatter"))
+    # one collective per parameter of the layer (collectives._gather_all), together one layer
+    params = [sl for f in block.flats for sl in f.slots]
+    slot_bytes = {sl.padded * sl.dtype.itemsize for sl in params}
+    ag = [c for c in in_loop if c.kind == "all-gather"]
+    rs = [c for c in in_loop if c.kind == "reduce-scatter"]
+    # XLA drops a backward re-gather the recomputation does not read (seen: one bias of the
+    # block's last projection), so the backward loop gathers at most one layer
+    per_layer = gathers // L
+    dropped = per_layer * len(params) - len(ag)
+    assert 0 <= dropped < (len(params) if per_layer > 1 else 1), (len(ag), len(params))
+    assert (per_layer - 1) * layer_bytes < sum(c.buffer_bytes for c in ag) <= per_layer * layer_bytes
+    assert len(rs) * L == scatters * len(params) and sum(c.buffer_bytes for c in rs) * L == scatters * layer_bytes
+    assert all(c.buffer_bytes in slot_bytes for c in ag + rs)
     assert not any(c.buffer_bytes >= L * layer_bytes for c in colls), "a whole-stack collective"
     if strategy == "HYBRID_SHARD":  # per layer, the gradient shard crosses replicas
         ar = [c for c in in_loop if c.kind == "all-reduce"]

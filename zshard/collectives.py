@@ -1,6 +1,8 @@
 """All-gather and reduce-scatter of one unit inside ``shard_map``, with hand-written VJPs.
 
-Two primitives, both on FlatParameter shards (see ``zshard.flat``):
+Two primitives, both on a unit's FlatParameters (see ``zshard.flat``), each parameter's
+shard gathered into, and its gradient reduce-scattered from, its own buffer (no concatenated
+FlatParameter copy either way; docs/benchmarks.md, "Where the S step time went"):
 
 - :func:`gather` -- forward: all-gather; backward: reduce-scatter over the shard axes, then
   all-reduce of the *scattered shard* over the replica axes (HYBRID_SHARD). Used for the
@@ -46,11 +48,9 @@ __all__ = [
     "REMAT_POLICIES",
     "PrefetchLink",
     "UnitComm",
-    "all_gather_flat",
     "checkpointed",
     "gather",
     "gather_param",
-    "reduce_scatter_flat",
     "remat_policy",
     "run_unit",
     "schedule_token",
@@ -75,6 +75,10 @@ class UnitComm:
         backward, into the parameter's *gradient sink* ``[n_pad/(R*S)]`` (see
         :func:`run_unit`); used only where the caller passes sinks.
       scatter_parts: ``R``, devices along ``scatter_axes``.
+      sinks: the unit calls of this step pass gradient sinks (HYBRID_SHARD_OPT in a train
+        step; ``zshard.intercept.materialize`` sets it): :func:`run_unit`, :func:`gather` and
+        :func:`gather_param` require their ``sinks`` argument exactly when it is set (and
+        trainable parameters are gathered).
     """
 
     shard_axes: tuple[str, ...]
@@ -84,6 +88,23 @@ class UnitComm:
     reshard: bool = True
     scatter_axes: tuple[str, ...] = ()
     scatter_parts: int = 1
+    sinks: bool = False
+
+    @property
+    def vary_axes(self) -> tuple[str, ...]:
+        """Every axis a gathered parameter must vary over besides ``shard_axes``: the axes its
+        gradient is later summed over (``replica_axes``, and ``scatter_axes`` with sinks)."""
+        return self.replica_axes + (self.scatter_axes if self.sinks else ())
+
+    def check_sinks(self, sinks, trainable: bool, where: str) -> None:
+        """Raise ``ValueError`` where ``sinks`` are given without :attr:`sinks`, or missing with
+        it for ``trainable`` parameters (frozen ones have no sink)."""
+        if (sinks is not None and not self.sinks) or (sinks is None and self.sinks and trainable):
+            raise ValueError(
+                f"zshard: {where} called {'with' if sinks is not None else 'without'} gradient sinks, but its UnitComm has "
+                f"sinks={self.sinks}; build the UnitComm with sinks=True exactly when the calls of trainable "
+                f"parameters pass sinks"
+            )
 
 
 @dataclasses.dataclass(eq=False)
@@ -148,60 +169,66 @@ def _after_tree(tree, dep):
     return jax.tree.unflatten(treedef, leaves)
 
 
-def all_gather_flat(shard: jax.Array, shard_axes: tuple[str, ...]) -> jax.Array:
-    """One device's FlatParameter shard -> the whole FlatParameter on every device of the group."""
-    if not shard_axes:  # NO_SHARD / SHARD_OPT: the shard is the whole FlatParameter
-        return shard[None]  # [L] -> [1, L]
-    # [L/N] --all_gather(shard_axes)--> [N, L/N]
-    return jax.lax.all_gather(shard, shard_axes, axis=0, tiled=False)
+def _param_shards(flat: FlatParameter, buf) -> list[jax.Array]:
+    """A unit's shards of one FlatParameter -> per parameter ``[n_pad_p/N]`` (a unit is called
+    with per-parameter shards; a concatenated ``[L/N]`` is split into them, no copy: slices)."""
+    return list(buf) if isinstance(buf, (tuple, list)) else flat.split_shard(buf)
 
 
-def reduce_scatter_flat(full: jax.Array, shard_axes: tuple[str, ...], replica_axes: tuple[str, ...]) -> jax.Array:
-    """A device's full-size FlatParameter gradient -> the summed gradient of its own shard."""
-    full = vary(full, shard_axes + replica_axes)
-    if shard_axes:
-        # [N, L/N] --reduce_scatter(shard_axes)--> [L/N]
-        shard = jax.lax.psum_scatter(full, shard_axes, scatter_dimension=0, tiled=False)
-    else:
-        shard = full[0]  # [1, L] -> [L]
-    if replica_axes:
-        # [L/N] --all_reduce(replica_axes)--> [L/N]   (only the shard crosses replicas)
-        shard = jax.lax.psum(shard, replica_axes)
-    return shard
+def _gather_all(flats, bufs, comm: UnitComm, ready=None):
+    """A unit's shards -> its parameters in logical shapes: one all-gather per parameter
+    (XLA:GPU and TPU have a pass that combines independent all-gathers, ``AllGatherCombiner``;
+    not measured here. XLA:CPU runs them one by one, like the compiler-sharded peer's
+    per-weight gathers).
 
+    Each parameter is gathered straight into its own ``[n_pad]`` buffer, so its logical view
+    is a slice + reshape of it (a bitcast where there is no padding): no FlatParameter
+    concatenated before the gather, no strided column slices of a gathered ``[N, L/N]`` after
+    it, and each gathered weight is its own allocation, freed after its last use (a
+    gathered FlatParameter stayed alive until the unit's last small parameter was read).
+    Docs: docs/benchmarks.md, "Where the S step time went".
 
-def _flat_shard(flat, buf):
-    """A unit's per-parameter shards ``([n_pad_p/N], ...)`` -> its FlatParameter shard ``[L/N]``.
-
-    The concatenation happens inside the collective's own forward and backward, so the
-    residual a unit keeps for backward is the per-parameter shards it was called with (under
-    ``nnx.scan``, the loop's own inputs), not a concatenated copy of them (docs/memory.md).
-    """
-    return flat.concat_shards(list(buf)) if isinstance(buf, (tuple, list)) else buf
-
-
-def _gather_all(flats, bufs, shard_axes, replica_axes, mp, ready=None):
-    """A unit's shards -> its parameters in logical shapes (all-gather, then per-parameter views).
-
-    ``replica_axes``: every axis the gathered parameters must vary over besides ``shard_axes``
-    (HYBRID_SHARD's all-reduce axes, or HYBRID_SHARD_OPT's ``scatter_axes``).
-    ``ready``: a prefetched gather (issued before this unit's own input or cotangent exists)
-    is cut into per-parameter arrays only once ``ready`` exists (:func:`_after` on the
-    gathered FlatParameter; XLA fuses the scalar add into the slices it makes anyway). Without
-    it XLA slices a prefetched unit as soon as it arrives and holds it twice, gathered and
-    sliced: one more gathered unit of temp (config P, ``prefetch=1``: 4.35 -> 3.22 gathered units,
+    ``comm.vary_axes``: every axis the gathered parameters must vary over besides the shard
+    axes. ``ready``: a prefetched gather (issued before this unit's own input or cotangent
+    exists) is cut into logical views only once ``ready`` exists (:func:`_after` on the
+    gathered parameters; XLA fuses the scalar add into their consumers). Without it XLA
+    materialises a prefetched unit's views as soon as it arrives and holds it twice: one more
+    gathered unit of temp (config P, ``prefetch=1``: 4.35 -> 3.22 gathered units,
     docs/benchmarks.md).
     """
-    bufs = [_flat_shard(f, b) for f, b in zip(flats, bufs)]  # ([n_pad_p/N], ...) -> [L/N]
+    slots = [s for f in flats for s in f.slots]
+    shards = [b for f, buf in zip(flats, bufs) for b in _param_shards(f, buf)]  # [n_pad_p/N] each
     # The gathered parameters meet batch data that varies over every mesh axis. Marking the
     # shard varying over replica *before* the gather keeps autodiff from inserting a
     # broadcast whose transpose would all-reduce the full gradient across replicas
     # (docs/design.md section 7, "the replica trap"); the backward sums only the shard instead.
-    bufs = [vary(b, shard_axes + replica_axes).astype(mp.gather_dtype(f.dtype)) for f, b in zip(flats, bufs)]
-    fulls = [all_gather_flat(b, shard_axes) for b in bufs]  # [L_k/N] --all_gather--> [N, L_k/N] each
+    shards = [vary(b, comm.shard_axes + comm.vary_axes).astype(comm.mp.gather_dtype(s.dtype)) for s, b in zip(slots, shards)]
+    if comm.shard_axes:
+        # [n_pad_p/N] --all_gather(shard_axes, tiled)--> [n_pad_p], per parameter
+        fulls = [jax.lax.all_gather(b, comm.shard_axes, axis=0, tiled=True) for b in shards]
+    else:  # NO_SHARD / SHARD_OPT: the shard is the whole padded parameter
+        fulls = shards
     if ready is not None:
-        fulls = _after(fulls, ready)  # [N, L_k/N] + 0: the slicing below waits for ``ready``
-    return [p for f, full in zip(flats, fulls) for p in f.unflatten(full)]  # [N, L_k/N] -> parameters
+        fulls = _after(fulls, ready)  # [n_pad_p] + 0: the views below wait for ``ready``
+    return [s.param.from_storage(full) for s, full in zip(slots, fulls)]  # [n_pad_p] -> [:n_p] -> shape
+
+
+def _reduce_scatter(grads, slots, comm: UnitComm, to_sinks: bool) -> list[jax.Array]:
+    """Full-size gradients of one FlatParameter's parameters (logical shapes) -> this device's
+    summed shards ``[n_pad_p/N]`` in the reduce dtype: one reduce-scatter per parameter (XLA:GPU
+    has a combiner pass for them, ``ReduceScatterCombiner``), straight from each gradient's own ``[n_pad_p]``
+    (no FlatParameter-layout copy of the unit's gradient); + the replica all-reduce of the
+    shards (HYBRID_SHARD) unless ``to_sinks``."""
+    axes = comm.shard_axes + comm.vary_axes
+    # [*shape] -> [n_pad_p] (zero padding), varying over every axis it is summed over
+    full = [vary(s.param.to_storage(g.astype(comm.mp.grad_dtype(s.dtype))), axes) for s, g in zip(slots, grads)]
+    if comm.shard_axes:
+        # [n_pad_p] --reduce_scatter(shard_axes, tiled)--> [n_pad_p/N], per parameter
+        full = [jax.lax.psum_scatter(g, comm.shard_axes, scatter_dimension=0, tiled=True) for g in full]
+    if comm.replica_axes and not to_sinks:
+        # [n_pad_p/N] --all_reduce(replica_axes)--> [n_pad_p/N]   (only the shards cross replicas)
+        full = list(jax.lax.psum(tuple(full), comm.replica_axes))
+    return full
 
 
 def replica_slices(slots_shards: Sequence[jax.Array], axes: tuple[str, ...], parts: int) -> list[jax.Array]:
@@ -238,14 +265,14 @@ def _dtypes(sinks):
 def _scatter_all(flats, bufs, grads, comm, sink_dtypes=None):
     """The gradients of a unit's parameters -> ``(cotangents of bufs, cotangents of sinks)``.
 
-    Without sinks: each FlatParameter's gradient reduce-scattered over ``comm.shard_axes``
-    (+ all-reduced over ``comm.replica_axes``), as the bufs' cotangent. With sinks
+    Without sinks: each parameter's gradient reduce-scattered over ``comm.shard_axes``
+    (+ all-reduced over ``comm.replica_axes``), as the bufs' cotangent (per-parameter shards,
+    or concatenated where the unit was called with a FlatParameter shard). With sinks
     (HYBRID_SHARD_OPT): reduce-scattered over ``shard`` then over ``comm.scatter_axes``
     (:func:`replica_slices`), as the sinks' cotangent; the bufs get none (they are not
     differentiated), so only ``[n_pad/(R*S)]`` per parameter leaves the unit.
     ``sink_dtypes``: per flat, the sinks' dtypes (``()`` for a frozen flat); ``None``: no sinks.
     """
-    shard_axes, replica_axes, mp = comm.shard_axes, comm.replica_axes, comm.mp
     out, to_sinks, i = [], [], 0
     for k, (f, b) in enumerate(zip(flats, bufs)):
         n = len(f.slots)
@@ -253,17 +280,16 @@ def _scatter_all(flats, bufs, grads, comm, sink_dtypes=None):
             out.append(None if sink_dtypes is not None else jax.tree.map(jnp.zeros_like, b))
             to_sinks.append(())
         else:
-            full = f.flatten(grads[i : i + n], mp.grad_dtype(f.dtype))  # [N, L/N] in the reduce dtype
-            shard = reduce_scatter_flat(full, shard_axes, replica_axes)  # [L/N]
+            shards = _reduce_scatter(grads[i : i + n], f.slots, comm, sink_dtypes is not None)  # [n_pad_p/N] each
             if sink_dtypes is not None:
-                # [L/S] -> per parameter [n_pad_p/S] --reduce_scatter(replica)--> [n_pad_p/(R S)]
-                mine = replica_slices(f.split_shard(shard), comm.scatter_axes, comm.scatter_parts)
+                # per parameter [n_pad_p/S] --reduce_scatter(replica)--> [n_pad_p/(R S)]
+                mine = replica_slices(shards, comm.scatter_axes, comm.scatter_parts)
                 to_sinks.append(tuple(g.astype(dtype) for g, dtype in zip(mine, sink_dtypes[k])))
                 out.append(None)
             else:
-                shard = shard.astype(f.dtype)
-                # per-parameter shards in: [L/N] -> ([n_pad_p/N], ...) out
-                out.append(tuple(f.split_shard(shard)) if isinstance(b, (tuple, list)) else shard)
+                shards = [g.astype(f.dtype) for g in shards]
+                # per-parameter shards in: ([n_pad_p/N], ...) out; a FlatParameter shard in: [L/N] out
+                out.append(tuple(shards) if isinstance(b, (tuple, list)) else f.concat_shards(shards))
                 to_sinks.append(())
         i += n
     return tuple(out), (None if sink_dtypes is None else tuple(to_sinks))
@@ -277,23 +303,26 @@ def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], comm: Unit
       bufs: this device's shards, ``[L_k / N]`` each (or per-parameter ``([n_pad/N], ...)``),
         ``PartitionSpec(shard_axes)`` outside.
       comm: the axes and mixed precision (gather in ``param_dtype``, reduce in ``reduce_dtype``).
-      sinks: HYBRID_SHARD_OPT: per flat, a tuple of per-parameter gradient sinks
-        ``[n_pad/(R*S)]`` (``()`` for a frozen flat); the gradient leaves through them
-        (:func:`run_unit`), not through ``bufs``.
+      sinks: exactly when ``comm.sinks`` (HYBRID_SHARD_OPT): per flat, a tuple of
+        per-parameter gradient sinks ``[n_pad/(R*S)]`` (``()`` for a frozen flat); the
+        gradient leaves through them (:func:`run_unit`), not through ``bufs``.
 
     Returns:
       The unit's parameters in logical shapes, in slot order (all flats concatenated).
+
+    Raises:
+      ValueError: ``sinks`` given without ``comm.sinks`` or missing with it.
     """
-    flats, shard_axes, mp = tuple(flats), comm.shard_axes, comm.mp
-    vary_axes = comm.replica_axes + (comm.scatter_axes if sinks is not None else ())
+    flats = tuple(flats)
+    comm.check_sinks(sinks, any(f.trainable for f in flats), "gather")
     sink_dtypes = _dtypes(sinks)
 
     @jax.custom_vjp
     def _gather(bufs, sinks):
-        return _gather_all(flats, bufs, shard_axes, vary_axes, mp)
+        return _gather_all(flats, bufs, comm)
 
     def fwd(bufs, sinks):
-        return _gather_all(flats, bufs, shard_axes, vary_axes, mp), bufs
+        return _gather_all(flats, bufs, comm), bufs
 
     def bwd(bufs, grads):
         return _scatter_all(flats, bufs, grads, comm, sink_dtypes)
@@ -302,7 +331,7 @@ def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], comm: Unit
     return _gather(tuple(bufs), None if sinks is None else tuple(sinks))
 
 
-def gather_param(slot: ParamLayout, shard: jax.Array, num_shards: int, comm: UnitComm, sink: jax.Array | None = None) -> jax.Array:
+def gather_param(slot: ParamLayout, shard: jax.Array, comm: UnitComm, sink: jax.Array | None = None) -> jax.Array:
     """All-gather one parameter where it is read outside its unit's methods; backward
     reduce-scatters its gradient (+ replica all-reduce of the shard), like :func:`gather`.
 
@@ -310,16 +339,19 @@ def gather_param(slot: ParamLayout, shard: jax.Array, num_shards: int, comm: Uni
       slot: the parameter's record (logical shape, padded size; ``to_storage`` / ``from_storage``).
       shard: this device's padded slice, ``[n_pad/N]``, or ``[L, n_pad/N]`` for all layers
         of a stacked parameter.
-      num_shards: ``N``, devices along ``comm.shard_axes``.
       comm: axes and mixed precision.
-      sink: HYBRID_SHARD_OPT: the parameter's gradient sink ``[..., n_pad/(R*S)]``; the
-        gradient is reduce-scattered over ``comm.scatter_axes`` too and leaves through it.
+      sink: exactly when ``comm.sinks`` (HYBRID_SHARD_OPT): the parameter's gradient sink
+        ``[..., n_pad/(R*S)]``; the gradient is reduce-scattered over ``comm.scatter_axes``
+        too and leaves through it.
 
     Returns:
       The parameter in its logical shape (``[L, *shape]`` for a stacked one), in the gather dtype.
+
+    Raises:
+      ValueError: ``sink`` given without ``comm.sinks`` or missing with it.
     """
-    shard_axes, mp = comm.shard_axes, comm.mp
-    replica_axes = comm.replica_axes + (comm.scatter_axes if sink is not None else ())
+    comm.check_sinks(sink, slot.trainable, f"gather_param ({slot.path})")
+    shard_axes, mp, replica_axes = comm.shard_axes, comm.mp, comm.vary_axes
     sink_dtype = None if sink is None else sink.dtype
 
     def full_of(b):
@@ -344,8 +376,8 @@ def gather_param(slot: ParamLayout, shard: jax.Array, num_shards: int, comm: Uni
             # [..., n_pad/S] --reduce_scatter(replica)--> [..., n_pad/(R S)], into the sink
             (g,) = replica_slices([g], comm.scatter_axes, comm.scatter_parts)
             return None, g.astype(sink_dtype)
-        if replica_axes:
-            g = jax.lax.psum(g, replica_axes)  # [..., n_pad/N] --all_reduce(replica)--> [..., n_pad/N]
+        if comm.replica_axes:
+            g = jax.lax.psum(g, comm.replica_axes)  # [..., n_pad/N] --all_reduce(replica)--> [..., n_pad/N]
         return g.astype(shard.dtype), None
 
     _gather.defvjp(fwd, bwd)
@@ -413,7 +445,7 @@ def run_unit(
       link: this call's own link, filled in here (``link.token``); a later call may take it.
       name: the unit's name, for ``jax.named_scope`` (``zshard.unit.<name>.forward`` /
         ``.backward``: profiles and HLO read by unit and phase).
-      sinks: HYBRID_SHARD_OPT (docs/memory.md, "Gradient sinks"): per flat, a tuple of
+      sinks: exactly when ``comm.sinks``, HYBRID_SHARD_OPT (docs/memory.md, "Gradient sinks"): per flat, a tuple of
         per-parameter arrays ``[n_pad/(R*S)]`` of the parameter dtype whose values are
         never read (``()`` for a frozen flat). The caller differentiates with respect to
         them instead of ``bufs``: backward reduce-scatters the gradient over ``shard`` and
@@ -425,18 +457,20 @@ def run_unit(
       ``apply``'s outputs. Residuals are ``bufs``, ``inputs``, the gathered weights only if
       ``not comm.reshard``, and (for ``remat != "block"``) the activations the policy saves;
       backward recomputes what was not saved and reduce-scatters the parameter gradient.
+
+    Raises:
+      ValueError: ``sinks`` given without ``comm.sinks`` or missing with it.
     """
     flats = tuple(flats)
-    shard_axes, mp, remat, reshard = comm.shard_axes, comm.mp, comm.remat, comm.reshard
-    # the gathered weights vary over every axis their gradient is later summed over (the replica trap)
-    replica_axes = comm.replica_axes + (comm.scatter_axes if sinks is not None else ())
+    remat, reshard = comm.remat, comm.reshard
+    comm.check_sinks(sinks, any(f.trainable for f in flats), f"run_unit ({name})")
     sink_dtypes = _dtypes(sinks)
     link = link if link is not None else PrefetchLink()
     pullback_layout = {}  # set while tracing fwd: the pullback's structure and where the weights sat in it
 
     @jax.custom_vjp
     def _unit(bufs, sinks, inputs, after_token):
-        return apply(_gather_all(flats, bufs, shard_axes, replica_axes, mp), inputs), schedule_token(inputs)
+        return apply(_gather_all(flats, bufs, comm), inputs), schedule_token(inputs)
 
     def fwd(bufs, sinks, inputs, after_token):  # the sinks' values are never read
         with jax.named_scope(f"zshard.unit.{name}.forward"):
@@ -447,7 +481,7 @@ def run_unit(
         # input of the earlier unit call), so the gathered copy is alive only around this
         # unit (and the one before it). docs/design.md, "Forced schedule".
         ready = None if after is None else inputs  # prefetched: slice only once this unit's input exists
-        params = _gather_all(flats, _after(bufs, inputs if after is None else after_token), shard_axes, replica_axes, mp, ready)
+        params = _gather_all(flats, _after(bufs, inputs if after is None else after_token), comm, ready)
         kept = [] if reshard else params
         out_token = schedule_token(inputs)
         if remat == "block":
@@ -474,7 +508,7 @@ def run_unit(
             # gather: this unit's own, or (prefetch) the token a later unit handed back as
             # soon as its own backward began.
             ready = g if link.taken else None  # prefetched: slice only once this unit's cotangent exists
-            params = _gather_all(flats, _after(bufs, g_token if link.taken else g), shard_axes, replica_axes, mp, ready)
+            params = _gather_all(flats, _after(bufs, g_token if link.taken else g), comm, ready)
         else:
             params = kept
             # Kept weights: make the recompute depend on the cotangent instead, or XLA folds it

@@ -346,7 +346,6 @@ class _GatherOnRead:
     unit's methods, is the parameter all-gathered where it is read (gradient reduce-scattered)."""
 
     slot: ParamLayout
-    num_shards: int
     comm: UnitComm
 
     def __call__(self, var, value):
@@ -360,7 +359,7 @@ class _GatherOnRead:
                 f"inside a method of the unit"
             )
         with jax.named_scope(f"zshard.read.{path_str(self.slot.path)}"):
-            return gather_param(self.slot, value, self.num_shards, self.comm, sink)
+            return gather_param(self.slot, value, self.comm, sink)
 
 
 _READING: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
@@ -412,7 +411,8 @@ def materialize(plan, shards: dict, variables: dict, opts: StepOptions, sinks: d
       the user's function.
     """
     root, blocks = (plan.units[0], plan.units[1:]) if plan.units[0].path == () else (None, plan.units)
-    comm = opts.comm(plan)
+    # HYBRID_SHARD_OPT train step: every unit call passes gradient sinks (UnitComm.sinks)
+    comm = dataclasses.replace(opts.comm(plan), sinks=sinks is not None)
     values = dict(variables)
     for path, var in plan.var_template:
         if isinstance(var, nnx.RngKey):
@@ -426,7 +426,7 @@ def materialize(plan, shards: dict, variables: dict, opts: StepOptions, sinks: d
     for unit in blocks:
         for s in unit.slots:
             values[s.path] = shards[s.path] if sinks is None or s.path not in sinks else ShardWithSink(shards[s.path], sinks[s.path])
-            hooks[s.path] = _GatherOnRead(s.param, plan.num_shards, comm)
+            hooks[s.path] = _GatherOnRead(s.param, comm)
     with nnx.use_eager_sharding(False):  # zshard's layout, not the model's sharding annotations
         state = nnx.from_flat_state(
             [

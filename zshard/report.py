@@ -398,8 +398,8 @@ def report(step, state, batch) -> Report:
     by_axis: dict[str, float] = defaultdict(float)
     table: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
     for c in colls:
-        if c.axis == "none" or (c.buffer_bytes <= 64 and c.phase == "step"):
-            continue  # size-1 groups; the step's scalar metrics (loss, grad norm)
+        if c.axis == "none" or (c.kind == "all-reduce" and c.buffer_bytes <= 64 and c.phase == "step"):
+            continue  # size-1 groups; the step's scalar metrics (loss, grad norm; a small parameter's gather counts)
         by_axis[c.axis] += c.sent_bytes * c.trips
         table[(c.kind, c.axis)][0] += c.trips
         table[(c.kind, c.axis)][1] += c.sent_bytes * c.trips
