@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from train.bench import activation_bytes, expected_peak, median_ratio, memory_formula, train_flops_per_token
+from train.bench import median_ratio, train_flops_per_token
 from train.bench import main as bench_main
+from train.scale import activation_bytes, expected_peak, memory_formula
 
 ROOT = Path(__file__).resolve().parent.parent
 
