@@ -91,7 +91,7 @@ def expected_peak(formula: dict, activations: dict) -> tuple[float, str]:
 
 
 def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsize: int = 4, opt_slots: int = 2,
-                   opt_shards: int | None = None) -> dict:
+                   opt_shards: int | None = None, psi_out: int | None = None) -> dict:
     """Per-device bytes of a zshard FULL_SHARD / HYBRID_SHARD / HYBRID_SHARD_OPT step, activations excluded.
 
     ZeRO (arXiv 1910.02054) section 5.2 / FSDP (arXiv 2304.11277) section 3.2, for ``Psi``
@@ -103,9 +103,17 @@ def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsiz
       ``e * Psi / M`` with ``M = opt_shards`` (``N`` for FULL_SHARD / HYBRID_SHARD; ``R*S`` for
       HYBRID_SHARD_OPT, whose units reduce-scatter over ``replica`` inside their backward);
       the optimizer updates in place, no buffer of its own;
-    - ``root``: the root unit (embeddings, head), gathered for the whole step, and its full
-      gradient before the reduce-scatter: ``2 * e * Psi_root``;
-    - ``unit``: one block unit gathered in backward and its full gradient: ``2 * e * Psi_layer``
+    - ``root``: the root unit (embeddings, head), gathered for the whole step, ``e * Psi_root``,
+      and one more copy of its output projection, ``e * Psi_out`` (``Psi_out = h * V``): in
+      forward the head's weight copied out of the gathered FlatParameter (the slice is not
+      contiguous), in backward the head's gradient, held until the root's reduce-scatter at the
+      step's end. The embedding's gradient is made only after the last block's backward
+      (``train.model.Embed``), so it is not in either moment (docs/memory.md, "The scale
+      table"). ``psi_out=None``: ``Psi_out = Psi_root``, the old ``2 * e * Psi_root``;
+    - ``unit``: one block unit gathered in backward and its full gradient, or, in forward, the
+      gathered FlatParameter and the per-parameter copies sliced out of it (Llama-7B on 64
+      devices peaks at the first layer's attention with 0.81 GB gathered + 0.61 GB of copies,
+      ``e * Psi_layer`` = 0.81 GB): ``2 * e * Psi_layer``
       (the simulated models are scanned: a stacked unit gathers its own layer inside the loop
       and is not prefetched, ``zshard.collectives``); only at the block moment of
       :func:`activation_bytes` (:func:`expected_peak`).
@@ -123,7 +131,7 @@ def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsiz
     out = {
         "state": itemsize * psi / shards + opt_slots * itemsize * psi / opt,
         "grad_shard": itemsize * psi / opt,
-        "root": 2 * itemsize * psi_root,
+        "root": itemsize * (psi_root + (psi_root if psi_out is None else psi_out)),
         "unit": 2 * itemsize * psi_layer,
     }
     out["total"] = sum(out.values())
@@ -166,7 +174,8 @@ def scale_worker(n_devices: int, models, strategies) -> list[dict]:
             shards = state.plan.num_shards
             gpt = isinstance(cfg, GPTConfig)
             d_ff = 4 * cfg.d_model if gpt else cfg.d_ff
-            form = memory_formula(psi, psi_root, psi_layer, shards, opt_shards=state.plan.opt_shards)
+            form = memory_formula(psi, psi_root, psi_layer, shards, opt_shards=state.plan.opt_shards,
+                                  psi_out=cfg.d_model * cfg.vocab_size)
             act = activation_bytes(cfg.d_model, cfg.n_layers, cfg.n_heads, d_ff, cfg.vocab_size, SCALE_SEQ, 1, glu=not gpt)
             expected, moment = expected_peak(form, act)
             peak = peak_bytes(rep.per_device_bytes)
