@@ -44,7 +44,7 @@ HOST_DEVICES = 8  # devices per host: the shard axis of the simulated meshes
 
 def activation_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: int, seq: int, batch: int, glu: bool,
                      itemsize: int = 4) -> dict:
-    """Activation bytes per device at the two moments of a step that can hold its peak, with
+    """Activation bytes per device at the three moments of a step that can hold its peak, with
     full activation recomputation per block.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
@@ -57,37 +57,49 @@ def activation_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab
     - MLP: norm input, fc input ``2*s*b*h``, then ``2*s*b*f`` (GELU: pre-activation and output)
       or ``4*s*b*f`` (SwiGLU: gate|up, silu(gate), product).
 
-    With full recomputation (their section 4.3: only each layer's input ``s*b*h`` is kept),
-    backward holds all ``L`` layer inputs throughout, and then either
+    With full recomputation (their section 4.3: only each layer's input ``s*b*h`` is kept), the
+    scan's buffer of all ``L`` layer inputs is allocated before the forward loop and held
+    through backward, and then one of
 
+    - ``"forward"``: the first layer's attention in forward (the scan's first iteration is
+      peeled out of the loop), the softmax's exponentials and probabilities, ``2*a*s^2*b``
+      (no fused attention), with the unit gathered (and its per-parameter copies,
+      :func:`memory_formula`'s ``unit``). Where the compiled peaks of every preset sit since
+      the loss's and the embedding's gradients are no longer allocated at the step's start
+      (the buffer traces in docs/memory.md, "The scale table");
     - ``"block"``: one layer's full set, recomputed in its backward (while its unit is
-      gathered: :func:`memory_formula`'s ``unit`` term belongs to this moment), or
-    - ``"head"``: the output layer's backward: logits, their log-softmax, and the gradients of
-      both, ``4*s*b*V`` elements (section 4.2 counts ``4*s*b*V`` bytes for the fp32
-      cross-entropy), and the inputs of the final layer norm and of the output projection
-      with their gradients, ``4*s*b*h`` (section 4.2: ``s*b*h`` each forward); no block unit
-      is gathered then.
+      gathered: the ``unit`` term belongs to this moment too);
+    - ``"head"``: the output layer's backward: the log-probabilities the loss keeps for
+      backward and the logits' gradient, ``2*s*b*V`` (``train.model._token_nll`` computes
+      ``(softmax - onehot) / n`` from them; section 4.2 counts ``4*s*b*V`` bytes for
+      autodiff's fp32 cross-entropy, which also keeps the logits and a log-softmax
+      gradient), and the inputs of the final layer norm and of the output projection with
+      their gradients, ``4*s*b*h`` (section 4.2: ``s*b*h`` each forward); no block unit is
+      gathered then.
 
-    They are two moments, not one sum: the compiled peaks (docs/memory.md, "The scale
-    table") sit at the block moment for Llama-7B/70B and at the head moment for GPT-2 1.5B
-    (vocabulary 50257), and :func:`expected_peak` takes the larger.
+    They are moments, not one sum; :func:`expected_peak` takes the largest.
 
     Returns:
-      ``{"block": e*(L*s*b*h + s*b*(8h + m*f) + a*s^2*b), "head": e*(L*s*b*h + 4*s*b*h + 4*s*b*V)}``,
-      ``m`` = 2 (GELU) or 4 (SwiGLU).
+      ``{"forward": e*(L*s*b*h + 2*a*s^2*b), "block": e*(L*s*b*h + s*b*(8h + m*f) + a*s^2*b),
+      "head": e*(L*s*b*h + 4*s*b*h + 2*s*b*V)}``, ``m`` = 2 (GELU) or 4 (SwiGLU).
     """
     s, b, h, a, f, L, V = seq, batch, d_model, n_heads, d_ff, n_layers, vocab
     layer = s * b * (8 * h + (4 if glu else 2) * f) + a * s * s * b
-    return {"block": float(itemsize * (L * s * b * h + layer)), "head": float(itemsize * (L * s * b * h + 4 * s * b * h + 4 * s * b * V))}
+    return {"forward": float(itemsize * (L * s * b * h + 2 * a * s * s * b)),
+            "block": float(itemsize * (L * s * b * h + layer)),
+            "head": float(itemsize * (L * s * b * h + 4 * s * b * h + 2 * s * b * V))}
 
 
 def expected_peak(formula: dict, activations: dict) -> tuple[float, str]:
     """Per-device peak bytes of a step from :func:`memory_formula` and :func:`activation_bytes`:
-    ``state + grad_shard + root + max(unit + block activations, head activations)``, and the
-    name of the moment that sets it (``"block"`` or ``"head"``)."""
-    block = formula["unit"] + activations["block"]
-    moment = "block" if block >= activations["head"] else "head"
-    return formula["state"] + formula["grad_shard"] + formula["root"] + max(block, activations["head"]), moment
+    ``state + grad_shard + root + max(unit + forward, unit + block, head)``, and the name of
+    the moment that sets it (``"forward"``, ``"block"`` or ``"head"``; ``forward`` is optional
+    in ``activations``)."""
+    moments = {"block": formula["unit"] + activations["block"], "head": activations["head"]}
+    if "forward" in activations:
+        moments["forward"] = formula["unit"] + activations["forward"]
+    moment = max(moments, key=moments.get)
+    return formula["state"] + formula["grad_shard"] + formula["root"] + moments[moment], moment
 
 
 def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsize: int = 4, opt_slots: int = 2,
@@ -220,7 +232,7 @@ def run_scale(devices, models, strategies, progress, timeout: float) -> list[dic
 def scale_table(rows) -> str:
     lines = ["### Scale by simulation: seq 2048, one sequence per device, AdamW fp32, remat (recomputed blocks), "
              "8 devices per host", "",
-             "Expected = state + gradient + root + max(unit + block activations, head activations) "
+             "Expected = state + gradient + root + max(unit + forward, unit + block, head activations) "
              "(`train.scale.expected_peak`); the moment is the larger of the two.", "",
              "| model | devices | mesh | strategy | params | compile s | state / formula | peak GB | state + grad + root GB "
              "| moment | + moment GB | expected GB | peak / expected | 80 GB | 141 GB |",
@@ -274,6 +286,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", default=",".join(SCALE_MODELS), help="presets, comma-separated")
     p.add_argument("--strategies", default=",".join(SCALE_STRATEGIES), help="strategies, comma-separated")
     p.add_argument("--timeout", type=float, default=900.0, metavar="S", help="seconds allowed to each device count's subprocess")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows (every measured and formula term) as JSON")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # one device count, in this process
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     models = _csv(args.models, SCALE_MODELS, "--models", p)
@@ -291,6 +304,8 @@ def main(argv=None) -> int:
             p.error(f"--devices: {d} is not a positive multiple of {HOST_DEVICES} (devices per host)")
     rows = run_scale(devices, models, strategies, _Progress(), args.timeout)
     print(scale_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if len(rows) == len(devices) * len(models) * len(strategies) else 1
 
 
