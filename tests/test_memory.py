@@ -195,3 +195,17 @@ def test_units_with_ends_matches_single_device(arch, mesh):
     np.testing.assert_allclose(got.grad_norms, want.grad_norms, rtol=1e-5)
     for path, ref in want.params.items():
         np.testing.assert_allclose(got.params[path], ref, rtol=1e-5, atol=1e-6, err_msg=str(path))
+
+
+def test_plan_cli_unit_ends():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    base = [sys.executable, "-m", "train.plan", "--model", "llama-1b", "--mesh", "2x4", "--strategy", "HYBRID_SHARD_OPT", "--seq-len", "64"]
+    out = subprocess.run(base + ["--unit", "ends"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--unit ends" in out.stdout and "FITS" in out.stdout, out.stdout[-1500:]
+    bad = subprocess.run(base + ["--unit", "root"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "invalid choice: 'root'" in bad.stderr, bad.stderr[-500:]
