@@ -10,6 +10,10 @@ Both take an optional KV cache for autoregressive decoding (``model(tokens, cach
 pos=pos)`` -> ``(logits, cache)``; :func:`init_cache` makes an empty one): the keys and
 values of positions ``< pos`` are read from the cache, those of ``tokens`` written into it at
 ``pos .. pos+T-1``. Without ``cache`` the models are unchanged.
+
+About 450 lines: the two model families share the block runner, the KV cache, the embedding,
+the loss (both with written-out gradients, docs/memory.md) and the wrap policy the plan tool
+uses with them; split off the loss and embedding if they grow further.
 """
 
 from __future__ import annotations
