@@ -7,9 +7,9 @@
 Writes ``OUT/bench.json``, ``OUT/bench.md`` (the printed tables) and PNG plots into ``--out``
 (default ``runs/bench/``).
 
-Why one file of ~900 lines: it is one program whose sections share the peers, the timing
-rounds, the formulas and the report writer; each section is a few functions, in the order
-they run. Split it by section when a section grows on its own.
+Why one file of ~800 lines: it is one program whose sections share the peers, the timing
+rounds and the report writer; each section is a few functions, in the order they run. The
+scale section and the memory formulas, which grew on their own, are ``train/scale.py``.
 
 Sections
 --------
@@ -43,14 +43,9 @@ Sections
    shows) and, for zshard, the bytes of one gathered block unit (the unit of the temp targets).
 2. **Depth sweep**: the scanned GPT of config S at 2 / 8 / 32 layers, zshard FULL_SHARD and
    FSDP-compiler compile time (the fastest of two compiles, jax caches cleared before each).
-3. **Scale by simulation**: GPT-2 1.5B, Llama 7B and 70B shapes, seq 2048, one sequence per
-   device, AdamW, fp32, FULL_SHARD and HYBRID_SHARD on meshes of ``N/8 x 8`` (8 devices per
-   host), ``N`` = 64 and 512 emulated devices (one subprocess per ``N``, each with its own
-   ``XLA_FLAGS``), compiled ahead of time with abstract inputs. zshard block units recompute
-   their forward in backward (remat on: the custom VJP keeps only shards and block inputs).
-   Per-device peak (``argument + output - alias + temp``) against the formula of
-   :func:`expected_peak` (:func:`memory_formula`, :func:`activation_bytes`); fits on 80 GB
-   and on 141 GB devices.
+3. **Scale by simulation** (``train/scale.py``, also ``python -m train.scale``): GPT-2 1.5B,
+   Llama 7B and 70B shapes, seq 2048, one sequence per device, at 64 and 512 emulated devices,
+   compiled ahead of time; per-device peak against :func:`train.scale.expected_peak`.
 4. **GPU** (only when ``jax.default_backend() == "gpu"``): one-device overhead of zshard
    (FULL_SHARD on a 1x1 mesh) against a plain ``jax.jit`` step, and model FLOPs utilisation.
 
@@ -65,16 +60,26 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from train.scale import (  # section 3 and the formulas live in train/scale.py
+    DEVICE_GB,
+    GB,
+    SCALE_DEVICES,
+    SCALE_MODELS,
+    SCALE_STRATEGIES,
+    activation_bytes,
+    run_scale,
+    scale_table,
+    scale_worker,
+    set_device_count,
+)
+
 PROG = "python -m train.bench"
 NUM_DEVICES = 8  # emulated CPU devices of sections 1 and 2
 MESH_8 = (2, 4)  # (replica, shard)
-GB = 10**9
-DEVICE_GB = (80, 141)  # H100 80 GB, H200 141 GB
 LOSS_RTOL = 1e-5
 STRATEGIES = ("NO_SHARD", "SHARD_OPT", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "HYBRID_SHARD_OPT")
 # XLA:GPU scheduling flags (xla/debug_options_flags.cc): the latency-hiding scheduler overlaps
@@ -128,103 +133,11 @@ CONFIGS = {
 QUICK = BenchConfig("Q", d_model=64, n_layers=2, seq_len=32, batch=8, n_heads=2, repeats=3)
 DEPTHS = (2, 8, 32)
 COMPILE_REPEATS = 2  # depth sweep: compile time = the fastest of this many compiles (caches cleared)
-SCALE_MODELS = ("gpt2-1.5b", "llama-7b", "llama-70b")
-SCALE_DEVICES = (64, 512)
-SCALE_SEQ = 2048
-HOST_DEVICES = 8  # devices per host: the shard axis of the simulated meshes
 
 
 # --------------------------------------------------------------------------------------
 # Formulas (pure Python: no jax)
 # --------------------------------------------------------------------------------------
-
-
-def activation_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: int, seq: int, batch: int, glu: bool,
-                     itemsize: int = 4) -> dict:
-    """Activation bytes per device at the two moments of a step that can hold its peak, with
-    full activation recomputation per block.
-
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-    arXiv 2205.05198) section 4.1 count the tensors a transformer layer saves for backward:
-    ``s*b*h*(34 + 5*a*s/h)`` bytes at 16 bits with dropout. Here, with ``e = itemsize`` bytes
-    per element (fp32: 4), no dropout, and ``f = d_ff``, per layer:
-
-    - attention: norm input, QKV input, Q, K, V, attention output: ``6*s*b*h`` elements, plus the
-      softmax output ``a*s^2*b``;
-    - MLP: norm input, fc input ``2*s*b*h``, then ``2*s*b*f`` (GELU: pre-activation and output)
-      or ``4*s*b*f`` (SwiGLU: gate|up, silu(gate), product).
-
-    With full recomputation (their section 4.3: only each layer's input ``s*b*h`` is kept),
-    backward holds all ``L`` layer inputs throughout, and then either
-
-    - ``"block"``: one layer's full set, recomputed in its backward (while its unit is
-      gathered: :func:`memory_formula`'s ``unit`` term belongs to this moment), or
-    - ``"head"``: the output layer's backward: logits, their log-softmax, and the gradients of
-      both, ``4*s*b*V`` elements (section 4.2 counts ``4*s*b*V`` bytes for the fp32
-      cross-entropy), and the inputs of the final layer norm and of the output projection
-      with their gradients, ``4*s*b*h`` (section 4.2: ``s*b*h`` each forward); no block unit
-      is gathered then.
-
-    They are two moments, not one sum: the compiled peaks (docs/memory.md, "The scale
-    table") sit at the block moment for Llama-7B/70B and at the head moment for GPT-2 1.5B
-    (vocabulary 50257), and :func:`expected_peak` takes the larger.
-
-    Returns:
-      ``{"block": e*(L*s*b*h + s*b*(8h + m*f) + a*s^2*b), "head": e*(L*s*b*h + 4*s*b*h + 4*s*b*V)}``,
-      ``m`` = 2 (GELU) or 4 (SwiGLU).
-    """
-    s, b, h, a, f, L, V = seq, batch, d_model, n_heads, d_ff, n_layers, vocab
-    layer = s * b * (8 * h + (4 if glu else 2) * f) + a * s * s * b
-    return {"block": float(itemsize * (L * s * b * h + layer)), "head": float(itemsize * (L * s * b * h + 4 * s * b * h + 4 * s * b * V))}
-
-
-def expected_peak(formula: dict, activations: dict) -> tuple[float, str]:
-    """Per-device peak bytes of a step from :func:`memory_formula` and :func:`activation_bytes`:
-    ``state + grad_shard + root + max(unit + block activations, head activations)``, and the
-    name of the moment that sets it (``"block"`` or ``"head"``)."""
-    block = formula["unit"] + activations["block"]
-    moment = "block" if block >= activations["head"] else "head"
-    return formula["state"] + formula["grad_shard"] + formula["root"] + max(block, activations["head"]), moment
-
-
-def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsize: int = 4, opt_slots: int = 2,
-                   opt_shards: int | None = None) -> dict:
-    """Per-device bytes of a zshard FULL_SHARD / HYBRID_SHARD / HYBRID_SHARD_OPT step, activations excluded.
-
-    ZeRO (arXiv 1910.02054) section 5.2 / FSDP (arXiv 2304.11277) section 3.2, for ``Psi``
-    parameters sharded ``N`` ways, Adam (``K = opt_slots`` moments), ``e`` bytes per element:
-
-    - ``state``: parameters + optimizer state, ``(1 + K) * e * Psi / N`` (persistent, donated);
-      HYBRID_SHARD_OPT (optimizer state over ``M = opt_shards = R*S``): ``e Psi / N + K e Psi / M``;
-    - ``grad_shard``: the reduce-scattered gradients, held to the end of backward:
-      ``e * Psi / M`` with ``M = opt_shards`` (``N`` for FULL_SHARD / HYBRID_SHARD; ``R*S`` for
-      HYBRID_SHARD_OPT, whose units reduce-scatter over ``replica`` inside their backward);
-      the optimizer updates in place, no buffer of its own;
-    - ``root``: the root unit (embeddings, head), gathered for the whole step, and its full
-      gradient before the reduce-scatter: ``2 * e * Psi_root``;
-    - ``unit``: one block unit gathered in backward and its full gradient: ``2 * e * Psi_layer``
-      (the simulated models are scanned: a stacked unit gathers its own layer inside the loop
-      and is not prefetched, ``zshard.collectives``); only at the block moment of
-      :func:`activation_bytes` (:func:`expected_peak`).
-
-    The transient terms were settled against compiled programs (issue 8 note): a third
-    ``e * Psi_layer`` for a prefetched next unit was dropped (scanned units: no prefetch). An
-    ``e * Psi / N`` "update buffer" term added then was in fact the concatenated FlatParameter
-    copy each unit saved for backward (stacked: ``[L, L_u/N]``); issue 17 removed the copy and
-    the term (docs/memory.md).
-
-    Returns:
-      dict of the four terms and ``total`` (bytes).
-    """
-    opt = opt_shards or shards
-    out = {
-        "state": itemsize * psi / shards + opt_slots * itemsize * psi / opt,
-        "grad_shard": itemsize * psi / opt,
-        "root": 2 * itemsize * psi_root,
-        "unit": 2 * itemsize * psi_layer,
-    }
-    out["total"] = sum(out.values())
-    return out
 
 
 def train_flops_per_token(n_params_nonembed: int, n_layers: int, d_model: int, seq: int) -> float:
@@ -604,102 +517,6 @@ def depth_table(d: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# Section 3: scale by simulation (one subprocess per device count)
-# --------------------------------------------------------------------------------------
-
-
-def scale_worker(n_devices: int, models, strategies) -> list[dict]:
-    """In a process whose ``XLA_FLAGS`` give ``n_devices`` CPU devices: compile every
-    (model, strategy) on a ``n/8 x 8`` mesh with abstract inputs and measure it."""
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    import optax  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
-
-    import zshard  # noqa: PLC0415
-    from train.model import PLAN_PRESETS, GPTConfig, build_model, cross_entropy_loss  # noqa: PLC0415
-    from train.plan import peak_bytes  # noqa: PLC0415
-
-    mesh = zshard.make_mesh(n_devices // HOST_DEVICES, HOST_DEVICES, devices=jax.devices()[:n_devices])
-    tokens = jax.ShapeDtypeStruct((n_devices, SCALE_SEQ), jnp.int32)
-    step = zshard.make_train_step(cross_entropy_loss)
-    out = []
-    for name in models:
-        cfg = dataclasses.replace(PLAN_PRESETS[name], seq_len=SCALE_SEQ)
-        for strategy in strategies:
-            state = zshard.init(lambda cfg=cfg: build_model(cfg, nnx.Rngs(0)), optax.adamw(1e-4), mesh, strategy=strategy, abstract=True)
-            t0 = time.perf_counter()
-            step.lower(state, (tokens, tokens)).compile()
-            compile_s = time.perf_counter() - t0
-            rep = zshard.report(step, state, (tokens, tokens))
-            units = rep.units
-            psi = rep.num_params
-            psi_root = sum(u["params"] for u in units if u["layers"] == 1)
-            psi_layer = max(u["params"] // u["layers"] for u in units if u["layers"] > 1)
-            shards = state.plan.num_shards
-            gpt = isinstance(cfg, GPTConfig)
-            d_ff = 4 * cfg.d_model if gpt else cfg.d_ff
-            form = memory_formula(psi, psi_root, psi_layer, shards, opt_shards=state.plan.opt_shards)
-            act = activation_bytes(cfg.d_model, cfg.n_layers, cfg.n_heads, d_ff, cfg.vocab_size, SCALE_SEQ, 1, glu=not gpt)
-            expected, moment = expected_peak(form, act)
-            peak = peak_bytes(rep.per_device_bytes)
-            out.append({
-                "model": name, "devices": n_devices, "mesh": f"{mesh.shape['replica']}x{mesh.shape['shard']}",
-                "strategy": strategy, "params": psi, "compile_s": compile_s, "per_device_bytes": rep.per_device_bytes,
-                "peak": peak, "formula": form, "activations": act, "moment": moment, "expected": expected,
-                "ratio": peak / expected,
-                "state_ratio": rep.model_state_bytes["ratio"],
-                "fits": {str(g): peak <= g * GB for g in DEVICE_GB},
-            })
-            print(json.dumps(out[-1]), flush=True)
-    return out
-
-
-def run_scale(devices, models, strategies, progress, timeout: float) -> list[dict]:
-    rows = []
-    for n in devices:
-        progress.set_description(f"scale: {n} devices")
-        env = dict(os.environ)
-        env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f) + \
-            f" --xla_force_host_platform_device_count={n}"
-        env["JAX_PLATFORMS"] = "cpu"
-        cmd = [sys.executable, "-m", "train.bench", "--scale-worker", str(n), "--models", ",".join(models),
-               "--strategies", ",".join(strategies)]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=Path(__file__).resolve().parent.parent)
-        try:
-            stdout, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, err = proc.communicate()
-            err += f"\nkilled after --scale-timeout {timeout:g} s"
-        got = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-        rows += got
-        progress.update(len(got))
-        if proc.returncode != 0:
-            progress.write(f"scale worker for {n} devices failed (exit {proc.returncode}):\n{err[-3000:]}", file=sys.stderr)
-    return rows
-
-
-def scale_table(rows) -> str:
-    lines = ["### Scale by simulation: seq 2048, one sequence per device, AdamW fp32, remat (recomputed blocks), "
-             "8 devices per host", "",
-             "Expected = state + gradient + root + max(unit + block activations, head activations) "
-             "(`train.bench.expected_peak`); the moment is the larger of the two.", "",
-             "| model | devices | mesh | strategy | params | compile s | state / formula | peak GB | state + grad + root GB "
-             "| moment | + moment GB | expected GB | peak / expected | 80 GB | 141 GB |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|"]
-    for r in rows:
-        f = r["formula"]
-        base = f["state"] + f["grad_shard"] + f["root"]
-        lines.append(
-            f"| {r['model']} | {r['devices']} | {r['mesh']} | {r['strategy']} | {r['params'] / 1e9:.2f} B | {r['compile_s']:.1f} | "
-            f"{r['state_ratio']:.4f} | {r['peak'] / GB:.2f} | {base / GB:.2f} | {r['moment']} | {(r['expected'] - base) / GB:.2f} | "
-            f"{r['expected'] / GB:.2f} | {r['ratio']:.3f} | {'fits' if r['fits']['80'] else 'no'} | {'fits' if r['fits']['141'] else 'no'} |")
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------
 # Section 4: GPU
 # --------------------------------------------------------------------------------------
 
@@ -922,7 +739,7 @@ def _parse(argv):
     p.add_argument("--scale-timeout", type=float, default=900.0, metavar="S", help="seconds allowed to each scale subprocess")
     p.add_argument("--scale-worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--models", default=",".join(SCALE_MODELS), help=argparse.SUPPRESS)
-    p.add_argument("--strategies", default="FULL_SHARD,HYBRID_SHARD,HYBRID_SHARD_OPT", help=argparse.SUPPRESS)
+    p.add_argument("--strategies", default=",".join(SCALE_STRATEGIES), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         p.error(f"--repeats {args.repeats}: must be a positive integer (timing rounds)")
@@ -943,8 +760,8 @@ def _set_flags(n_devices: int) -> None:
 
 def main(argv=None) -> int:
     parser, args = _parse(sys.argv[1:] if argv is None else argv)
-    if args.scale_worker is not None:
-        _set_flags(args.scale_worker)
+    if args.scale_worker is not None:  # kept for older scripts; run_scale spawns python -m train.scale --worker
+        set_device_count(args.scale_worker)
         scale_worker(args.scale_worker, args.models.split(","), args.strategies.split(","))
         return 0
     out = Path(args.out)
@@ -961,7 +778,7 @@ def main(argv=None) -> int:
     configs = {"Q": QUICK} if args.quick else {c: CONFIGS[c] for c in args.config_list}
     strategies = ("NO_SHARD", "FULL_SHARD", "HYBRID_SHARD") if args.quick else STRATEGIES
     do_depth, do_scale = not (args.quick or args.no_depth), not (args.quick or args.no_scale)
-    scale_strats = ("FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_OPT")
+    scale_strats = SCALE_STRATEGIES
     total = sum(4 + len(strategies) + 2 * ("FULL_SHARD" in strategies) + (args.repeats or c.repeats) for c in configs.values()) + (2 * len(DEPTHS) if do_depth else 0) + \
         (len(SCALE_DEVICES) * len(SCALE_MODELS) * len(scale_strats) if do_scale else 0)
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "

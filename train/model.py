@@ -10,6 +10,10 @@ Both take an optional KV cache for autoregressive decoding (``model(tokens, cach
 pos=pos)`` -> ``(logits, cache)``; :func:`init_cache` makes an empty one): the keys and
 values of positions ``< pos`` are read from the cache, those of ``tokens`` written into it at
 ``pos .. pos+T-1``. Without ``cache`` the models are unchanged.
+
+About 450 lines: the two model families share the block runner, the KV cache, the embedding,
+the loss (both with written-out gradients, docs/memory.md) and the wrap policy the plan tool
+uses with them; split off the loss and embedding if they grow further.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from flax import nnx
 
 __all__ = [
     "GPTConfig", "GPT", "Block", "LlamaConfig", "Llama", "MODEL_PRESETS", "PLAN_PRESETS", "cross_entropy_loss", "init_cache",
-    "from_hf", "to_hf",
+    "units_with_ends", "from_hf", "to_hf",
 ]
 
 
@@ -63,6 +67,50 @@ MODEL_PRESETS = {
     "small": GPTConfig(d_model=256, n_layers=6, n_heads=8),
     "medium": GPTConfig(d_model=512, n_layers=8, n_heads=8, scan=True),
 }
+
+
+def _zero_after(shape, dtype, tree) -> jax.Array:
+    """Zeros of ``shape`` whose value is data-dependent on ``tree`` (``0 * t``, ``t`` a finite
+    scalar read from it), so that the compiler cannot allocate them before ``tree`` exists.
+
+    XLA's CPU scheduler otherwise places a constant broadcast anywhere, and put the
+    embedding gradient's ``[V, h]`` zeros at the start of the step, alive through the whole
+    forward pass (docs/memory.md, "Llama-2-70B on 8x8"). Exact: ``x + 0 == x``, and no NaN or
+    inf in ``tree`` can reach the zeros.
+    """
+    t = tree.reshape(-1)[0]
+    return jnp.zeros(shape, dtype) + (jnp.where(jnp.isfinite(t), t, 0) * 0).astype(dtype)
+
+
+@jax.custom_vjp
+def _lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """``table[ids]``: ``[V, h]``, int ``[...]`` -> ``[..., h]`` (``jnp.take``, out-of-range ids give NaN)."""
+    return jnp.take(table, ids, axis=0)
+
+
+def _lookup_fwd(table, ids):
+    return jnp.take(table, ids, axis=0), (ids, jax.ShapeDtypeStruct(table.shape, table.dtype))
+
+
+def _lookup_bwd(res, g):
+    ids, table = res
+    # the gradient of a gather is a scatter-add of the rows into zeros [V, h]; out-of-range ids
+    # are dropped, as in the gradient of jnp.take
+    return _zero_after(table.shape, table.dtype, g).at[ids].add(g.astype(table.dtype), mode="drop"), None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+class Embed(nnx.Embed):
+    """``nnx.Embed`` (same parameter ``embedding`` ``[V, h]``, same values), whose gradient's
+    zeros are allocated only once the incoming gradient exists (:func:`_zero_after`)."""
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError(f"Embed: token ids must be integers, got {inputs.dtype}")
+        (embedding,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
+        return _lookup(embedding, inputs)
 
 
 def make_blocks(block_cls, cfg, rngs: nnx.Rngs):
@@ -209,8 +257,8 @@ class GPT(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
-        self.wpe = nnx.Embed(cfg.seq_len, cfg.d_model, rngs=rngs)
+        self.wte = Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+        self.wpe = Embed(cfg.seq_len, cfg.d_model, rngs=rngs)
         self.blocks = make_blocks(Block, cfg, rngs)
         self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
         if not cfg.tie_embeddings:
@@ -306,7 +354,7 @@ class Llama(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
         self.blocks = make_blocks(LlamaBlock, cfg, rngs)
         self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
         if not cfg.tie_embeddings:
@@ -334,17 +382,66 @@ PLAN_PRESETS = {
 }
 
 
+def units_with_ends(path: tuple, module: nnx.Module) -> bool:
+    """A zshard wrap policy (``zshard.init(..., unit=units_with_ends)``) for :class:`GPT` and
+    :class:`Llama`: the blocks (each element of ``blocks``, or the stacked ``blocks``), the
+    token embedding (``wte`` / ``embed``) and the untied output head (``head``) are units.
+
+    zshard's default wraps only the blocks, and everything else is the root unit, gathered for
+    the whole step with its full gradient held until the step's end. As units, the embedding
+    is gathered for its lookup and dropped, and the head is gathered for its forward and
+    again for its backward, its gradient reduce-scattered at once (the way torchtitan wraps
+    Llama for FSDP2: the embedding, each block, and the final norm with the output layer).
+    What stays in the root is the final norm (and GPT's position table). Llama-2-70B on 8x8,
+    HYBRID_SHARD_OPT: 80.12 -> 79.08 GB per device (docs/memory.md).
+    """
+    if path == ("blocks",):
+        return not isinstance(module, nnx.List)  # stacked layers (cfg.scan): one module [L, ...]
+    if len(path) == 2 and path[0] == "blocks" and isinstance(path[1], int):
+        return True  # one block of the nnx.List
+    return path in (("embed",), ("wte",), ("head",))
+
+
 def build_model(cfg, rngs: nnx.Rngs):
     """``GPT`` for a :class:`GPTConfig`, ``Llama`` for a :class:`LlamaConfig`."""
     return GPT(cfg, rngs=rngs) if isinstance(cfg, GPTConfig) else Llama(cfg, rngs=rngs)
 
 
-def cross_entropy_loss(model: GPT, batch) -> jax.Array:
-    """Mean next-token cross-entropy (nats). ``batch = (inputs, targets)``, each (B, T) int32."""
-    inputs, targets = batch
-    logits = model(inputs).astype(jnp.float32)
+@jax.custom_vjp
+def _token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean of ``-log softmax(logits)[targets]``: float ``[..., V]``, int ``[...]`` -> scalar."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def _token_nll_fwd(logits, targets):
+    logp = jax.nn.log_softmax(logits, axis=-1)  # [..., V]
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1)), (logp, targets)
+
+
+def _token_nll_bwd(res, g):
+    logp, targets = res
+    # d/dz_j of -log softmax(z)_t = softmax(z)_j - [j == t], averaged over the n = targets.size
+    # tokens. Written out so that it is computed from the residual, in one expression: left to
+    # autodiff, the gradient of the take_along_axis is a logits-sized scatter of -1/n that
+    # depends on the targets only, and XLA computed it at the start of the step and kept it
+    # (docs/memory.md, "Llama-2-70B on 8x8").
+    onehot = jnp.arange(logp.shape[-1]) == targets[..., None]  # [..., V] bool
+    return (jnp.exp(logp) - onehot) * (g / targets.size), None
+
+
+_token_nll.defvjp(_token_nll_fwd, _token_nll_bwd)
+
+
+def cross_entropy_loss(model: GPT, batch) -> jax.Array:
+    """Mean next-token cross-entropy (nats). ``batch = (inputs, targets)``, each (B, T) int32.
+
+    The gradient with respect to the logits is ``(softmax(logits) - onehot(targets)) / n``,
+    written out (:func:`_token_nll`) rather than left to autodiff; equal up to rounding.
+    """
+    inputs, targets = batch
+    logits = model(inputs).astype(jnp.float32)
+    return _token_nll(logits, targets)
 
 
 def __getattr__(name):  # from_hf / to_hf live in train/hf.py (imported on first use)

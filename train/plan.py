@@ -42,6 +42,10 @@ def _parse(argv):
     p.add_argument("--model", required=True, help="preset: gpt2-124m, gpt2-1.5b, llama-1b, llama-7b, llama-70b")
     p.add_argument("--mesh", required=True, metavar="RxS", help="mesh shape, e.g. 8x8 (R*S emulated devices)")
     p.add_argument("--strategy", default="FULL_SHARD", help="NO_SHARD, SHARD_OPT, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, HYBRID_SHARD_OPT")
+    p.add_argument("--unit", default="blocks", choices=["blocks", "ends"],
+                   help="wrap policy: blocks = zshard's default (the blocks are units; embedding, final norm and head "
+                   "form the root, gathered for the whole step), as python -m train runs; ends = the token embedding "
+                   "and the output head are units too (train.model.units_with_ends)")
     p.add_argument("--batch-size", type=int, default=None, metavar="B", help="global batch in sequences (default: one per device)")
     p.add_argument("--seq-len", type=int, default=None, metavar="T", help="tokens per sequence (default: the preset's)")
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
@@ -73,7 +77,7 @@ def main(argv=None) -> int:
     from flax import nnx  # noqa: PLC0415
 
     import zshard  # noqa: PLC0415
-    from train.model import PLAN_PRESETS, build_model, cross_entropy_loss  # noqa: PLC0415
+    from train.model import PLAN_PRESETS, build_model, cross_entropy_loss, units_with_ends  # noqa: PLC0415
 
     if args.model not in PLAN_PRESETS:
         parser.error(f"--model {args.model!r}: choose one of {', '.join(PLAN_PRESETS)}")
@@ -105,7 +109,8 @@ def main(argv=None) -> int:
                 nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), state))
             return model
 
-        state = zshard.init(build, optax.adamw(1e-4), mesh, strategy=strategy, abstract=True)
+        unit = units_with_ends if args.unit == "ends" else None
+        state = zshard.init(build, optax.adamw(1e-4), mesh, strategy=strategy, abstract=True, unit=unit)
         t0 = time.perf_counter()
         rep = zshard.report(step, state, (tokens, tokens))
         return rep, time.perf_counter() - t0
@@ -115,7 +120,7 @@ def main(argv=None) -> int:
     budget = args.device_memory_gb * GB
     print(rep.table())
     print()
-    print(f"global batch {batch} x {seq} tokens, parameters {args.param_dtype}, AdamW; compiled in {seconds:.0f} s on {world} emulated devices")
+    print(f"global batch {batch} x {seq} tokens, parameters {args.param_dtype}, AdamW, --unit {args.unit}; compiled in {seconds:.0f} s on {world} emulated devices")
     verdict = "FITS" if peak <= budget else "DOES NOT FIT"
     print(
         f"peak per device (argument + output - alias + temp) = {peak / GB:.2f} GB of {args.device_memory_gb:g} GB: "
