@@ -94,6 +94,15 @@ def _is_var(v) -> bool:
     return not isinstance(v, jax.extend.core.Literal)
 
 
+def _scan_counts(p) -> tuple[int, int]:
+    """``(number of consts, number of carries)`` of a ``scan`` eqn's inputs: jax 0.10 names them
+    ``num_consts`` / ``num_carry``; jax 0.12 gives the input tree ``ft_in = (consts, carry, xs)``."""
+    if "num_consts" in p:
+        return p["num_consts"], p["num_carry"]
+    consts, carry, _ = p["ft_in"].unpack()
+    return len(list(consts.vals)), len(list(carry.vals))
+
+
 def _routes(eqn) -> list[tuple[Any, list, list]]:
     """``(sub_jaxpr, [(eqn input index, sub input index)], [(sub output index, eqn output index)])``
     for each sub-jaxpr an eqn runs with its inputs; ``[]`` for a primitive without one; ``None``
@@ -102,7 +111,7 @@ def _routes(eqn) -> list[tuple[Any, list, list]]:
     ident = lambda n: [(i, i) for i in range(n)]  # noqa: E731
     if name == "scan":
         body = _jaxpr(p["jaxpr"])
-        nc, nk = p["num_consts"], p["num_carry"]
+        nc, nk = _scan_counts(p)
         # inputs: consts + carry + xs (sliced per step); outputs: carry + ys (stacked); carry loops
         # body output k < nk is the next step's carry: it feeds body input nc + k too
         return [(body, ident(n_in), [(k, k) for k in range(n_out)] + [(k, ("in", nc + k)) for k in range(nk)])]
