@@ -106,6 +106,7 @@ class Collective:
     groups: list[tuple[int, ...]]
     computation: str
     count: int = 1  # executions per step (trip count of enclosing while loops)
+    line: str = dataclasses.field(default="", repr=False)  # the instruction's HLO text (its metadata names the scope that emitted it)
 
 
 def parse_collectives(hlo: str, num_devices: int = 8) -> list[Collective]:
@@ -140,7 +141,7 @@ def parse_collectives(hlo: str, num_devices: int = 8) -> list[Collective]:
                 sizes = sizes[len(sizes) // 2 :]  # (operands..., results...)
             groups_text = _replica_groups_text(rest)
             groups = parse_replica_groups(groups_text if groups_text is not None else "{}", num_devices)
-            ops.append(Collective(COLLECTIVES[op], op, sizes, groups, comp))
+            ops.append(Collective(COLLECTIVES[op], op, sizes, groups, comp, line=line))
 
     def times(c: str, seen=()) -> int:
         if c == entry or c not in calls or c in seen:
