@@ -106,7 +106,7 @@ class Collective:
     groups: list[tuple[int, ...]]
     computation: str
     count: int = 1  # executions per step (trip count of enclosing while loops)
-    line: str = dataclasses.field(default="", repr=False)  # the instruction's HLO text (its metadata names the scope that emitted it)
+    line: str = dataclasses.field(default="", repr=False, compare=False)  # the instruction's HLO text (its metadata names the scope that emitted it)
 
 
 def parse_collectives(hlo: str, num_devices: int = 8) -> list[Collective]:
