@@ -205,7 +205,8 @@ def _gather_all(flats, bufs, comm: UnitComm, ready=None):
     shards = [vary(b, comm.shard_axes + comm.vary_axes).astype(comm.mp.gather_dtype(s.dtype)) for s, b in zip(slots, shards)]
     if comm.shard_axes:
         # [n_pad_p/N] --all_gather(shard_axes, tiled)--> [n_pad_p], per parameter
-        fulls = [jax.lax.all_gather(b, comm.shard_axes, axis=0, tiled=True) for b in shards]
+        # (a zero-size parameter has nothing to gather: its [0] shard is its [0] whole)
+        fulls = [jax.lax.all_gather(b, comm.shard_axes, axis=0, tiled=True) if b.shape[0] else b for b in shards]
     else:  # NO_SHARD / SHARD_OPT: the shard is the whole padded parameter
         fulls = shards
     if ready is not None:
@@ -224,7 +225,8 @@ def _reduce_scatter(grads, slots, comm: UnitComm, to_sinks: bool) -> list[jax.Ar
     full = [vary(s.param.to_storage(g.astype(comm.mp.grad_dtype(s.dtype))), axes) for s, g in zip(slots, grads)]
     if comm.shard_axes:
         # [n_pad_p] --reduce_scatter(shard_axes, tiled)--> [n_pad_p/N], per parameter
-        full = [jax.lax.psum_scatter(g, comm.shard_axes, scatter_dimension=0, tiled=True) for g in full]
+        # (a zero-size parameter: its [0] gradient is its [0] shard)
+        full = [jax.lax.psum_scatter(g, comm.shard_axes, scatter_dimension=0, tiled=True) if g.shape[0] else g for g in full]
     if comm.replica_axes and not to_sinks:
         # [n_pad_p/N] --all_reduce(replica_axes)--> [n_pad_p/N]   (only the shards cross replicas)
         full = list(jax.lax.psum(tuple(full), comm.replica_axes))
@@ -357,7 +359,7 @@ def gather_param(slot: ParamLayout, shard: jax.Array, comm: UnitComm, sink: jax.
     def full_of(b):
         b = vary(b, shard_axes + replica_axes).astype(mp.gather_dtype(slot.dtype))
         # [..., n_pad/N] --all_gather(shard_axes, tiled)--> [..., n_pad]
-        full = jax.lax.all_gather(b, shard_axes, axis=b.ndim - 1, tiled=True) if shard_axes else b
+        full = jax.lax.all_gather(b, shard_axes, axis=b.ndim - 1, tiled=True) if shard_axes and b.shape[-1] else b
         return slot.from_storage(full)  # [..., n_pad] -> [..., n] -> [..., *shape]
 
     @jax.custom_vjp
@@ -369,7 +371,7 @@ def gather_param(slot: ParamLayout, shard: jax.Array, comm: UnitComm, sink: jax.
 
     def bwd(_, g):
         g = vary(slot.to_storage(g.astype(mp.grad_dtype(slot.dtype))), shard_axes + replica_axes)  # [..., *shape] -> [..., n_pad]
-        if shard_axes:
+        if shard_axes and g.shape[-1]:  # (a zero-size parameter has nothing to sum)
             # [..., n_pad] --reduce_scatter(shard_axes, tiled)--> [..., n_pad/N]
             g = jax.lax.psum_scatter(g, shard_axes, scatter_dimension=g.ndim - 1, tiled=True)
         if sink_dtype is not None:
