@@ -205,13 +205,24 @@ def _gather_all(flats, bufs, comm: UnitComm, ready=None):
     shards = [vary(b, comm.shard_axes + comm.vary_axes).astype(comm.mp.gather_dtype(s.dtype)) for s, b in zip(slots, shards)]
     if comm.shard_axes:
         # [n_pad_p/N] --all_gather(shard_axes, tiled)--> [n_pad_p], per parameter
-        # (a zero-size parameter has nothing to gather: its [0] shard is its [0] whole)
-        fulls = [jax.lax.all_gather(b, comm.shard_axes, axis=0, tiled=True) if b.shape[0] else b for b in shards]
+        fulls = [_all_gather(b, comm.shard_axes) for b in shards]
     else:  # NO_SHARD / SHARD_OPT: the shard is the whole padded parameter
         fulls = shards
     if ready is not None:
         fulls = _after(fulls, ready)  # [n_pad_p] + 0: the views below wait for ``ready``
     return [s.param.from_storage(full) for s, full in zip(slots, fulls)]  # [n_pad_p] -> [:n_p] -> shape
+
+
+def _all_gather(b: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``[..., n/N] --all_gather(axes, tiled, last dim)--> [..., n]``; a zero-size parameter's
+    ``[..., 0]`` is already whole (XLA refuses a zero gather dimension)."""
+    return jax.lax.all_gather(b, axes, axis=b.ndim - 1, tiled=True) if b.shape[-1] else b
+
+
+def _reduce_scatter_last(g: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``[..., n] --reduce_scatter(axes, tiled, last dim)--> [..., n/N]``; a zero-size
+    parameter's ``[..., 0]`` has nothing to sum."""
+    return jax.lax.psum_scatter(g, axes, scatter_dimension=g.ndim - 1, tiled=True) if g.shape[-1] else g
 
 
 def _reduce_scatter(grads, slots, comm: UnitComm, to_sinks: bool) -> list[jax.Array]:
@@ -225,8 +236,7 @@ def _reduce_scatter(grads, slots, comm: UnitComm, to_sinks: bool) -> list[jax.Ar
     full = [vary(s.param.to_storage(g.astype(comm.mp.grad_dtype(s.dtype))), axes) for s, g in zip(slots, grads)]
     if comm.shard_axes:
         # [n_pad_p] --reduce_scatter(shard_axes, tiled)--> [n_pad_p/N], per parameter
-        # (a zero-size parameter: its [0] gradient is its [0] shard)
-        full = [jax.lax.psum_scatter(g, comm.shard_axes, scatter_dimension=0, tiled=True) if g.shape[0] else g for g in full]
+        full = [_reduce_scatter_last(g, comm.shard_axes) for g in full]
     if comm.replica_axes and not to_sinks:
         # [n_pad_p/N] --all_reduce(replica_axes)--> [n_pad_p/N]   (only the shards cross replicas)
         full = list(jax.lax.psum(tuple(full), comm.replica_axes))
@@ -359,7 +369,7 @@ def gather_param(slot: ParamLayout, shard: jax.Array, comm: UnitComm, sink: jax.
     def full_of(b):
         b = vary(b, shard_axes + replica_axes).astype(mp.gather_dtype(slot.dtype))
         # [..., n_pad/N] --all_gather(shard_axes, tiled)--> [..., n_pad]
-        full = jax.lax.all_gather(b, shard_axes, axis=b.ndim - 1, tiled=True) if shard_axes and b.shape[-1] else b
+        full = _all_gather(b, shard_axes) if shard_axes else b
         return slot.from_storage(full)  # [..., n_pad] -> [..., n] -> [..., *shape]
 
     @jax.custom_vjp
@@ -371,9 +381,9 @@ def gather_param(slot: ParamLayout, shard: jax.Array, comm: UnitComm, sink: jax.
 
     def bwd(_, g):
         g = vary(slot.to_storage(g.astype(mp.grad_dtype(slot.dtype))), shard_axes + replica_axes)  # [..., *shape] -> [..., n_pad]
-        if shard_axes and g.shape[-1]:  # (a zero-size parameter has nothing to sum)
+        if shard_axes:
             # [..., n_pad] --reduce_scatter(shard_axes, tiled)--> [..., n_pad/N]
-            g = jax.lax.psum_scatter(g, shard_axes, scatter_dimension=g.ndim - 1, tiled=True)
+            g = _reduce_scatter_last(g, shard_axes)
         if sink_dtype is not None:
             # [..., n_pad/S] --reduce_scatter(replica)--> [..., n_pad/(R S)], into the sink
             (g,) = replica_slices([g], comm.scatter_axes, comm.scatter_parts)

@@ -28,7 +28,7 @@ from zshard.mesh import AXES
 from zshard.state import ShardedState
 from zshard.intercept import StepOptions, materialize
 from zshard.shard_reads import LOSS_SCOPE, block_shard_inputs, check_shard_reads
-from zshard.step import TokenMean, TrainStep, default_prefetch
+from zshard.step import TokenMean, TrainStep, default_prefetch, trace_key
 
 __all__ = ["EvalStep", "make_eval_step", "forward"]
 
@@ -134,7 +134,7 @@ class EvalStep:
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state.params)):
             raise ValueError("this state was donated to a train step (its buffers are deleted); evaluate the state that step returned")
         batch = self.put_batch(state, batch)
-        key = (state.plan, tuple((jnp.shape(x), str(x.dtype)) for x in jax.tree.leaves(batch)), jax.tree.structure(batch))
+        key = trace_key(state, batch)
         if key not in self._checked:  # trace (no compile) once: a block's raw shard used as a value
             jaxpr = self._jitted.trace(state, batch).jaxpr.jaxpr
             check_shard_reads(jaxpr, state.plan, block_shard_inputs(state.plan, (state, batch)))

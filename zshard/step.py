@@ -384,7 +384,7 @@ class TrainStep:
         device-dependent control flow (:func:`zshard.divergence.check_uniform_collectives`)
         and a block unit's raw shard used as a value in ``loss_fn``
         (:func:`zshard.shard_reads.check_shard_reads`)."""
-        key = (state.plan, tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(batch)), jax.tree.structure(batch))
+        key = trace_key(state, batch)
         if key not in self._checked:
             _check_traced(self._jitted.trace(state, batch).jaxpr.jaxpr, state, batch)
             self._checked.add(key)
@@ -395,6 +395,12 @@ class TrainStep:
         traced = self._jitted.trace(state, batch)
         _check_traced(traced.jaxpr.jaxpr, state, batch)
         return traced.lower()
+
+
+def trace_key(state: ShardedState, batch) -> tuple:
+    """What a traced step depends on: the plan and the batch's shapes, dtypes and structure
+    (the train and eval steps check each traced program once per key)."""
+    return state.plan, tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(batch)), jax.tree.structure(batch)
 
 
 def _check_traced(jaxpr, state: ShardedState, batch) -> None:
