@@ -17,7 +17,7 @@ import pytest
 
 from train.bench import median_ratio, train_flops_per_token
 from train.bench import main as bench_main
-from train.scale import activation_bytes, expected_peak, memory_formula
+from train.scale import activation_bytes, expected_peak, memory_formula, moment_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,24 +95,27 @@ def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
 
 
 def test_formulas():
-    # Korthikanti et al. 2022 section 4 terms, fp32, GELU (f = 4h): L*s*b*h + s*b*(8h + 2f) + a*s^2*b at
-    # a block's backward, L*s*b*h + 2*a*s^2*b at the first layer's forward (exp and probabilities),
-    # L*s*b*h + 4*s*b*h + 2*s*b*V at the head's (log-probabilities and the logits' gradient)
+    # Korthikanti et al. 2022 section 4 saved set with full recomputation, fp32, GELU (f = 4h): L*s*b*h + s*b*(8h + 2f) + a*s^2*b
     s, b, h, a, L, V = 4, 1, 8, 2, 3, 10
     gelu, glu = (activation_bytes(h, L, a, 4 * h, V, s, b, glu=g) for g in (False, True))
-    assert gelu == {"block": 4 * (L * s * b * h + s * b * 16 * h + a * s * s * b), "forward": 4 * (L * s * b * h + 2 * a * s * s * b),
-                    "head": 4 * (L * s * b * h + 4 * s * b * h + 2 * s * b * V)}
-    assert glu["block"] - gelu["block"] == 4 * 2 * s * b * 4 * h and glu["head"] == gelu["head"] and glu["forward"] == gelu["forward"]
-    form = {"state": 10.0, "grad_shard": 1.0, "root": 2.0, "unit": 5.0}
-    assert expected_peak(form, {"block": 20.0, "head": 24.0}) == (13.0 + 25.0, "block")
-    assert expected_peak(form, {"block": 20.0, "head": 26.0}) == (13.0 + 26.0, "head")
-    assert expected_peak(form, {"block": 20.0, "forward": 22.0, "head": 26.0}) == (13.0 + 27.0, "forward")
-    f = memory_formula(psi=800, psi_root=100, psi_layer=70, shards=8)
-    assert f == {"state": 1200.0, "grad_shard": 400.0, "root": 800, "unit": 560, "total": 2960.0}
-    # the root gathered (4 * 100) and one copy of the output projection (4 * 60), not of the whole root
-    assert memory_formula(psi=800, psi_root=100, psi_layer=70, shards=8, psi_out=60)["root"] == 4 * 160
+    assert gelu == {"block": 4 * (L * s * b * h + s * b * 16 * h + a * s * s * b)}
+    assert glu["block"] - gelu["block"] == 4 * 2 * s * b * 4 * h
+    # the step's moments (train.scale.moment_bytes), elements: layer inputs, softmax copies, the unit, [s, f] and [s, h] buffers
+    f, P, Pout = 4 * h, 100, 30
+    m = moment_bytes(h, L, a, f, V, s, b, glu=True, psi_layer=P, psi_mlp_out=Pout, tied=False)
+    inputs, soft = L * s * b * h, a * s * s * b
+    assert m == {"mlp": 4 * (inputs + 2 * soft + P + 4 * s * b * f + 12 * s * b * h),
+                 "attention": 4 * (inputs + 3 * soft + P - Pout + s * b * f + 10 * s * b * h),
+                 "forward": 4 * (inputs + 2 * soft + P + h * V + 4 * s * b * h),
+                 "head": 4 * (inputs + 3 * s * b * V + h * V + 4 * s * b * h)}
+    g = moment_bytes(h, L, a, f, V, s, b, glu=False, psi_layer=P, psi_mlp_out=Pout, tied=True)
+    assert g["mlp"] - m["mlp"] == 4 * (h * V - 2 * s * b * f)  # a tied embedding's gradient held; GELU's 2 [s, f]
+    assert g["attention"] - m["attention"] == 4 * h * V and g["forward"] == m["forward"] and g["head"] == m["head"]
+    form = {"state": 10.0, "grad_shard": 1.0}
+    assert expected_peak(form, {"mlp": 20.0, "attention": 22.0, "forward": 21.0, "head": 5.0}) == (33.0, "attention")
+    assert memory_formula(psi=800, shards=8) == {"state": 1200.0, "grad_shard": 400.0, "total": 1600.0}
     # HYBRID_SHARD_OPT: parameters over 8, Adam moments over 64
-    g = memory_formula(psi=800, psi_root=100, psi_layer=70, shards=8, opt_shards=64)
+    g = memory_formula(psi=800, shards=8, opt_shards=64)
     assert g["state"] == 4 * 800 / 8 + 2 * 4 * 800 / 64 and g["grad_shard"] == 4 * 800 / 64  # reduce-scattered over R*S in backward
     assert train_flops_per_token(100, 2, 8, 16) == 600 + 12 * 2 * 8 * 16
     assert median_ratio([2.0, 9.0, 3.0], [1.0, 3.0, 1.0]) == 3.0

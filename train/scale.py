@@ -21,12 +21,14 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["activation_bytes", "expected_peak", "memory_formula", "run_scale", "scale_table", "scale_worker"]
+__all__ = ["activation_bytes", "expected_peak", "live_peak", "memory_formula", "moment_bytes", "run_scale", "scale_table", "scale_worker"]
 
 GB = 10**9
 DEVICE_GB = (80, 141)  # H100 80 GB, H200 141 GB
@@ -44,110 +46,179 @@ HOST_DEVICES = 8  # devices per host: the shard axis of the simulated meshes
 
 def activation_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: int, seq: int, batch: int, glu: bool,
                      itemsize: int = 4) -> dict:
-    """Activation bytes per device at the three moments of a step that can hold its peak, with
-    full activation recomputation per block.
+    """The activations a step saves with full recomputation per block, Korthikanti et al. 2022
+    ("Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198).
 
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-    arXiv 2205.05198) section 4.1 count the tensors a transformer layer saves for backward:
-    ``s*b*h*(34 + 5*a*s/h)`` bytes at 16 bits with dropout. Here, with ``e = itemsize`` bytes
-    per element (fp32: 4), no dropout, and ``f = d_ff``, per layer:
+    Their section 4.1 counts what a transformer layer saves for backward: ``s*b*h*(34 +
+    5*a*s/h)`` bytes at 16 bits with dropout. Here, with ``e = itemsize`` bytes per element (fp32:
+    4), no dropout, ``f = d_ff``, per layer: attention: norm input, QKV input, Q, K, V, attention
+    output, ``6*s*b*h``, and the softmax output ``a*s^2*b``; MLP: norm input and fc input
+    ``2*s*b*h``, then ``2*s*b*f`` (GELU: pre-activation and output) or ``4*s*b*f`` (SwiGLU:
+    gate|up, silu(gate), product). With full recomputation (their section 4.3) only each layer's
+    input ``s*b*h`` is kept, and one layer's set exists at a time, in its backward.
 
-    - attention: norm input, QKV input, Q, K, V, attention output: ``6*s*b*h`` elements, plus the
-      softmax output ``a*s^2*b``;
-    - MLP: norm input, fc input ``2*s*b*h``, then ``2*s*b*f`` (GELU: pre-activation and output)
-      or ``4*s*b*f`` (SwiGLU: gate|up, silu(gate), product).
-
-    With full recomputation (their section 4.3: only each layer's input ``s*b*h`` is kept), the
-    scan's buffer of all ``L`` layer inputs is allocated before the forward loop and held
-    through backward, and then one of
-
-    - ``"forward"``: the first layer's attention in forward (the scan's first iteration is
-      peeled out of the loop), the softmax's exponentials and probabilities, ``2*a*s^2*b``
-      (no fused attention), with the unit gathered (and its per-parameter copies,
-      :func:`memory_formula`'s ``unit``). Where the compiled peaks of every preset sit since
-      the loss's and the embedding's gradients are no longer allocated at the step's start
-      (the buffer traces in docs/memory.md, "The scale table");
-    - ``"block"``: one layer's full set, recomputed in its backward (while its unit is
-      gathered: the ``unit`` term belongs to this moment too);
-    - ``"head"``: the output layer's backward: the log-probabilities the loss keeps for
-      backward and the logits' gradient, ``2*s*b*V`` (``train.model._token_nll`` computes
-      ``(softmax - onehot) / n`` from them; section 4.2 counts ``4*s*b*V`` bytes for
-      autodiff's fp32 cross-entropy, which also keeps the logits and a log-softmax
-      gradient), and the inputs of the final layer norm and of the output projection with
-      their gradients, ``4*s*b*h`` (section 4.2: ``s*b*h`` each forward); no block unit is
-      gathered then.
-
-    They are moments, not one sum; :func:`expected_peak` takes the largest.
+    This is the allowance of ``train.bench``'s config P targets (temp beyond activations, in
+    gathered units). What a compiled step holds at its fullest instants, gradients and
+    temporaries included, is :func:`moment_bytes`.
 
     Returns:
-      ``{"forward": e*(L*s*b*h + 2*a*s^2*b), "block": e*(L*s*b*h + s*b*(8h + m*f) + a*s^2*b),
-      "head": e*(L*s*b*h + 4*s*b*h + 2*s*b*V)}``, ``m`` = 2 (GELU) or 4 (SwiGLU).
+      ``{"block": e*(L*s*b*h + s*b*(8h + m*f) + a*s^2*b)}``, ``m`` = 2 (GELU) or 4 (SwiGLU).
+    """
+    s, b, h, a, f, L = seq, batch, d_model, n_heads, d_ff, n_layers
+    layer = s * b * (8 * h + (4 if glu else 2) * f) + a * s * s * b
+    return {"block": float(itemsize * (L * s * b * h + layer))}
+
+
+def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: int, seq: int, batch: int, glu: bool,
+                 psi_layer: int, psi_mlp_out: int, tied: bool, itemsize: int = 4) -> dict:
+    """Bytes a zshard step holds beyond its state and gradient shards (:func:`memory_formula`) at
+    each instant that can set its peak, with full recomputation per block, scanned blocks,
+    per-parameter all-gathers and reduce-scatters, and fp32 (``e = itemsize``).
+
+    Every term was read off XLA's buffer live ranges (:func:`live_peak`; docs/memory.md, "The
+    scale table"). Notation as Korthikanti et al. 2022 (arXiv 2205.05198) section 4: ``s`` seq,
+    ``b`` batch per device, ``h`` d_model, ``a`` heads, ``f`` d_ff, ``L`` layers, ``V`` vocab;
+    ``Psi_layer`` one block's parameters, ``Psi_out`` its MLP output projection. At every instant:
+    all ``L`` layer inputs, ``L*s*b*h`` (the scan's residual buffer, from the forward loop to the
+    end of the backward loop; their section 4.3). Then:
+
+    - ``"mlp"``, the recomputed layer's MLP backward: the recomputed attention's exponentials
+      and probabilities ``2*a*s^2*b`` (written-out softmax, no fused attention; kept for the
+      attention's backward, which comes next); the block unit ``Psi_layer``: each parameter is
+      gathered or its whole gradient waits for its reduce-scatter (Llama-70B: ``w_gate_up`` and
+      the attention's weights gathered, ``w_down``'s ``[f, h]`` gradient); ``m*s*b*f``
+      (``m`` = 4 SwiGLU: the ``[s, 2f]`` gradient of gate|up and its transpose; 2 GELU) and
+      ``12*s*b*h`` (residual stream, norm inputs and outputs, their gradients);
+    - ``"attention"``, its attention backward: ``3*a*s^2*b`` (exponentials, probabilities, and
+      the probabilities' gradient), the unit without ``Psi_out`` (that gradient is already
+      reduce-scattered), ``10*s*b*h + s*b*f``;
+    - ``"forward"``, a layer's attention in the forward loop: ``2*a*s^2*b``, the unit gathered
+      ``Psi_layer``, the output projection gathered for the step ``h*V`` (Llama's head; GPT-2's
+      tied embedding), ``4*s*b*h``;
+    - ``"head"``, the output layer's backward: the log-probabilities the loss keeps, the logits'
+      gradient and its transpose ``3*s*b*V`` (``train.model._token_nll`` writes the gradient
+      out as ``(softmax - onehot) / n``), the gathered output projection ``h*V``, ``4*s*b*h``.
+
+    A tied embedding (``tied``: GPT-2) adds its whole gradient ``h*V`` to ``"mlp"`` and
+    ``"attention"``: the head's and the lookup's gradients are summed before the one
+    reduce-scatter, so it is held through the whole backward loop. An untied head is
+    reduce-scattered right after its backward (a ``1/S`` shard, in the gradient term).
+
+    Returns:
+      ``{"mlp", "attention", "forward", "head"}``, bytes (floats).
     """
     s, b, h, a, f, L, V = seq, batch, d_model, n_heads, d_ff, n_layers, vocab
-    layer = s * b * (8 * h + (4 if glu else 2) * f) + a * s * s * b
-    return {"forward": float(itemsize * (L * s * b * h + 2 * a * s * s * b)),
-            "block": float(itemsize * (L * s * b * h + layer)),
-            "head": float(itemsize * (L * s * b * h + 4 * s * b * h + 2 * s * b * V))}
+    inputs, softmax, sbh, sbf = L * s * b * h, a * s * s * b, s * b * h, s * b * f
+    tied_grad = h * V if tied else 0
+    elements = {
+        "mlp": inputs + 2 * softmax + psi_layer + (4 if glu else 2) * sbf + 12 * sbh + tied_grad,
+        "attention": inputs + 3 * softmax + psi_layer - psi_mlp_out + sbf + 10 * sbh + tied_grad,
+        "forward": inputs + 2 * softmax + psi_layer + h * V + 4 * sbh,
+        "head": inputs + 3 * s * b * V + h * V + 4 * sbh,
+    }
+    return {k: float(itemsize * v) for k, v in elements.items()}
 
 
-def expected_peak(formula: dict, activations: dict) -> tuple[float, str]:
-    """Per-device peak bytes of a step from :func:`memory_formula` and :func:`activation_bytes`:
-    ``state + grad_shard + root + max(unit + forward, unit + block, head)``, and the name of
-    the moment that sets it (``"forward"``, ``"block"`` or ``"head"``; ``forward`` is optional
-    in ``activations``)."""
-    moments = {"block": formula["unit"] + activations["block"], "head": activations["head"]}
-    if "forward" in activations:
-        moments["forward"] = formula["unit"] + activations["forward"]
+def expected_peak(formula: dict, moments: dict) -> tuple[float, str]:
+    """Per-device peak bytes of a step: ``state + grad_shard + max(moments)``
+    (:func:`memory_formula`, :func:`moment_bytes`), and the name of the moment that sets it."""
     moment = max(moments, key=moments.get)
-    return formula["state"] + formula["grad_shard"] + formula["root"] + moments[moment], moment
+    return formula["state"] + formula["grad_shard"] + moments[moment], moment
 
 
-def memory_formula(psi: int, psi_root: int, psi_layer: int, shards: int, itemsize: int = 4, opt_slots: int = 2,
-                   opt_shards: int | None = None, psi_out: int | None = None) -> dict:
-    """Per-device bytes of a zshard FULL_SHARD / HYBRID_SHARD / HYBRID_SHARD_OPT step, activations excluded.
+def memory_formula(psi: int, shards: int, itemsize: int = 4, opt_slots: int = 2, opt_shards: int | None = None) -> dict:
+    """Per-device bytes a zshard FULL_SHARD / HYBRID_SHARD / HYBRID_SHARD_OPT step holds from its
+    start to its optimizer step, activations and transients excluded (:func:`moment_bytes`).
 
     ZeRO (arXiv 1910.02054) section 5.2 / FSDP (arXiv 2304.11277) section 3.2, for ``Psi``
     parameters sharded ``N`` ways, Adam (``K = opt_slots`` moments), ``e`` bytes per element:
 
     - ``state``: parameters + optimizer state, ``(1 + K) * e * Psi / N`` (persistent, donated);
       HYBRID_SHARD_OPT (optimizer state over ``M = opt_shards = R*S``): ``e Psi / N + K e Psi / M``;
-    - ``grad_shard``: the reduce-scattered gradients, held to the end of backward:
-      ``e * Psi / M`` with ``M = opt_shards`` (``N`` for FULL_SHARD / HYBRID_SHARD; ``R*S`` for
-      HYBRID_SHARD_OPT, whose units reduce-scatter over ``replica`` inside their backward);
-      the optimizer updates in place, no buffer of its own;
-    - ``root``: the root unit (embeddings, head), gathered for the whole step, ``e * Psi_root``,
-      and one more copy of its output projection, ``e * Psi_out`` (``Psi_out = h * V``): in
-      forward the head's weight copied out of the gathered FlatParameter (the slice is not
-      contiguous), in backward the head's gradient, held until the root's reduce-scatter at the
-      step's end. The embedding's gradient is made only after the last block's backward
-      (``train.model.Embed``), so it is not in either moment (docs/memory.md, "The scale
-      table"). ``psi_out=None``: ``Psi_out = Psi_root``, the old ``2 * e * Psi_root``;
-    - ``unit``: one block unit gathered in backward and its full gradient, or, in forward, the
-      gathered FlatParameter and the per-parameter copies sliced out of it (Llama-7B on 64
-      devices peaks at the first layer's attention with 0.81 GB gathered + 0.61 GB of copies,
-      ``e * Psi_layer`` = 0.81 GB): ``2 * e * Psi_layer``
-      (the simulated models are scanned: a stacked unit gathers its own layer inside the loop
-      and is not prefetched, ``zshard.collectives``); only at the block moment of
-      :func:`activation_bytes` (:func:`expected_peak`).
+    - ``grad_shard``: the reduce-scattered gradients, ``e * Psi / M`` with ``M = opt_shards``
+      (``N`` for FULL_SHARD / HYBRID_SHARD; ``R*S`` for HYBRID_SHARD_OPT, whose units
+      reduce-scatter over ``replica`` inside their backward); the stacked units' buffers are
+      allocated before the forward loop; the optimizer updates in place.
 
-    The transient terms were settled against compiled programs (issue 8 note): a third
-    ``e * Psi_layer`` for a prefetched next unit was dropped (scanned units: no prefetch). An
-    ``e * Psi / N`` "update buffer" term added then was in fact the concatenated FlatParameter
-    copy each unit saved for backward (stacked: ``[L, L_u/N]``); issue 17 removed the copy and
-    the term (docs/memory.md).
+    The gathered units, the root and the FlatParameter copies of earlier versions are transient
+    and belong to the moments (:func:`moment_bytes`): since the per-parameter all-gathers and
+    reduce-scatters (issue 17) no unit is gathered for the whole step and nothing is copied out
+    of a gathered buffer (docs/memory.md).
 
     Returns:
-      dict of the four terms and ``total`` (bytes).
+      ``{"state", "grad_shard", "total"}``, bytes.
     """
     opt = opt_shards or shards
-    out = {
-        "state": itemsize * psi / shards + opt_slots * itemsize * psi / opt,
-        "grad_shard": itemsize * psi / opt,
-        "root": itemsize * (psi_root + (psi_root if psi_out is None else psi_out)),
-        "unit": 2 * itemsize * psi_layer,
-    }
-    out["total"] = sum(out.values())
+    out = {"state": itemsize * psi / shards + opt_slots * itemsize * psi / opt, "grad_shard": itemsize * psi / opt}
+    out["total"] = out["state"] + out["grad_shard"]
     return out
+
+
+# --------------------------------------------------------------------------------------
+# The live set: what the compiled program holds at once, read from XLA's buffer assignment
+# --------------------------------------------------------------------------------------
+
+# XLA debug options for one compile: its buffer assignment and live ranges as text
+DUMP_OPTIONS = {"xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "jit__step"}
+
+
+def live_peak(dump_dir: str | Path) -> dict:
+    """The most bytes a compiled step holds at one instant, from the files XLA writes with
+    ``xla_dump_to`` (``DUMP_OPTIONS``): ``*-buffer-assignment.txt`` (every value's allocation,
+    offset and size) and ``*-live-range.txt`` (every value's first and last instant in the
+    flattened schedule, loop bodies included).
+
+    At each instant the live values' byte ranges are united per allocation, so values that
+    share memory (a loop's carry and its body's parameter, an in-place update) count once.
+    XLA's own "Live ranges at N (peak)" listing sums values without that and picks a
+    different instant; the heap it allocates (``memory_analysis()``: ``temp``, plus the
+    arguments) is at least this live set, and the difference is its packing.
+
+    Returns:
+      ``{"bytes": int, "instant": int, "op": str}``: the live bytes at the fullest instant
+      (arguments included), that instant and the ``op_name`` of the instruction scheduled there.
+    Raises:
+      FileNotFoundError: no step module in ``dump_dir``.
+    """
+    def read(suffix):
+        found = sorted(Path(dump_dir).glob(f"*jit__step*{suffix}"))
+        if not found:
+            raise FileNotFoundError(f"{dump_dir}: no *jit__step*{suffix} (compiled with DUMP_OPTIONS and xla_dump_to?)")
+        return found[-1].read_text()
+
+    where, allocation = {}, None
+    for line in read("cpu_after_optimizations-buffer-assignment.txt").splitlines():
+        if m := re.match(r"allocation (\d+): size", line):
+            allocation = int(m.group(1))
+        elif m := re.match(r" value: <\d+ (\S+?)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\)", line):
+            where[m.group(1)] = (allocation, int(m.group(3)), int(m.group(2)))  # value -> (allocation, offset, size)
+    ranges_text = read("cpu_after_optimizations-live-range.txt")
+    sequence, _, rest = ranges_text.partition("BufferLiveRange:")
+    ranges = []
+    for name, start, end in re.findall(r"^\s+(\S+?\{[^}]*\}):(\d+)-(\d+)$", rest.split("Live ranges at")[0], re.M):
+        key = name if name in where else name.removesuffix("{}")
+        if key in where:
+            ranges.append((int(start), int(end), *where[key]))
+    events = sorted({t for r in ranges for t in r[:2]})
+    best, instant = -1, 0
+    for t in events:  # the live set changes only where a range starts or ends
+        spans = {}
+        for start, end, alloc, offset, size in ranges:
+            if start <= t <= end:
+                spans.setdefault(alloc, []).append((offset, offset + size))
+        held = 0
+        for parts in spans.values():  # union of byte ranges within one allocation
+            reach = -1
+            for lo, hi in sorted(parts):
+                if hi > reach:
+                    held += hi - max(lo, reach)
+                    reach = hi
+        if held > best:
+            best, instant = held, t
+    names = dict(re.findall(r"^\s+(\d+):(\S+)$", sequence, re.M))
+    hlo = read("cpu_after_optimizations.txt")
+    m = re.search(rf"^\s*(?:ROOT )?%?{re.escape(names.get(str(instant), '?'))} = .*?op_name=\"([^\"]*)\"", hlo, re.M)
+    return {"bytes": best, "instant": instant, "op": m.group(1) if m else names.get(str(instant), "?")}
 
 
 # --------------------------------------------------------------------------------------
@@ -175,27 +246,28 @@ def scale_worker(n_devices: int, models, strategies) -> list[dict]:
         cfg = dataclasses.replace(PLAN_PRESETS[name], seq_len=SCALE_SEQ)
         for strategy in strategies:
             state = zshard.init(lambda cfg=cfg: build_model(cfg, nnx.Rngs(0)), optax.adamw(1e-4), mesh, strategy=strategy, abstract=True)
-            t0 = time.perf_counter()
-            step.lower(state, (tokens, tokens)).compile()
-            compile_s = time.perf_counter() - t0
+            with tempfile.TemporaryDirectory() as dump:
+                t0 = time.perf_counter()
+                step.lower(state, (tokens, tokens)).compile({**DUMP_OPTIONS, "xla_dump_to": dump})
+                compile_s = time.perf_counter() - t0
+                live = live_peak(dump)
             rep = zshard.report(step, state, (tokens, tokens))
             units = rep.units
             psi = rep.num_params
-            psi_root = sum(u["params"] for u in units if u["layers"] == 1)
             psi_layer = max(u["params"] // u["layers"] for u in units if u["layers"] > 1)
-            shards = state.plan.num_shards
             gpt = isinstance(cfg, GPTConfig)
             d_ff = 4 * cfg.d_model if gpt else cfg.d_ff
-            form = memory_formula(psi, psi_root, psi_layer, shards, opt_shards=state.plan.opt_shards,
-                                  psi_out=cfg.d_model * cfg.vocab_size)
-            act = activation_bytes(cfg.d_model, cfg.n_layers, cfg.n_heads, d_ff, cfg.vocab_size, SCALE_SEQ, 1, glu=not gpt)
-            expected, moment = expected_peak(form, act)
+            psi_mlp_out = d_ff * cfg.d_model + (cfg.d_model if gpt else 0)  # GPT's mlp.proj has a bias
+            form = memory_formula(psi, state.plan.num_shards, opt_shards=state.plan.opt_shards)
+            moments = moment_bytes(cfg.d_model, cfg.n_layers, cfg.n_heads, d_ff, cfg.vocab_size, SCALE_SEQ, 1, glu=not gpt,
+                                   psi_layer=psi_layer, psi_mlp_out=psi_mlp_out, tied=cfg.tie_embeddings)
+            expected, moment = expected_peak(form, moments)
             peak = peak_bytes(rep.per_device_bytes)
             out.append({
                 "model": name, "devices": n_devices, "mesh": f"{mesh.shape['replica']}x{mesh.shape['shard']}",
                 "strategy": strategy, "params": psi, "compile_s": compile_s, "per_device_bytes": rep.per_device_bytes,
-                "peak": peak, "formula": form, "activations": act, "moment": moment, "expected": expected,
-                "ratio": peak / expected,
+                "peak": peak, "live": live["bytes"], "live_op": live["op"], "formula": form, "moments": moments, "moment": moment, "expected": expected,
+                "ratio": peak / expected, "live_ratio": live["bytes"] / expected,
                 "state_ratio": rep.model_state_bytes["ratio"],
                 "fits": {str(g): peak <= g * GB for g in DEVICE_GB},
             })
@@ -230,20 +302,24 @@ def run_scale(devices, models, strategies, progress, timeout: float) -> list[dic
 
 
 def scale_table(rows) -> str:
+    """The measured rows as a Markdown table: peak (what the device must hold: XLA's heap), the
+    live set at the fullest instant (:func:`live_peak`), and the formula (:func:`expected_peak`)."""
     lines = ["### Scale by simulation: seq 2048, one sequence per device, AdamW fp32, remat (recomputed blocks), "
              "8 devices per host", "",
-             "Expected = state + gradient + root + max(unit + forward, unit + block, head activations) "
-             "(`train.scale.expected_peak`); the moment is the larger of the two.", "",
-             "| model | devices | mesh | strategy | params | compile s | state / formula | peak GB | state + grad + root GB "
-             "| moment | + moment GB | expected GB | peak / expected | 80 GB | 141 GB |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|"]
+             "Expected = state + gradient shards + the largest moment (`train.scale.expected_peak`, `moment_bytes`). "
+             "Peak = argument + output - alias + temp (`memory_analysis()`); live = the most bytes live at one instant "
+             "(`train.scale.live_peak`, XLA's buffer live ranges); peak / live = the heap's packing.", "",
+             "| model | devices | mesh | strategy | params | compile s | state / formula | peak GB | live GB "
+             "| state + grad GB | moment | + moment GB | expected GB | live / expected | peak / expected | peak / live "
+             "| 80 GB | 141 GB |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
-        f = r["formula"]
-        base = f["state"] + f["grad_shard"] + f["root"]
+        base = r["formula"]["state"] + r["formula"]["grad_shard"]
         lines.append(
             f"| {r['model']} | {r['devices']} | {r['mesh']} | {r['strategy']} | {r['params'] / 1e9:.2f} B | {r['compile_s']:.1f} | "
-            f"{r['state_ratio']:.4f} | {r['peak'] / GB:.2f} | {base / GB:.2f} | {r['moment']} | {(r['expected'] - base) / GB:.2f} | "
-            f"{r['expected'] / GB:.2f} | {r['ratio']:.3f} | {'fits' if r['fits']['80'] else 'no'} | {'fits' if r['fits']['141'] else 'no'} |")
+            f"{r['state_ratio']:.4f} | {r['peak'] / GB:.2f} | {r['live'] / GB:.2f} | {base / GB:.2f} | {r['moment']} | "
+            f"{(r['expected'] - base) / GB:.2f} | {r['expected'] / GB:.2f} | {r['live_ratio']:.3f} | {r['ratio']:.3f} | "
+            f"{r['peak'] / r['live']:.3f} | {'fits' if r['fits']['80'] else 'no'} | {'fits' if r['fits']['141'] else 'no'} |")
     return "\n".join(lines)
 
 

@@ -182,8 +182,16 @@ def global_norm(grads, shard_axes: tuple[str, ...]) -> jax.Array:
     Shards are disjoint over ``shard_axes`` (and identical over the replica axes), and the
     padding holds zeros, so the sum of squares ``psum``-ed over ``shard_axes`` is the norm of
     the unsharded gradient.
+
+    Each gradient passes an ``optimization_barrier`` first: without it XLA's common
+    subexpression elimination merges this ``square(g)`` with the optimizer's (Adam's second
+    moment, ``nu = b2 nu + (1 - b2) g^2``), and a square with two consumers is materialised
+    whole instead of fused into each: on Llama-70B HYBRID_SHARD 8x8 two such ``[80, n_pad/8]``
+    buffers (28.19 GB) set the step's peak (docs/memory.md, "The scale table").
     """
-    sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads))
+    # [n_pad/N] each --barrier--> the same values, not CSE-able with the optimizer's g^2
+    grads = jax.lax.optimization_barrier(jax.tree.leaves(grads))
+    sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads)
     return jnp.sqrt(jax.lax.psum(sq, shard_axes) if shard_axes else sq)
 
 
