@@ -89,7 +89,7 @@ def test_samples_are_printed_and_written(run, corpus):
 def test_resolved_config_repeats_the_run_exactly(run, tmp_path):
     out, _ = run
     resolved = tomllib.loads((out / "config.toml").read_text())
-    assert resolved["mesh"] == {"devices": 8, "shape": "2x4", "strategy": "HYBRID_SHARD"}
+    assert resolved["mesh"] == {"devices": 8, "shape": "2x4", "strategy": "HYBRID_SHARD", "unit": "blocks"}
     assert resolved["training"]["steps"] == STEPS and resolved["model"]["seq_len"] == 32
     again = tmp_path / "again"
     res = train("--config", str(out / "config.toml"), "--out", str(again))
@@ -97,6 +97,29 @@ def test_resolved_config_repeats_the_run_exactly(run, tmp_path):
     untimed = lambda records: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_time_s")} for r in records]  # noqa: E731
     assert untimed(read_metrics(again)) == untimed(read_metrics(out))  # losses, grad norms, lr, eval losses: exact
     assert (again / "samples.txt").read_text() == (out / "samples.txt").read_text()
+
+
+def test_wrap_policy_ends_trains_the_same_model(run, tmp_path):
+    """``[mesh] unit = "ends"``: the embedding and the head are units of their own
+    (``train.model.units_with_ends``); the same weights, batches and losses as the default
+    ``blocks`` policy, to rounding (another grouping of the same sums)."""
+    import tomli_w  # noqa: PLC0415
+
+    out, _ = run
+    cfg = tomllib.loads((out / "config.toml").read_text())
+    cfg["mesh"]["unit"] = "ends"
+    cfg["training"]["steps"] = 3  # warmup (2, at most steps - 1) as in the run: its first two steps are these
+    path = tmp_path / "ends.toml"
+    path.write_text(tomli_w.dumps(cfg))
+    res = train("--config", str(path), "--out", str(tmp_path / "ends"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    ends = [r for r in read_metrics(tmp_path / "ends") if "loss" in r][:2]
+    blocks = [r for r in read_metrics(out) if "loss" in r][:2]
+    assert [r["step"] for r in ends] == [r["step"] for r in blocks] == [1, 2]
+    for a, b in zip(ends, blocks):
+        assert a["lr"] == b["lr"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * abs(b["grad_norm"]), (a, b)
 
 
 def test_plot_writes_the_pngs(run, tmp_path):

@@ -166,6 +166,7 @@ def test_bad_fsdp_and_deepspeed_names(raw, needles):
                                                             "multiple of 16"]),
         ({"mesh": {"shape": "3x3"}}, ["mesh.shape (--mesh)", "'3x3' is 3x3 = 9 devices", "1x8, 2x4, 4x2, 8x1"]),
         ({"mesh": {"shape": "big"}}, ["mesh.shape (--mesh)", "unknown mesh preset 'big'", "cpu-2x4"]),
+        ({"mesh": {"unit": "all"}}, ["mesh.unit", "invalid choice: 'all'", "blocks, ends"]),
         ({"checkpoint": {"keep": 0}}, ["checkpoint.keep (--keep)", ">= 1"]),
         ({"distributed": {"num_processes": "two"}}, ["distributed.num_processes (--num-processes)", "expected an integer"]),
         ({"logging": {"temperature": -0.5}}, ["logging.temperature (--temperature)", ">= 0"]),

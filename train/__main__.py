@@ -408,7 +408,7 @@ def build(setup: Setup) -> Built:
 
     import zshard  # noqa: PLC0415
     from train import checkpointing, data  # noqa: PLC0415
-    from train.model import GPT, cross_entropy_loss  # noqa: PLC0415
+    from train.model import GPT, cross_entropy_loss, units_with_ends  # noqa: PLC0415
 
     run, ckpt = setup.run, setup.ckpt
     t_cfg = run.training
@@ -421,13 +421,16 @@ def build(setup: Setup) -> Built:
     batches = checkpointing.BatchStream(setup.train_data, t_cfg.batch_size, run.model.seq_len, t_cfg.seed,
                                         process_index=shard.shard_index, process_count=shard.shard_count)
     records = None
+    unit = units_with_ends if run.mesh.unit == "ends" else None  # None: zshard's default wrap policy (blocks)
     if ckpt is not None and ckpt.resuming:  # state, batch position and records of the checkpoint
         try:
-            state, records = ckpt.restore(make_model, tx, setup.mesh, batches, strategy=setup.strategy, mixed_precision=mp)
+            state, records = ckpt.restore(make_model, tx, setup.mesh, batches, strategy=setup.strategy, mixed_precision=mp,
+                                          unit=unit)
         except checkpointing.ResumeError as e:
             fail(str(e))
     else:
-        state = zshard.init(make_model, tx, setup.mesh, strategy=setup.strategy, mixed_precision=mp, params=setup.weights)
+        state = zshard.init(make_model, tx, setup.mesh, strategy=setup.strategy, mixed_precision=mp, params=setup.weights,
+                            unit=unit)
     start = 0 if ckpt is None else ckpt.start
     step = zshard.make_train_step(cross_entropy_loss, grad_accum=t_cfg.grad_accum, clip_norm=run.optimizer.clip_norm,
                                   skip_nonfinite=t_cfg.skip_nonfinite, remat=t_cfg.remat, prefetch=t_cfg.prefetch)

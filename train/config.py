@@ -131,6 +131,8 @@ class MeshConfig:
     """sharding strategy (FSDP names; file alias: sharding_strategy): NO_SHARD, SHARD_OPT, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, HYBRID_SHARD_OPT; unset: FULL_SHARD, or zero_stage's"""
     zero_stage: int | None = None
     """DeepSpeed ZeRO stage, an alias of strategy (file alias: [zero_optimization] stage): 0 NO_SHARD, 1 SHARD_OPT, 2 SHARD_GRAD_OP, 3 FULL_SHARD"""
+    unit: str = "blocks"
+    """wrap policy: blocks (each transformer block a unit; embeddings, final norm and head form the root unit, gathered for the step) or ends (the embedding and the head are units too, gathered only where used: train.model.units_with_ends)"""
 
 
 @dataclasses.dataclass
@@ -327,6 +329,7 @@ class Config:
             if getattr(t, name) is not None:
                 _choice(f"training.{name}", getattr(t, name), list(DTYPES))
         _choice("training.remat", t.remat, ["block", "dots", "none"])
+        _choice("mesh.unit", me.unit, ["blocks", "ends"])
         if t.prefetch is not None:
             _at_least("training.prefetch", t.prefetch, 0)
         _at_least("training.seed", t.seed, 0)

@@ -393,7 +393,8 @@ def units_with_ends(path: tuple, module: nnx.Module) -> bool:
     again for its backward, its gradient reduce-scattered at once (the way torchtitan wraps
     Llama for FSDP2: the embedding, each block, and the final norm with the output layer).
     What stays in the root is the final norm (and GPT's position table). Llama-2-70B on 8x8,
-    HYBRID_SHARD_OPT: 80.12 -> 79.08 GB per device (docs/memory.md).
+    HYBRID_SHARD_OPT: 80.12 -> 79.08 GB per device, and 75.89 -> 75.66 GB since the per-parameter
+    all-gathers (docs/memory.md). ``python -m train``: ``[mesh] unit = "ends"``.
     """
     if path == ("blocks",):
         return not isinstance(module, nnx.List)  # stacked layers (cfg.scan): one module [L, ...]
