@@ -8,8 +8,9 @@ GPT-2 1.5B, Llama 7B and 70B shapes (``train.model.PLAN_PRESETS``), seq 2048, on
 device, AdamW, fp32, FULL_SHARD / HYBRID_SHARD / HYBRID_SHARD_OPT on meshes of ``N/8 x 8`` (8
 devices per host), compiled ahead of time with abstract inputs on ``N`` emulated CPU devices
 (one subprocess per ``N``, each with its own ``XLA_FLAGS``; nothing is allocated). Per-device
-peak (``argument + output - alias + temp``) against :func:`expected_peak`
-(:func:`memory_formula`, :func:`activation_bytes`); fits on 80 GB and on 141 GB devices.
+peak (``argument + output - alias + temp``) and the live set at the fullest instant
+(:func:`live_peak`) against :func:`expected_peak` (:func:`memory_formula`,
+:func:`moment_bytes`); fits on 80 GB and on 141 GB devices.
 docs/memory.md ("The scale table") has the measured table and the buffer-level analysis.
 
 Split out of ``train/bench.py``, which imports the formulas and the runner from here.
