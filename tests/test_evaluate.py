@@ -120,3 +120,54 @@ def test_eval_memory_two_blocks_not_the_model():
     graphdef, params = nnx.split(ref)
     full = jax.jit(lambda p, b: mse_loss(nnx.merge(graphdef, p), b)).lower(params, mlp_batches(1, 16, 64, 64)[0]).compile()
     assert full.memory_analysis().argument_size_in_bytes >= model_bytes
+
+
+class _DropNormBlock(nnx.Module):
+    def __init__(self, d: int, *, rngs: nnx.Rngs):
+        self.fc = nnx.Linear(d, d, rngs=rngs)
+        self.norm = nnx.BatchNorm(d, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(jax.nn.relu(self.norm(self.fc(x))))
+
+
+class _DropNormNet(nnx.Module):
+    """Dropout and BatchNorm inside each block unit and in the root."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(13, 16, rngs=rngs)
+        self.blocks = nnx.List([_DropNormBlock(16, rngs=rngs) for _ in range(2)])
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.head = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.drop(x))
+
+
+@pytest.mark.parametrize("strategy,r,s", [("FULL_SHARD", 1, 8), ("HYBRID_SHARD", 2, 4)])
+def test_eval_runs_the_model_in_evaluation_mode(strategy, r, s):
+    """Dropout off and BatchNorm on its running averages, as ``model.eval()`` on one device:
+    the loss equals the single-device evaluation-mode loss and is not the training-mode one
+    (the eval step used to run dropout, the same mask on every call)."""
+    make = lambda: _DropNormNet(nnx.Rngs(0))  # noqa: E731
+    state = zshard.init(make, optax.sgd(0.1), zshard.make_mesh(r, s), strategy=strategy)
+    got = zshard.make_eval_step(mse_loss)(state, next(iter(mlp_batches(1, batch=16))))
+    ref = make()
+    batch = jax.tree.map(jnp.asarray, next(iter(mlp_batches(1, batch=16))))
+    ref.eval()
+    want = mse_loss(ref, batch)
+    assert rel_l2(got["loss"], want) < 1e-5, (float(got["loss"]), float(want))
+    ref.train()
+    assert rel_l2(got["loss"], mse_loss(ref, batch)) > 1e-2  # training mode really differs here
+
+    def train_mode(model, batch):
+        model.train()
+        return mse_loss(model, batch)
+
+    # the escape hatch: fn may switch back; it then sees dropout and the batch's statistics
+    again = zshard.make_eval_step(train_mode)(state, next(iter(mlp_batches(1, batch=16))))
+    assert rel_l2(again["loss"], got["loss"]) > 1e-2

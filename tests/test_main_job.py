@@ -56,10 +56,12 @@ def test_weights_at_the_end_load_into_the_model(tmp_path, corpus):
     from train.model import GPT, MODEL_PRESETS
 
     out = tmp_path / "run"
-    res = train(*TINY, "--data", str(corpus), "--out", str(out), "--ckpt-every", "2")
+    res = train(*TINY, "--data", str(corpus), "--out", str(out), "--ckpt-every", "1", "--keep", "1")
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
+    # checkpoint 1 was saved, then deleted by --keep 1: the summary lists what is on disk
     assert summary["weights"] == str(out / "model.safetensors") and summary["checkpoints"] == [str(out / "checkpoints" / "2")]
+    assert "step 1: saving checkpoint" in res.stderr and not (out / "checkpoints" / "1").exists()
     last = res.stderr.strip().splitlines()[-1]
     for name in ("metrics.jsonl", "summary.json", "config.toml", "samples.txt", "checkpoints/", "model.safetensors"):
         assert name in last, last

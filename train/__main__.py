@@ -677,7 +677,9 @@ def finish(setup: Setup, b: Built, p: Progress) -> dict:
         "eval_s": p.eval_s,  # evaluations and samples inside the loop
         "tokens_per_s": tokens_per_step * steps_done / max(p.train_s - p.eval_s, 1e-9),
         "weights": str(weights),  # safetensors, logical shapes (zshard.export)
-        "checkpoints": [str(setup.ckpt.directory / str(s)) for s in p.saved] if setup.ckpt is not None else [],
+        # the saved checkpoints still on disk (checkpoint.keep deletes the oldest)
+        "checkpoints": [str(setup.ckpt.directory / str(s)) for s in p.saved
+                        if (setup.ckpt.directory / str(s)).is_dir()] if setup.ckpt is not None else [],
         "wall_s": time.perf_counter() - _T_START,  # whole program, imports included
         "config": setup.resolved.to_dict(),
     }

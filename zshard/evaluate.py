@@ -48,7 +48,9 @@ def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *a
 
     Returns:
       ``fn``'s value. Each block unit is gathered once, just before it runs (forced by data
-      dependency on its input, see the module docstring); nothing is differentiated.
+      dependency on its input, see the module docstring); nothing is differentiated. ``fn``
+      sees the model in evaluation mode (``model.eval()``: ``deterministic=True``,
+      ``use_running_average=True``), as ``model.eval()`` before a PyTorch evaluation loop.
     """
     plan = state.plan
     flat = traverse_util.flatten_dict(params)
@@ -62,6 +64,7 @@ def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *a
 
     def run(floats):
         model = materialize(plan, {**others, **floats}, var_flat, opts)
+        model.eval()  # evaluation mode: nnx.Dropout off, nnx.BatchNorm on its running averages
         with jax.named_scope(LOSS_SCOPE):  # where zshard.shard_reads judges uses of raw shards
             return fn(model, *args)
 
@@ -151,9 +154,12 @@ def make_eval_step(fn: Callable[[nnx.Module, Any], Any], *, prefetch: int | None
 
     Args:
       fn: written for one device and an ordinary model (as ``loss_fn`` of
-        :func:`zshard.make_train_step`): receives this device's slice of the batch
-        (``[B / (R*S), ...]``) and returns a scalar mean, ``zshard.TokenMean(sum, count)``
-        (token-weighted), or a dict of scalars with ``"loss"``.
+        :func:`zshard.make_train_step`): receives the model in evaluation mode
+        (``model.eval()``: ``nnx.Dropout`` passes its input through, ``nnx.BatchNorm`` uses its
+        running averages; call ``model.train()`` inside ``fn`` for training-mode behaviour)
+        and this device's slice of the batch (``[B / (R*S), ...]``), and returns a scalar
+        mean, ``zshard.TokenMean(sum, count)`` (token-weighted), or a dict of scalars with
+        ``"loss"``.
       prefetch: as for :func:`zshard.make_train_step`: a unit's all-gather may be issued
         this many unit calls early (overlap on GPU); ``None`` (default): the backend's,
         :func:`zshard.step.default_prefetch` (0 on CPU, 1 on GPU/TPU). Temporary memory: about
