@@ -267,7 +267,8 @@ def scale_worker(n_devices: int, models, strategies) -> list[dict]:
             out.append({
                 "model": name, "devices": n_devices, "mesh": f"{mesh.shape['replica']}x{mesh.shape['shard']}",
                 "strategy": strategy, "params": psi, "compile_s": compile_s, "per_device_bytes": rep.per_device_bytes,
-                "peak": peak, "live": live["bytes"], "live_op": live["op"], "formula": form, "moments": moments, "moment": moment, "expected": expected,
+                "peak": peak, "live": live["bytes"], "live_op": live["op"], "formula": form, "moments": moments,
+                "moment": moment, "expected": expected,
                 "ratio": peak / expected, "live_ratio": live["bytes"] / expected,
                 "state_ratio": rep.model_state_bytes["ratio"],
                 "fits": {str(g): peak <= g * GB for g in DEVICE_GB},
