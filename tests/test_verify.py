@@ -105,3 +105,49 @@ def test_a_parameter_without_gradient_signal_is_shown_not_judged():
     assert res.no_signal == ("shift",), res.no_signal  # every other parameter has a real gradient
     assert res.passed, res.table()
     assert "not judged (reference gradient at rounding level" in res.table() and "shift" in res.table()
+
+
+class _DropoutMLP(nnx.Module):
+    """A residual MLP holding RNG state: ``nnx.Dropout`` keeps its own ``nnx.Rngs`` (a key and a
+    ``uint32[]`` count), carried by zshard as replicated variables. Rate 0: no mask is drawn."""
+
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(6, 16, rngs=rngs)
+        self.fc = nnx.Linear(16, 16, rngs=rngs)
+        self.drop = nnx.Dropout(0.0, rngs=rngs)
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.inp(x)
+        return self.out(h + self.drop(nnx.gelu(self.fc(h))))
+
+
+def test_a_built_module_with_rng_state_works_like_a_builder():
+    """A built module (not a builder): the sharded step donates its state, which once deleted the
+    module's own RNG arrays that the single-device reference then read (``RuntimeError: Array has
+    been deleted with shape=uint32[]``). Both runs now get copies; the user's module is untouched."""
+    rng = np.random.default_rng(0)
+    batch = (rng.normal(size=(16, 6)).astype(np.float32), rng.integers(0, 3, 16).astype(np.int32))
+    model = _DropoutMLP(nnx.Rngs(0))
+    before = {p: np.array(v) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    built = verify(model, optax.adam(1e-2), _shifted_loss, batch, strategy="FULL_SHARD", mesh=zshard.make_mesh(2, 4), steps=2)
+    assert built.passed, built.table()
+    builder = verify(lambda: _DropoutMLP(nnx.Rngs(0)), optax.adam(1e-2), _shifted_loss, batch, strategy="FULL_SHARD",
+                     mesh=zshard.make_mesh(2, 4), steps=2)
+    assert built.losses == builder.losses and built.param_diffs == builder.param_diffs
+    for path, var in nnx.to_flat_state(nnx.state(model)):  # nothing deleted, parameters unchanged
+        value = var.get_raw_value()
+        assert not value.is_deleted(), path
+        if path in before:
+            np.testing.assert_array_equal(np.asarray(value), before[path])
+    assert int(model.drop.rngs.count[...]) == 0
+
+
+def test_init_does_not_alias_a_built_modules_rng_state():
+    """``zshard.init(module)`` copies the module's non-parameter variables: a train step, which
+    donates its state, leaves the module's RNG key and count alive."""
+    model = _DropoutMLP(nnx.Rngs(0))
+    state = zshard.init(model, optax.sgd(0.1), zshard.make_mesh(1, 8))
+    zshard.make_train_step(_shifted_loss)(state, (np.ones((8, 6), np.float32), np.zeros(8, np.int32)))
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        assert not var.get_raw_value().is_deleted(), path

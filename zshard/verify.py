@@ -149,6 +149,19 @@ def _flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
     return {"/".join(map(str, p)): np.asarray(v) for p, v in traverse_util.flatten_dict(state).items()}
 
 
+def _fresh(x):
+    """A copy of one array in new buffers (an RNG key stays a key of the same impl)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(jnp.array(jax.random.key_data(x), copy=True), impl=jax.random.key_impl(x))
+    return jnp.array(x, copy=True)
+
+
+def _copy_module(model: nnx.Module) -> nnx.Module:
+    """``model`` with every array (parameters, ``nnx.Rngs`` keys and counts, ...) copied."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(_fresh, state))
+
+
 def _mean_loss(loss_fn: Callable) -> Callable:
     """``loss_fn`` as a scalar mean: ``TokenMean(sum, count)`` -> ``sum / count``."""
 
@@ -198,14 +211,17 @@ def verify(model_or_builder, tx: optax.GradientTransformation, loss_fn: Callable
     strategy = zshard.Strategy.parse(strategy).value
     mp = zshard.MixedPrecision(param_dtype=param_dtype, reduce_dtype="float32") if param_dtype else None
 
-    # Reference model, built first: a module is copied (zshard.init leaves it alone, and the
-    # reference's nnx.Optimizer updates its own copy in place).
-    ref = nnx.clone(model_or_builder) if isinstance(model_or_builder, nnx.Module) else model_or_builder()
+    # Each run gets its own copy of a built module's arrays (parameters and RNG state alike):
+    # the train step donates its state and the reference's nnx.Optimizer updates its model in
+    # place, so no run may share a buffer with another or with the user's module.
+    built = isinstance(model_or_builder, nnx.Module)
+    ref = _copy_module(model_or_builder) if built else model_or_builder()
     if not isinstance(ref, nnx.Module):
         raise ValueError(f"the model builder returned {type(ref).__name__}, not an nnx.Module")
     init_ref = _flat_params(ref)
 
-    state = zshard.init(model_or_builder, tx, mesh, strategy=strategy, mixed_precision=mp)
+    state = zshard.init(_copy_module(model_or_builder) if built else model_or_builder, tx, mesh, strategy=strategy,
+                        mixed_precision=mp)
     init_got = _flat_params(zshard.unshard(state))
     step = zshard.make_train_step(loss_fn)
     got_losses = []
