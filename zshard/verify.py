@@ -302,7 +302,7 @@ def verify(model_or_builder, tx: optax.GradientTransformation, loss_fn: Callable
     Args:
       model_or_builder: an ``nnx.Module`` (each run trains its own copy of every array, RNG
         state included; the module is not modified) or a zero-argument callable building one.
-      tx: the optimizer (used, unchanged, by both runs).
+      tx: the optimizer (used, unchanged, by every run).
       loss_fn: ``loss_fn(model, batch) -> scalar`` mean loss (or ``zshard.TokenMean(sum, count)``).
       batch: pytree of arrays, leading dimension = global batch, divisible by the mesh's devices.
       strategy: a ``zshard.Strategy`` name.
