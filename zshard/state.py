@@ -90,6 +90,17 @@ def _check_arguments(model, tx, mesh, mixed_precision):
     return abstract_model, False
 
 
+def _host_copy(x):
+    """A host copy of a model variable's value (an RNG key stays a key, of the same impl).
+
+    ``jax.device_put`` onto a replicated sharding reuses the buffer already on the first
+    device (``may_alias=False`` does not stop it on CPU), so the train step, which donates its
+    state, would delete the user's module's own arrays (an ``nnx.Rngs`` count or key)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(np.array(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+    return np.array(x)
+
+
 def _place(plan: Plan, model, concrete: bool, weights, abstract: bool) -> tuple[dict, dict]:
     """``(params, variables)``: every parameter in its stored form on the mesh
     (:meth:`ParamLayout.to_storage`, ``[n_pad]`` / ``[L, n_pad]`` with its PartitionSpec), the
@@ -108,7 +119,7 @@ def _place(plan: Plan, model, concrete: bool, weights, abstract: bool) -> tuple[
             values = [jax.device_put(rec.to_storage(np.asarray(flat[rec.path].get_raw_value())), sh) for rec, sh in zip(layouts, shardings)]
         else:
             values = place_weights(layouts, weights, shardings)
-        var_values = [jax.device_put(flat[p].get_raw_value(), replicated) for p in var_paths]
+        var_values = [jax.device_put(_host_copy(flat[p].get_raw_value()), replicated) for p in var_paths]
     else:
         own = weights is None  # with weights=, the model's own parameters are dead code under jit
         values = [] if own else place_weights(layouts, weights, shardings)
