@@ -11,6 +11,7 @@ from flax import nnx
 import zshard
 from zshard.collectives import UnitComm, gather_param
 from zshard.flat import ParamLayout
+from zshard.strategy import ReplicaReduce
 
 
 def _compiled(remat="none"):
@@ -52,9 +53,12 @@ def test_gathered_parameters_are_freed_one_by_one(remat, limit):
 
 def test_sinks_must_match_the_comm_record():
     slot = ParamLayout.build(("w",), (8,), jnp.float32, 8, axes=("shard",))
-    with pytest.raises(ValueError, match="without gradient sinks.*sinks=True"):
-        gather_param(slot, jnp.zeros(8), UnitComm(("shard",), scatter_axes=("replica",), scatter_parts=2, sinks=True))
-    with pytest.raises(ValueError, match="with gradient sinks.*sinks=False"):
-        gather_param(slot, jnp.zeros(8), UnitComm(("shard",)), sink=jnp.zeros(4))
-    assert UnitComm(("shard",), ("r",), scatter_axes=("replica",), sinks=True).vary_axes == ("r", "replica")
-    assert UnitComm(("shard",), ("r",), scatter_axes=("replica",)).vary_axes == ("r",)
+    with pytest.raises(ValueError, match="without gradient sinks.*replica_reduce=TO_SINKS"):
+        gather_param(slot, jnp.zeros(8), UnitComm(("shard",), ("replica",), ReplicaReduce.TO_SINKS, replica_parts=2))
+    with pytest.raises(ValueError, match="with gradient sinks.*replica_reduce=PER_UNIT"):
+        gather_param(slot, jnp.zeros(8), UnitComm(("shard",), ("replica",), ReplicaReduce.PER_UNIT), sink=jnp.zeros(4))
+    # a gathered parameter varies over the axes its gradient is later summed over, whatever the reduction
+    for reduce in ReplicaReduce:
+        assert UnitComm(("shard",), ("replica",), reduce).vary_axes == ("replica",)
+    assert UnitComm(("shard",), ("replica",), ReplicaReduce.TO_SINKS).sinks
+    assert not UnitComm(("shard",), ("replica",), ReplicaReduce.PER_STEP).sinks

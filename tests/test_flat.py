@@ -145,3 +145,37 @@ def test_single_parameter_concat_is_identity():
     flat = FlatParameter.build("root", [ParamLayout.build(("w",), (13,), np.float32, 4)], 4)
     x = jnp.arange(4.0)
     assert flat.concat_shards([x]) is x
+
+
+# --- split over the tensor axis: the order of the pieces ----------------------------------------------
+
+
+@pytest.mark.parametrize("shape,dim,T,layers", [((6, 8), -1, 2, None), ((6, 8), 0, 3, None), ((4, 3, 8), 2, 4, None),
+                                               ((8,), 0, 2, None), ((6, 8), 1, 2, 3), ((5, 6), 1, 3, 2)])
+def test_tensor_pieces_are_contiguous_blocks_of_the_split_dimension(shape, dim, T, layers):
+    """Piece ``t`` of a parameter split over ``tensor`` is the ``t``-th contiguous block of its
+    split dimension, flattened and padded on its own (the bug class of a strided or permuted
+    piece order: pytorch issues 129206 / 129229, torchtitan PR 1483)."""
+    rec = ParamLayout.build(("w",), shape, np.float32, 4, layers, axes=("shard",), tp_dim=dim, tp=T)
+    lead = () if layers is None else (layers,)
+    x = np.arange(int(np.prod(lead + shape)), dtype=np.float32).reshape(lead + shape) + 1
+    stored = rec.to_storage(x)
+    d = dim % len(shape)
+    piece = shape[:d] + (shape[d] // T,) + shape[d + 1 :]
+    n = int(np.prod(piece))
+    assert rec.storage_shape == lead + (T, padded_size(n, 4)) == stored.shape
+    assert rec.spec == (P("tensor", "shard") if layers is None else P(None, "tensor", "shard"))
+    for t in range(T):
+        block = np.take(x, range(t * shape[d] // T, (t + 1) * shape[d] // T), axis=len(lead) + d)  # [..., *piece]
+        np.testing.assert_array_equal(stored[..., t, :n], block.reshape(lead + (n,)))
+        assert not stored[..., t, n:].any()  # zero padding, per piece
+        np.testing.assert_array_equal(rec.piece_from_storage(stored[..., t, :]), block)
+    np.testing.assert_array_equal(rec.from_storage(stored), x)  # and back
+    np.testing.assert_array_equal(np.asarray(rec.from_storage(jnp.asarray(stored))), x)  # jax too
+
+
+def test_tensor_split_needs_a_divisible_dimension():
+    with pytest.raises(ValueError, match=r"dimension 1 \(6\) does not divide by tensor=4"):
+        ParamLayout.build(("blocks", 0, "w"), (8, 6), np.float32, 4, tp_dim=1, tp=4)
+    rec = ParamLayout.build(("w",), (8, 6), np.float32, 4, tp_dim=1, tp=1)  # T = 1: not split, as without
+    assert not rec.split and rec == ParamLayout.build(("w",), (8, 6), np.float32, 4)

@@ -1,7 +1,7 @@
 """A block unit's raw shard used as a value in ``loss_fn`` is refused before compiling.
 
 ``jax.tree.leaves(nnx.state(model, nnx.Param))`` inside ``loss_fn`` walks the raw values, which
-for a block unit are this device's padded shards (zshard/shard_reads.py). The same penalty
+for a block unit are this device's padded shards (zshard/checks.py). The same penalty
 read through the variables (``v[...]``) is gathered and exact; root parameters are gathered
 logical values, so walking them is exact too.
 """
@@ -110,7 +110,7 @@ def test_without_the_check_the_number_is_silently_wrong(monkeypatch):
     the single-device one (the test of the check above can fail)."""
     data = mlp_batches(1)
     want = reference_run(lambda: ResMLP(rngs=nnx.Rngs(0)), optax.sgd(0.1), leaves_l2, data)
-    monkeypatch.setattr(zshard.step, "check_shard_reads", lambda *a: None)
+    monkeypatch.setattr(zshard.step, "check_traced", lambda *a, **k: None)
     got = zshard_run(lambda: ResMLP(rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(2, 4), "FULL_SHARD", leaves_l2, data)
     assert abs(got.losses[0] - want.losses[0]) > 1e-3 * abs(want.losses[0]), (got.losses, want.losses)
 

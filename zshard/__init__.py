@@ -8,7 +8,7 @@
 """
 
 from zshard.checkpoint import export, load_params, restore, save
-from zshard.evaluate import EvalStep, make_eval_step
+from zshard.evaluate import EvalStep, make_eval_step, make_forward
 from zshard.mesh import make_mesh
 from zshard.precision import MixedPrecision
 from zshard.report import Report, report
@@ -31,6 +31,7 @@ __all__ = [
     "init",
     "load_params",
     "make_eval_step",
+    "make_forward",
     "make_mesh",
     "make_train_step",
     "report",

@@ -9,10 +9,13 @@ unit (per layer for stacked units) plus the scalar all-reduces of the result.
 The model is built by :func:`zshard.intercept.materialize` (the train step's own machinery), so
 units, mixed precision (gather and compute in ``param_dtype``) and strategies are those
 of the train step. The forward gathers are tied to the unit's input by a data dependency
-(the ``fwd`` rule of :func:`zshard.collectives.run_unit`, taken through ``jax.vjp`` whose
+(the ``fwd`` rule of :func:`zshard.unit_call.run_unit`, taken through ``jax.vjp`` whose
 pullback is never called): without it the XLA CPU scheduler issues every gather at the
 start and the temporary memory is twice the model (docs/design.md section 8.1, forced schedule;
 docs/eval-and-hf.md, design notes).
+
+Public: :func:`make_eval_step` (a reduced loss) and :func:`make_forward` (any per-row
+outputs: logits, generated tokens; the whole model gathered once per call if asked).
 """
 
 from __future__ import annotations
@@ -21,16 +24,21 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, traverse_util
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.mesh import AXES
+from zshard.checks import check_traced
+from zshard.collectives import gather_params
+from zshard.intercept import materialize
+from zshard.jaxprs import LOSS_SCOPE
+from zshard.mesh import AXES, sharded_map
 from zshard.state import ShardedState
-from zshard.intercept import StepOptions, materialize
-from zshard.shard_reads import LOSS_SCOPE, block_shard_inputs, check_shard_reads
-from zshard.step import TokenMean, TrainStep, default_prefetch, trace_key
+from zshard.step import TokenMean
+from zshard.step_config import StepConfig, put_batch, trace_key
 
-__all__ = ["EvalStep", "make_eval_step", "forward"]
+__all__ = ["EvalStep", "Forward", "forward", "make_eval_step", "make_forward"]
 
 
 def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *args, prefetch: int | None = None):
@@ -43,8 +51,8 @@ def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *a
         read, never written back (evaluation does not change the state).
       fn: ``fn(model, *args) -> pytree of arrays``, written for one device.
       args: pytrees of this device's arrays.
-      prefetch: units gathered ahead (:class:`zshard.intercept.StepOptions`); ``None``:
-        :func:`zshard.step.default_prefetch` (0 on CPU, 1 on GPU/TPU).
+      prefetch: units gathered ahead; ``None``: :func:`zshard.step_config.default_prefetch`
+        (0 on CPU, 1 on GPU/TPU).
 
     Returns:
       ``fn``'s value. Each block unit is gathered once, just before it runs (forced by data
@@ -55,7 +63,8 @@ def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *a
     plan = state.plan
     flat = traverse_util.flatten_dict(params)
     var_flat = traverse_util.flatten_dict(variables) if variables else {}
-    opts = StepOptions(prefetch=default_prefetch() if prefetch is None else prefetch)
+    config = StepConfig(fn, prefetch=prefetch)
+    comm = config.comm(plan, differentiated=False)  # forward only: ReplicaReduce.NONE
     # Trace through jax.vjp w.r.t. the floating shards: the custom-VJP unit calls then use
     # their fwd rule (each gather issued after the unit's input exists). The pullback is
     # never called, so residuals and backward are dead code that XLA removes.
@@ -63,9 +72,9 @@ def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *a
     others = {p: x for p, x in flat.items() if p not in floats}
 
     def run(floats):
-        model = materialize(plan, {**others, **floats}, var_flat, opts)
+        model = materialize(plan, {**others, **floats}, var_flat, comm, config.resolved_prefetch())
         model.eval()  # evaluation mode: nnx.Dropout off, nnx.BatchNorm on its running averages
-        with jax.named_scope(LOSS_SCOPE):  # where zshard.shard_reads judges uses of raw shards
+        with jax.named_scope(LOSS_SCOPE):  # where zshard.checks judges uses of raw shards
             return fn(model, *args)
 
     out, _ = jax.vjp(run, floats)
@@ -105,42 +114,45 @@ class EvalStep:
     Raises:
       ValueError: a batch leaf is a scalar or its leading dimension does not divide by the
         device count (before any compile); a dict result without ``"loss"``; ``fn`` using a
-        block unit's raw shard as a value, e.g. ``jax.tree.leaves(nnx.state(model))``
-        (named, before compiling; :func:`zshard.shard_reads.check_shard_reads`).
+        block unit's raw shard as a value, e.g. ``jax.tree.leaves(nnx.state(model))``, or a
+        unit under device-dependent control flow (named, before compiling;
+        :func:`zshard.checks.check_traced`).
       TypeError: ``fn`` returned a tuple or a non-scalar.
     """
 
-    grad_accum = 1  # read by the batch placement shared with the train step
-    put_batch = TrainStep.put_batch
-
-    def __init__(self, fn: Callable[[nnx.Module, Any], Any], *, prefetch: int | None = None):
-        if not callable(fn):
-            raise TypeError(f"make_eval_step: fn must be a callable fn(model, batch), got {type(fn).__name__}")
-        if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
-            raise ValueError(f"prefetch={prefetch!r}: must be a non-negative integer (units gathered ahead; 0 turns prefetch off)")
-        self.fn, self.prefetch = fn, prefetch
+    def __init__(self, config: StepConfig):
+        if not isinstance(config, StepConfig):
+            raise TypeError(f"EvalStep takes a zshard.step_config.StepConfig (use zshard.make_eval_step), got {type(config).__name__}")
+        self.config = config
         self._jitted = jax.jit(self._eval)
         self._checked: set = set()  # (plan, batch shapes) whose traced step passed the check
 
+    fn = property(lambda self: self.config.fn)
+    prefetch = property(lambda self: self.config.prefetch)
+    grad_accum = property(lambda self: 1)
+
     def _eval(self, state: ShardedState, batch):
-        plan = state.plan
+        plan, config = state.plan, self.config
 
         def local(params, variables, batch):
-            return _reduce(plan, forward(state, params, variables, self.fn, batch, prefetch=self.prefetch))
+            return _reduce(plan, forward(state, params, variables, config.fn, batch, prefetch=config.prefetch))
 
         specs = state.specs()
-        return jax.shard_map(local, mesh=plan.mesh, in_specs=(specs.params, specs.variables, P(AXES)), out_specs=P())(
+        return sharded_map(local, plan.mesh, in_specs=(specs.params, specs.variables, P(AXES)), out_specs=P())(
             state.params, state.variables, batch
         )
+
+    def put_batch(self, state: ShardedState, batch):
+        """:func:`zshard.step_config.put_batch` (one micro-batch)."""
+        return put_batch(state.plan, batch)
 
     def __call__(self, state: ShardedState, batch) -> dict:
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state.params)):
             raise ValueError("this state was donated to a train step (its buffers are deleted); evaluate the state that step returned")
         batch = self.put_batch(state, batch)
         key = trace_key(state, batch)
-        if key not in self._checked:  # trace (no compile) once: a block's raw shard used as a value
-            jaxpr = self._jitted.trace(state, batch).jaxpr.jaxpr
-            check_shard_reads(jaxpr, state.plan, block_shard_inputs(state.plan, (state, batch)))
+        if key not in self._checked:  # trace (no compile) once: a block's raw shard used as a value, divergent collectives
+            check_traced(self._jitted.trace(state, batch).jaxpr.jaxpr, state, batch)
             self._checked.add(key)
         return self._jitted(state, batch)
 
@@ -162,7 +174,7 @@ def make_eval_step(fn: Callable[[nnx.Module, Any], Any], *, prefetch: int | None
         ``"loss"``.
       prefetch: as for :func:`zshard.make_train_step`: a unit's all-gather may be issued
         this many unit calls early (overlap on GPU); ``None`` (default): the backend's,
-        :func:`zshard.step.default_prefetch` (0 on CPU, 1 on GPU/TPU). Temporary memory: about
+        :func:`zshard.step_config.default_prefetch` (0 on CPU, 1 on GPU/TPU). Temporary memory: about
         ``2 + prefetch`` gathered units plus activations (the unit in use is held as its
         all-gather output ``[N, L/N]`` and as its parameters; a prefetched one only as the
         all-gather output until it is needed): measured 3.39 blocks with ``1``, 2.4 with ``0``
@@ -176,4 +188,112 @@ def make_eval_step(fn: Callable[[nnx.Module, Any], Any], *, prefetch: int | None
     Raises:
       TypeError: ``fn`` not callable. ValueError: ``prefetch`` negative.
     """
-    return EvalStep(fn, prefetch=prefetch)
+    if not callable(fn):
+        raise TypeError(f"make_eval_step: fn must be a callable fn(model, batch), got {type(fn).__name__}")
+    return EvalStep(StepConfig(fn, prefetch=prefetch))
+
+
+def _gathered_model(plan, params: dict, variables: dict, comm) -> nnx.Module:
+    """Inside ``shard_map``: the plain model with every parameter all-gathered whole (in the
+    gather dtype), no unit interception: each parameter ``[n_pad/N] -> [n_pad] -> shape``."""
+    flat = traverse_util.flatten_dict(params)
+    var_flat = traverse_util.flatten_dict(variables) if variables else {}
+    recs = list(plan.layouts.values())
+    values = dict(zip(plan.layouts, gather_params(recs, [flat[r.path] for r in recs], comm)))
+    values.update(var_flat)
+    with nnx.use_eager_sharding(False):
+        pairs = [(p, v.replace(values[p])) for p, v in plan.template + plan.var_template]
+        return nnx.merge(plan.graphdef, nnx.from_flat_state(pairs))
+
+
+class Forward:
+    """``fwd(state, *args) -> outputs``: ``fn(model, *local_args)`` on the sharded model, per device.
+
+    Built by :func:`make_forward`. The state is not donated and not changed.
+    """
+
+    def __init__(self, config: StepConfig, gather_once: bool):
+        self.config, self.gather_once = config, bool(gather_once)
+        self._jitted = jax.jit(self._run)
+
+    def _run(self, state: ShardedState, args):
+        plan, config, gather_once = state.plan, self.config, self.gather_once
+        arg_specs = jax.tree.map(lambda x: P(AXES) if np.ndim(x) else P(), args)
+
+        def local(params, variables, args):
+            if gather_once:
+                model = _gathered_model(plan, params, variables, config.comm(plan, differentiated=False))
+                model.eval()
+                with jax.named_scope(LOSS_SCOPE):
+                    out = config.fn(model, *args)
+            else:
+                out = forward(state, params, variables, config.fn, *args, prefetch=config.prefetch)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(out):
+                if not np.ndim(leaf):
+                    raise TypeError(
+                        f"make_forward: fn returned a scalar at {jax.tree_util.keystr(path) or 'its result'}; every output "
+                        "leaf needs a leading row dimension (this device's rows); for a loss reduced over devices use "
+                        "zshard.make_eval_step"
+                    )
+            return out
+
+        specs = state.specs()
+        return sharded_map(local, plan.mesh, in_specs=(specs.params, specs.variables, arg_specs), out_specs=P(AXES))(
+            state.params, state.variables, args
+        )
+
+    def put_args(self, state: ShardedState, args: tuple):
+        """Each rank >= 1 array split along its leading dimension over the data axes
+        (:func:`zshard.step_config.put_batch`, every leaf on its own), 0-d ones replicated."""
+        replicated = NamedSharding(state.plan.mesh, P())
+
+        def place(path, x):
+            if not np.ndim(x):
+                return jax.ShapeDtypeStruct((), x.dtype, sharding=replicated) if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(jnp.asarray(x), replicated)
+            try:
+                return put_batch(state.plan, x)
+            except ValueError as e:
+                raise ValueError(f"make_forward: argument args{jax.tree_util.keystr(path)}: {e}") from None
+
+        return jax.tree_util.tree_map_with_path(place, tuple(args))
+
+    def __call__(self, state: ShardedState, *args):
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state.params)):
+            raise ValueError("this state was donated to a train step (its buffers are deleted); use the state that step returned")
+        return self._jitted(state, self.put_args(state, args))
+
+    def lower(self, state: ShardedState, *args) -> jax.stages.Lowered:
+        """The lowered program (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
+        return self._jitted.lower(state, self.put_args(state, args))
+
+
+def make_forward(fn: Callable, *, gather_once: bool = False, prefetch: int | None = None) -> Forward:
+    """Build a sharded forward-only function: ``fwd(state, *args)`` runs ``fn(model, *local_args)``.
+
+    Args:
+      fn: ``fn(model, *args) -> pytree of arrays``, written for one device and an ordinary
+        model (in evaluation mode, ``model.eval()``). It gets this device's slice of every
+        argument: array arguments of rank >= 1 are split along their leading dimension over
+        the data axes ``("replica", "shard")`` (``PartitionSpec(("replica", "shard"))``; the
+        leading dimension must divide by ``R*S``), 0-d arguments are replicated. Every output
+        leaf must have a leading row dimension: the results come back as global arrays split
+        the same way (this device's rows joined over devices).
+      gather_once: ``False`` (default): each unit is all-gathered just before it runs and
+        dropped after it, as in the eval step (memory of a sharded model: ``Psi/N`` plus about
+        ``2 + prefetch`` gathered units). ``True``: every parameter is all-gathered whole once
+        per call and ``fn`` runs on the plain model (memory of the whole model per device, no
+        communication inside ``fn``): for a decoding loop inside ``fn`` (``lax.fori_loop``
+        over tokens), the gathers are paid once per call instead of once per token.
+      prefetch: units gathered ahead (``gather_once=False``), as for :func:`make_eval_step`.
+
+    Returns:
+      :class:`Forward`.
+
+    Raises:
+      TypeError: ``fn`` not callable; (when traced) an output leaf without a row dimension.
+      ValueError: ``prefetch`` negative; an argument whose leading dimension does not divide by
+        the devices (named, before compiling).
+    """
+    if not callable(fn):
+        raise TypeError(f"make_forward: fn must be a callable fn(model, *args), got {type(fn).__name__}")
+    return Forward(StepConfig(fn, prefetch=prefetch), gather_once)

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from zshard.mesh import TENSOR
+
 __all__ = ["FlatParameter", "ParamLayout", "ParamSlot", "padded_size"]
 
 
@@ -45,46 +47,99 @@ class ParamLayout:
     A parameter of logical shape ``shape`` (one layer's) is stored flat and zero-padded:
     ``[n_pad]``, or ``[L, n_pad]`` for a stacked parameter ``[L, *shape]`` (each layer padded
     on its own), with ``PartitionSpec(shard_axes)`` (``PartitionSpec(None, shard_axes)``
-    stacked) at rest. Every module that turns a parameter (or a parameter-shaped gradient,
-    optimizer leaf or checkpoint array) into its stored form or back calls
-    :meth:`to_storage` / :meth:`from_storage`; the FlatParameters are built from these
-    records (:meth:`FlatParameter.build`).
+    stacked) at rest.
+
+    A parameter split over the ``tensor`` mesh axis (``tp_dim`` set, ``T = tp`` devices) is
+    split along ``tp_dim`` FIRST, into ``T`` contiguous pieces of shape :attr:`piece_shape`
+    (``shape`` with ``shape[tp_dim] / T``); then each piece is flattened, padded and
+    FSDP-sharded on its own: stored ``[T, n_pad]`` (stacked ``[L, T, n_pad]``) with
+    ``PartitionSpec("tensor", shard_axes)``, ``n_pad`` the padded size of one piece. Piece
+    ``t`` holds ``x[..., t*s/T:(t+1)*s/T, ...]`` (``s = shape[tp_dim]``), the slice that device
+    ``t`` of a tensor group computes with (Megatron-LM's column / row split, arXiv 1909.08053
+    section 3). :meth:`to_storage` / :meth:`from_storage` are the only code that orders the
+    pieces: every module that turns a parameter (or a parameter-shaped gradient, optimizer
+    leaf or checkpoint array) into its stored form or back calls them.
 
     Attributes:
       path: the parameter's path in the model state, ``("blocks", 0, "mlp", "kernel")``.
       shape: logical shape of one layer.
       dtype: the parameter's dtype (numpy).
-      padded: ``n_pad``: ``size`` rounded up to a multiple of the devices the optimizer
-        state is split over (``Plan.opt_shards``), so that every shard count used on it
-        divides it (elements).
+      padded: ``n_pad``: the elements of one layer (of one tensor piece, when split) rounded
+        up to a multiple of the devices the optimizer state is split over
+        (``Plan.opt_shards``), so that every shard count used on it divides it (elements).
       layers: ``L`` of a stacked parameter (the layer axis is never sharded), else ``None``.
       spec: PartitionSpec of the stored array at rest (``PartitionSpec()``: replicated).
       trainable: ``False`` for a frozen parameter (no gradient, no optimizer state).
       unit: name of the unit that gathers it (``"blocks.0"``, ``"root"``).
+      tp_dim: the dimension of ``shape`` split over the ``tensor`` axis, or ``None``.
+      tp: ``T``, devices of the ``tensor`` axis (1 when not split).
     """
 
     path: tuple
     shape: tuple[int, ...]
     dtype: np.dtype
-    padded: int  # n_pad
+    padded: int  # n_pad (of one tensor piece)
     layers: int | None = None
     spec: P = P()
     trainable: bool = True
     unit: str = ""
+    tp_dim: int | None = None
+    tp: int = 1
 
     @classmethod
-    def build(cls, path, shape, dtype, pad_multiple: int, layers=None, axes: tuple[str, ...] = (), trainable=True, unit=""):
+    def build(cls, path, shape, dtype, pad_multiple: int, layers=None, axes: tuple[str, ...] = (), trainable=True, unit="",
+              tp_dim: int | None = None, tp: int = 1):
         """The record of a parameter whose layer has logical ``shape``, padded to a multiple of
-        ``pad_multiple`` and split over the mesh ``axes`` at rest."""
-        size = int(np.prod(shape, dtype=np.int64))
+        ``pad_multiple``, split over the mesh ``axes`` at rest (and, with ``tp_dim``, over the
+        ``tensor`` axis of ``tp`` devices first).
+
+        Raises:
+          ValueError: ``tp`` does not divide ``shape[tp_dim]``.
+        """
+        shape = tuple(int(d) for d in shape)
+        if tp_dim is not None and (tp <= 1 or not shape):
+            tp_dim, tp = None, 1
+        if tp_dim is not None:
+            if shape[tp_dim] % tp:
+                raise ValueError(
+                    f"parameter {'.'.join(map(str, path))} {list(shape)}: dimension {tp_dim} ({shape[tp_dim]}) does not "
+                    f"divide by tensor={tp}; pick a tensor size that divides it, or split another dimension"
+                )
+            tp_dim = tp_dim % len(shape)
+        piece = shape if tp_dim is None else shape[:tp_dim] + (shape[tp_dim] // tp,) + shape[tp_dim + 1 :]
+        size = int(np.prod(piece, dtype=np.int64))
         lead = () if layers is None else (None,)
-        spec = P(*lead, axes) if axes else P()
-        return cls(tuple(path), tuple(shape), np.dtype(dtype), padded_size(size, pad_multiple), layers, spec, trainable, unit)
+        split = () if tp_dim is None else (TENSOR,)
+        spec = P(*lead, *split, axes if axes else None) if (axes or split) else P()
+        return cls(tuple(path), shape, np.dtype(dtype), padded_size(size, pad_multiple), layers, spec, trainable, unit, tp_dim, tp)
+
+    @property
+    def split(self) -> bool:
+        """The parameter is split over the ``tensor`` axis."""
+        return self.tp_dim is not None
 
     @property
     def size(self) -> int:
         """``n = prod(shape)``: logical elements of one layer."""
         return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        """One tensor piece of one layer: ``shape`` with ``shape[tp_dim] / T`` (``shape`` unsplit)."""
+        if not self.split:
+            return self.shape
+        d = self.tp_dim
+        return self.shape[:d] + (self.shape[d] // self.tp,) + self.shape[d + 1 :]
+
+    @property
+    def piece_size(self) -> int:
+        """Elements of one tensor piece of one layer (``size`` unsplit)."""
+        return int(np.prod(self.piece_shape, dtype=np.int64))
+
+    @property
+    def pieces(self) -> tuple[int, ...]:
+        """``(T,)`` for a parameter split over ``tensor``, else ``()``."""
+        return (self.tp,) if self.split else ()
 
     @property
     def lead(self) -> tuple[int, ...]:
@@ -98,34 +153,65 @@ class ParamLayout:
 
     @property
     def storage_shape(self) -> tuple[int, ...]:
-        """``[n_pad]``, or ``[L, n_pad]`` stacked: the global stored array."""
-        return self.lead + (self.padded,)
+        """``[n_pad]`` (``[T, n_pad]`` split), with ``[L, ...]`` in front stacked: the global stored array."""
+        return self.lead + self.pieces + (self.padded,)
 
     def shard_shape(self, parts: int) -> tuple[int, ...]:
-        """``[n_pad/parts]`` (``[L, n_pad/parts]``): one device's piece over ``parts`` devices."""
+        """``[n_pad/parts]`` (``[T, n_pad/parts]`` split; ``[L, ...]`` stacked): one device's
+        piece over ``parts`` devices of the data axes, as a ``shard_map`` body over them sees it."""
         if self.padded % parts:
             raise ValueError(f"{self.path}: {self.padded} padded elements do not split over {parts} devices")
-        return self.lead + (self.padded // parts,)
+        return self.lead + self.pieces + (self.padded // parts,)
+
+    def piece_to_storage(self, x):
+        """One tensor piece ``[..., *piece_shape]`` -> ``[..., n_pad]``, zero padding (numpy or jax)."""
+        xp = np if isinstance(x, np.ndarray) else jnp
+        lead = tuple(np.shape(x)[: np.ndim(x) - len(self.shape)])
+        flat = xp.reshape(x, lead + (self.piece_size,))  # [..., *piece] -> [..., n]
+        pad = self.padded - self.piece_size
+        return xp.pad(flat, [(0, 0)] * len(lead) + [(0, pad)]) if pad else flat  # [..., n] -> [..., n_pad]
+
+    def piece_from_storage(self, x):
+        """``[..., n_pad]`` -> one tensor piece ``[..., *piece_shape]``; padding dropped."""
+        return x[..., : self.piece_size].reshape(tuple(np.shape(x)[:-1]) + self.piece_shape)
 
     def to_storage(self, x):
-        """A value in logical form ``[..., *shape]`` -> stored form ``[..., n_pad]``, zero padding.
+        """A value in logical form ``[..., *shape]`` -> stored form ``[..., (T,) n_pad]``, zero padding.
 
         ``...`` is any leading dimensions: none (one layer, or an unstacked parameter), ``[L]``
         (all layers of a stacked one). numpy in, numpy out; jax in, jax out. The dtype is kept.
+        Split over ``tensor``: ``[..., s_0, .., s_d, ..]`` -> ``[..., s_0, .., T, s_d/T, ..]``
+        (piece ``t`` is the ``t``-th contiguous block of dimension ``d``) -> ``[..., T, *piece]``.
         """
+        if not self.split:
+            return self.piece_to_storage(x)
         xp = np if isinstance(x, np.ndarray) else jnp
-        lead = tuple(np.shape(x)[: np.ndim(x) - len(self.shape)])
-        flat = xp.reshape(x, lead + (self.size,))  # [..., *shape] -> [..., n]
-        pad = self.padded - self.size
-        return xp.pad(flat, [(0, 0)] * len(lead) + [(0, pad)]) if pad else flat  # [..., n] -> [..., n_pad]
+        nl = np.ndim(x) - len(self.shape)
+        lead, d = tuple(np.shape(x)[:nl]), self.tp_dim
+        blocks = xp.reshape(x, lead + self.shape[:d] + (self.tp, self.shape[d] // self.tp) + self.shape[d + 1 :])
+        pieces = xp.moveaxis(blocks, nl + d, nl)  # [..., T, *piece]
+        return self.piece_to_storage(pieces)  # [..., T, n_pad]
 
     def from_storage(self, x):
-        """Stored form ``[..., n_pad]`` -> logical form ``[..., *shape]``; padding dropped.
+        """Stored form ``[..., (T,) n_pad]`` -> logical form ``[..., *shape]``; padding dropped.
 
         ``...`` as in :meth:`to_storage`. numpy or jax. (An optimizer view ``[.., 1, n_pad]``
         is reshaped to :attr:`storage_shape` first.)
         """
-        return x[..., : self.size].reshape(tuple(np.shape(x)[:-1]) + self.shape)  # [..., n_pad] -> [..., n] -> [..., *shape]
+        if not self.split:
+            return self.piece_from_storage(x)  # [..., n_pad] -> [..., n] -> [..., *shape]
+        xp = np if isinstance(x, np.ndarray) else jnp
+        pieces = self.piece_from_storage(x)  # [..., T, *piece]
+        nl, d = np.ndim(x) - 2, self.tp_dim
+        blocks = xp.moveaxis(pieces, nl, nl + d)  # [..., s_0, .., T, s_d/T, ..]
+        return xp.reshape(blocks, tuple(np.shape(x)[:nl]) + self.shape)
+
+    def tp_spec(self, lead: int = 0) -> P:
+        """PartitionSpec of the logical value ``[<lead dims>, *shape]`` split over ``tensor``
+        along ``tp_dim`` (what a gather hands the model; ``P()`` unsplit)."""
+        if not self.split:
+            return P()
+        return P(*([None] * lead), *[TENSOR if i == self.tp_dim else None for i in range(len(self.shape))])
 
     @property
     def view_ndim(self) -> int:
@@ -135,18 +221,34 @@ class ParamLayout:
     def view_shape(self, parts: int) -> tuple[int, ...]:
         """The optimizer's view of one device's piece over ``parts`` devices:
         ``[*lead, 1, ..., 1, n_pad/parts]`` with the logical rank (:attr:`view_ndim`), so that
-        Optax masks and labels (``p.ndim > 1``) see weights and biases as they are."""
+        Optax masks and labels (``p.ndim > 1``) see weights and biases as they are. Split over
+        ``tensor``: ``[*lead, T, 1, ..., n_pad/parts]`` (rank >= 2) or ``[*lead, T * n_pad/parts]``
+        (a vector)."""
         piece = self.shard_shape(parts)
-        return piece[:-1] + (1,) * (self.view_ndim - 1) + piece[-1:]
+        if not self.split:
+            return piece[:-1] + (1,) * (self.view_ndim - 1) + piece[-1:]
+        lead, k = piece[:-2], piece[-1]
+        if self.view_ndim == 1:
+            return lead + (self.tp * k,)
+        return lead + (self.tp,) + (1,) * (self.view_ndim - 2) + (k,)
+
+    def opt_shape(self, parts: int) -> tuple[int, ...]:
+        """Local shape of a stored optimizer-state leaf of this parameter: the view
+        (:meth:`view_shape`), or for a parameter split over ``tensor`` its shard
+        ``[*lead, T, n_pad/parts]`` (the optimizer converts it to the view and back)."""
+        return self.shard_shape(parts) if self.split else self.view_shape(parts)
 
     def view_spec(self, axes: tuple[str, ...]) -> P:
-        """PartitionSpec of the global optimizer view (the last dimension split over ``axes``)."""
+        """PartitionSpec of a stored optimizer-state leaf (:meth:`opt_shape`, the last dimension
+        split over ``axes``; split parameters also over ``tensor``)."""
+        if self.split:
+            return P(*([None] * len(self.lead)), TENSOR, axes if axes else None)
         return P(*([None] * (len(self.lead) + self.view_ndim - 1)), axes) if axes else P()
 
     def format_key(self) -> "ParamLayout":
         """This record without its identity (path, spec, trainable, unit): equal for every
         parameter stored alike, the static argument of a program compiled once per format."""
-        return ParamLayout((), self.shape, self.dtype, self.padded, self.layers)
+        return ParamLayout((), self.shape, self.dtype, self.padded, self.layers, tp_dim=self.tp_dim, tp=self.tp)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@
 - each block unit's class is swapped for a subclass whose methods (``__call__``, and every
   other method its classes define: ``attend``, ``decode``, helpers) gather the unit's
   FlatParameter, run the original method on a plain copy of the module, and drop the
-  gathered copy (:func:`zshard.collectives.run_unit`); the backward reduce-scatters;
+  gathered copy (:func:`zshard.unit_call.run_unit`); the backward reduce-scatters;
 - a unit parameter read anywhere else (the root reading ``blocks[0].bias``, a loss term)
   is gathered where it is read (:func:`zshard.collectives.gather_param`, a Flax
   ``on_get_value`` hook), so its value and gradient are exact;
@@ -18,11 +18,9 @@
   replicated values; RNG keys are folded with the device's index, so every device draws
   its own stream; a unit's method gets them as inputs and hands back their new values.
 
-docs/design.md, "Data flow of one step", describes where this sits in the step.
-
-About 400 lines: the step options, the intercepted classes, one unit call in named steps
-(:meth:`UnitBinding.call`), gather on read and :func:`materialize`, which all work on the
-same rebuilt model.
+docs/design.md, "Data flow of one step", describes where this sits in the step. This module
+owns the rebuilt model: the intercepted classes, the binding of a unit call
+(:meth:`UnitBinding.call`), gather on read, the RNG folding and :func:`materialize`.
 """
 
 from __future__ import annotations
@@ -37,42 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from zshard.collectives import PrefetchLink, UnitComm, gather, gather_param, run_unit
+from zshard.collectives import UnitComm, gather, gather_param
 from zshard.flat import ParamLayout
+from zshard.jaxprs import ROOT_GATHER_SCOPE, read_scope, unit_scope
 from zshard.mesh import AXES
+from zshard.unit_call import PrefetchLink, run_unit
 from zshard.units import path_str
 
-__all__ = ["StepOptions", "materialize", "device_index", "device_key", "unit_methods"]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepOptions:
-    """The step's settings that shape every unit call, passed explicitly down to it.
-
-    Attributes:
-      remat: activation-checkpointing policy inside block units (``"block"``, ``"none"``,
-        ``"dots"`` or a ``jax.checkpoint`` policy).
-      prefetch: how many unit calls ahead a forward all-gather may be issued (0: off).
-      defer_replica_reduce: gradient accumulation: units reduce-scatter over the shard axes
-        only; the cross-replica all-reduce of the accumulated shard happens once per step.
-    """
-
-    remat: Any = "block"
-    prefetch: int = 1
-    defer_replica_reduce: bool = False
-
-    def comm(self, plan, *, reshard: bool | None = None) -> UnitComm:
-        """The :class:`~zshard.collectives.UnitComm` of a unit of ``plan`` under these options."""
-        scatter = tuple(a for a in plan.strategy.opt_axes if a not in plan.shard_axes) if plan.strategy.scatters_replica else ()
-        return UnitComm(
-            plan.shard_axes,
-            () if self.defer_replica_reduce else plan.replica_axes,
-            plan.mp,
-            self.remat,
-            plan.strategy.reshard_after_forward if reshard is None else reshard,
-            scatter,
-            plan.opt_shards // plan.num_shards if scatter else 1,
-        )
+__all__ = ["materialize", "device_index", "device_key", "read_variables", "unit_methods"]
 
 
 def device_index() -> jax.Array:
@@ -189,7 +159,7 @@ class UnitBinding:
         call's arguments into traced inputs and static leaves (:class:`_CallArgs`), build the
         function of the gathered parameters that runs the original method on a plain copy of
         the module (:meth:`_apply`), pick the prefetch link to wait on (:meth:`_after`), run
-        it through :func:`~zshard.collectives.run_unit`, and write the non-parameter
+        it through :func:`~zshard.unit_call.run_unit`, and write the non-parameter
         variables it changed or created back into the module.
         """
         unit = self.unit
@@ -205,9 +175,10 @@ class UnitBinding:
         link = PrefetchLink(trace=_trace())
         tied = [variables[r].get_raw_value() for r in tied_rel]
         others = [variables[p].get_raw_value() for p in other_rel]
-        with jax.named_scope(f"zshard.unit.{unit.name}.{name}"):
+        with jax.named_scope(unit_scope(unit.name, name)):
             out, new_others, created = run_unit(
-                apply, unit.flats, bufs, call_args.inputs + tied + others, self.comm, self._after(link), link, unit.name, sinks
+                apply, unit.flats, bufs, call_args.inputs + tied + others, self.comm,
+                after=self._after(link), link=link, name=unit.name, sinks=sinks,
             )
         if unit.layers is None:
             self.chain.append(link)
@@ -358,7 +329,7 @@ class _GatherOnRead:
                 f"unit's parameter read elsewhere as a whole: read it whole first (p = var[...]; p[i]), or read it "
                 f"inside a method of the unit"
             )
-        with jax.named_scope(f"zshard.read.{path_str(self.slot.path)}"):
+        with jax.named_scope(read_scope(path_str(self.slot.path))):
             return gather_param(self.slot, value, self.comm, sink)
 
 
@@ -391,34 +362,35 @@ def _reading(var, value, hook):
 # --- the model on one device -----------------------------------------------------------------------------
 
 
-def materialize(plan, shards: dict, variables: dict, opts: StepOptions, sinks: dict | None = None) -> nnx.Module:
+def materialize(plan, shards: dict, variables: dict, comm: UnitComm, prefetch: int = 0, sinks: dict | None = None) -> nnx.Module:
     """Inside ``shard_map``: the model for one forward pass (see the module docstring).
 
     Args:
       plan: the sharding plan.
       shards: flat dict ``path -> local shard`` (``[n_pad/N]``, ``[L, n_pad/N]`` stacked).
       variables: flat dict ``path -> value`` of the non-parameter variables (replicated).
-      opts: the step's :class:`StepOptions`.
+      comm: the step's :class:`~zshard.collectives.UnitComm` (axes, replica reduction, remat).
+      prefetch: block-unit calls a forward all-gather may be issued ahead (0: off).
       sinks: HYBRID_SHARD_OPT: flat dict ``path -> gradient sink`` of the trainable
         parameters (``[n_pad/(R*S)]``, ``[L, n_pad/(R*S)]`` stacked; values never read). A
         block unit's parameter then holds the pair ``(shard, sink)``, so ``nnx.scan`` /
         ``nnx.vmap`` slice both per layer; each unit's backward returns the gradient,
         reduce-scattered over ``shard`` and ``replica``, as the sink's cotangent
-        (:func:`zshard.collectives.run_unit`). The caller differentiates w.r.t. ``sinks``.
+        (:func:`zshard.unit_call.run_unit`). The caller differentiates w.r.t. ``sinks``;
+        ``comm.replica_reduce`` is then ``TO_SINKS``.
 
     Returns:
       An ``nnx.Module`` of the user's classes (block units' classes subclassed) to hand to
       the user's function.
     """
     root, blocks = (plan.units[0], plan.units[1:]) if plan.units[0].path == () else (None, plan.units)
-    # HYBRID_SHARD_OPT train step: every unit call passes gradient sinks (UnitComm.sinks)
-    comm = dataclasses.replace(opts.comm(plan), sinks=sinks is not None)
+    comm.check_sinks(sinks, True, "materialize")  # HYBRID_SHARD_OPT train step: every unit call passes sinks
     values = dict(variables)
     for path, var in plan.var_template:
         if isinstance(var, nnx.RngKey):
             values[path] = _fold(values[path], device_index())  # every device its own stream
     if root is not None:
-        with jax.named_scope("zshard.unit.root.gather"):
+        with jax.named_scope(ROOT_GATHER_SCOPE):
             root_sinks = None if sinks is None else [tuple(sinks[s.path] for s in f.slots) if f.trainable else () for f in root.flats]
             gathered = gather(root.flats, [tuple(shards[s.path] for s in f.slots) for f in root.flats], comm, root_sinks)
         values.update({s.path: v for s, v in zip(root.slots, gathered)})
@@ -440,7 +412,7 @@ def materialize(plan, shards: dict, variables: dict, opts: StepOptions, sinks: d
         sub = model
         for key in unit.path:
             sub = sub[key] if isinstance(key, int) else getattr(sub, key)
-        binding = UnitBinding(plan, unit, comm, opts.prefetch, chain)
+        binding = UnitBinding(plan, unit, comm, prefetch, chain)
         object.__setattr__(sub, "_zshard_unit", binding)
         object.__setattr__(sub, "__class__", _intercepting_class(type(sub)))
     return model

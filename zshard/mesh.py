@@ -1,8 +1,12 @@
-"""Hardware -> the 2D ``("replica", "shard")`` device mesh, and the presets in ``zshard/meshes/``.
+"""Hardware -> the ``("replica", "shard"[, "tensor"])`` device mesh, and the presets in ``zshard/meshes/``.
 
 The mesh is the only topology zshard knows. ``shard`` is the fast axis (devices of one
 host, NVLink): FULL_SHARD and HYBRID_SHARD all-gather parameters over it. ``replica`` is
 the slow axis (hosts, InfiniBand): HYBRID_SHARD only all-reduces gradient shards over it.
+``tensor`` (tensor parallelism, Megatron-LM arXiv 1909.08053) is innermost, inside one host:
+the batch is not split over it, parameters that the model's TP plan splits are cut along one
+dimension over it, and the compiler moves the activations (an ``Auto`` axis, while
+``replica`` and ``shard`` are ``Explicit`` and manual inside zshard's ``shard_map``).
 """
 
 from __future__ import annotations
@@ -15,13 +19,18 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["AXES", "REPLICA", "SHARD", "MeshPreset", "make_mesh", "mesh_preset", "mesh_presets", "parse_mesh"]
+__all__ = [
+    "AXES", "REPLICA", "SHARD", "TENSOR", "MeshPreset", "make_mesh", "manual_axes", "manual_specs", "mesh_preset",
+    "mesh_presets", "parse_mesh", "sharded_map", "tensor_size", "tensor_specs",
+]  # fmt: skip
 
 REPLICA = "replica"
 SHARD = "shard"
-AXES = (REPLICA, SHARD)
+TENSOR = "tensor"
+AXES = (REPLICA, SHARD)  # the data axes: the batch is split over them, zshard's shard_map is manual over them
 
 PRESET_DIR = Path(__file__).resolve().parent / "meshes"  # package data: found after a non-editable install
 
@@ -52,8 +61,9 @@ def _hybrid_grid(devices: list) -> np.ndarray:
     return mesh_utils.create_hybrid_device_mesh((1, local), (len(per), 1), devices, process_is_granule=True)
 
 
-def make_mesh(replica: int | None = None, shard: int | None = None, *, devices=None) -> Mesh:
-    """Build the ``(replica, shard)`` mesh with explicit axis types.
+def make_mesh(replica: int | None = None, shard: int | None = None, *, tensor: int = 1, devices=None) -> Mesh:
+    """Build the ``(replica, shard)`` mesh with explicit axis types (``(replica, shard, tensor)``
+    with ``tensor > 1``).
 
     Args:
       replica: size of the ``replica`` axis (hosts; data-parallel groups of HYBRID_SHARD).
@@ -63,23 +73,32 @@ def make_mesh(replica: int | None = None, shard: int | None = None, *, devices=N
         multi-process run, the grid comes from ``jax.experimental.mesh_utils.
         create_hybrid_device_mesh`` with each process as a granule: row ``r`` holds exactly
         the devices of process ``r``.
+      tensor: size of the ``tensor`` axis (tensor parallelism; default 1: no such axis, the
+        mesh is exactly the 2D one). Innermost: each group of ``tensor`` consecutive devices
+        of one process is a tensor group, so tensor-parallel all-reduces stay inside a host.
+        Its axis type is ``AxisType.Auto``: the compiler places activations over it.
       devices: the devices to lay out (default ``jax.devices()``), ordered by
         ``(process_index, id)`` so that one host's devices are adjacent on ``shard``.
 
     Returns:
       ``jax.sharding.Mesh`` of shape ``(replica, shard)``, axis names ``("replica", "shard")``,
-      axis types ``(AxisType.Explicit, AxisType.Explicit)``.
+      axis types ``(AxisType.Explicit, AxisType.Explicit)``; with ``tensor > 1`` of shape
+      ``(replica, shard, tensor)``, axis names ``("replica", "shard", "tensor")``, types
+      ``(Explicit, Explicit, Auto)``.
 
     Raises:
-      ValueError: a size is not positive, or ``replica * shard`` is not the device count
-        (the message lists every factorization of the device count), or (no sizes, many
-        processes) the processes hold different numbers of devices.
+      ValueError: a size is not positive, or ``replica * shard * tensor`` is not the device
+        count (the message lists every factorization of the device count), or (no sizes, many
+        processes) the processes hold different numbers of devices, or a tensor group would
+        span two processes.
     """
     devices = _ordered_devices(jax.devices() if devices is None else list(devices))
-    n = len(devices)
-    for name, size in ((REPLICA, replica), (SHARD, shard)):
-        if size is not None and (not isinstance(size, (int, np.integer)) or size < 1):
+    for name, size in ((REPLICA, replica), (SHARD, shard), (TENSOR, tensor)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1):
             raise ValueError(f"make_mesh: {name}={size!r} must be a positive integer")
+    if tensor > 1:
+        return _tensor_mesh(devices, replica, shard, int(tensor))
+    n = len(devices)
     if replica is None and shard is None and len({d.process_index for d in devices}) > 1:
         # One row per process (host): replica = processes, shard = that process's devices,
         # so HYBRID_SHARD's gathers and reduce-scatters never leave a process.
@@ -104,6 +123,101 @@ def make_mesh(replica: int | None = None, shard: int | None = None, *, devices=N
         )
     grid = np.asarray(devices, dtype=object).reshape(replica, shard)
     return Mesh(grid, AXES, axis_types=(AxisType.Explicit, AxisType.Explicit))
+
+
+def _tensor_mesh(devices: list, replica, shard, tensor: int) -> Mesh:
+    """The ``(replica, shard, tensor)`` mesh: ``tensor`` consecutive devices (one process's) per group."""
+    n = len(devices)
+    if n % tensor:
+        raise ValueError(f"make_mesh: tensor={tensor} does not divide the {n} devices; valid tensor sizes: "
+                         f"{', '.join(str(t) for t in range(1, n + 1) if n % t == 0)}")
+    groups = n // tensor
+    procs = len({d.process_index for d in devices})
+    if replica is None and shard is None:
+        replica = procs if procs > 1 else 1
+        shard = groups // replica if groups % replica == 0 else 0
+    elif replica is None:
+        replica = groups // shard if groups % shard == 0 else 0
+    elif shard is None:
+        shard = groups // replica if groups % replica == 0 else 0
+    if replica * shard * tensor != n or replica == 0 or shard == 0:
+        shapes = [f"{r}x{groups // r}x{tensor}" for r in range(1, groups + 1) if groups % r == 0]
+        raise ValueError(
+            f"make_mesh: replica={replica} x shard={shard} x tensor={tensor} does not use the {n} available devices; "
+            f"valid (replica x shard x tensor) shapes with tensor={tensor}: {', '.join(shapes)}"
+        )
+    grid = np.asarray(devices, dtype=object).reshape(replica, shard, tensor)
+    for r, s in np.ndindex(replica, shard):
+        if len({d.process_index for d in grid[r, s]}) > 1:
+            raise ValueError(
+                f"make_mesh: the tensor group at replica={r}, shard={s} spans processes "
+                f"{sorted({d.process_index for d in grid[r, s]})}; tensor-parallel all-reduces must stay inside one host: "
+                f"use a tensor size that divides the devices per process ({sum(d.process_index == 0 for d in devices)})"
+            )
+    return Mesh(grid, AXES + (TENSOR,), axis_types=(AxisType.Explicit, AxisType.Explicit, AxisType.Auto))
+
+
+def tensor_size(mesh) -> int:
+    """``T``: devices of the mesh's ``tensor`` axis (1 without one)."""
+    return int(dict(mesh.shape).get(TENSOR, 1))
+
+
+def manual_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes zshard's ``shard_map`` is manual over: all but ``tensor``."""
+    return tuple(a for a in mesh.axis_names if a != TENSOR)
+
+
+def _strip(spec: P) -> P:
+    """``spec`` without the ``tensor`` axis (its dimensions left to the compiler)."""
+    out = []
+    for entry in spec:
+        if entry == TENSOR:
+            out.append(None)
+        elif isinstance(entry, tuple):
+            kept = tuple(a for a in entry if a != TENSOR)
+            out.append(kept if kept else None)
+        else:
+            out.append(entry)
+    return P(*out)
+
+
+def manual_specs(tree):
+    """A PartitionSpec tree with ``tensor`` removed: the ``in_specs`` / ``out_specs`` of a
+    ``shard_map`` that is manual over the data axes only."""
+    return jax.tree.map(_strip, tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def tensor_specs(tree):
+    """A PartitionSpec tree with only its ``tensor`` entries (the rest ``None``): the sharding
+    constraint that keeps an output of a partly manual ``shard_map`` split over ``tensor``."""
+
+    def only(spec: P) -> P:
+        return P(*[TENSOR if entry == TENSOR or (isinstance(entry, tuple) and TENSOR in entry) else None for entry in spec])
+
+    return jax.tree.map(only, tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def sharded_map(fn, mesh: Mesh, in_specs, out_specs):
+    """``jax.shard_map(fn)`` over the data axes, with ``tensor`` (where the mesh has it) left to
+    the compiler: the specs' ``tensor`` entries are removed for the ``shard_map`` (manual over
+    ``replica`` and ``shard`` only, ``axis_names``) and the outputs are constrained to their
+    ``tensor`` split (``with_sharding_constraint`` on the Auto axis), so a state that enters split
+    over ``tensor`` leaves split the same way. Without a ``tensor`` axis: plain ``jax.shard_map``."""
+    if TENSOR not in mesh.axis_names:
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    inner = jax.shard_map(
+        fn, mesh=mesh, in_specs=manual_specs(in_specs), out_specs=manual_specs(out_specs), axis_names=set(manual_axes(mesh))
+    )
+    constraints = tensor_specs(out_specs)
+
+    def run(*args):
+        out = inner(*args)
+        return jax.tree.map(
+            lambda spec, x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)) if any(e is not None for e in spec) else x,
+            constraints, out, is_leaf=lambda x: isinstance(x, P),
+        )
+
+    return run
 
 
 @dataclasses.dataclass(frozen=True)

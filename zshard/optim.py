@@ -15,6 +15,8 @@ import optax
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
+from zshard.jaxprs import sub_jaxprs
+from zshard.mesh import sharded_map
 from zshard.optim_global import view_init, view_update
 
 __all__ = [
@@ -36,9 +38,21 @@ def _opt_slice(plan, tree):
     return jax.tree.map(mine, tree)
 
 
+def _view(rec, x):
+    """One parameter's local slice ``[..., n]`` (``[..., T, n]`` split over ``tensor``) -> the
+    optimizer's view with the logical rank: ``[..., 1, ..., 1, n]`` (``[..., T, 1, .., n]``;
+    a split vector ``[..., T*n]``)."""
+    if not rec.split:
+        return x.reshape(x.shape[:-1] + (1,) * (rec.view_ndim - 1) + x.shape[-1:])
+    if rec.view_ndim == 1:
+        return x.reshape(x.shape[:-2] + (-1,))  # [..., T, n] -> [..., T*n]
+    return x.reshape(x.shape[:-1] + (1,) * (rec.view_ndim - 2) + x.shape[-1:])
+
+
 def _to_view(plan, tree: dict) -> dict:
-    """Flat shards ``[..., n]`` -> ``[..., 1, ..., 1, n]`` with the parameter's logical rank
-    (:attr:`ParamLayout.view_ndim <zshard.flat.ParamLayout.view_ndim>`).
+    """Flat shards -> views with the parameter's logical rank
+    (:attr:`ParamLayout.view_ndim <zshard.flat.ParamLayout.view_ndim>`, :meth:`ParamLayout.view_shape
+    <zshard.flat.ParamLayout.view_shape>`).
 
     Optax masks and ``multi_transform`` labels see the logical tree (paths) and the logical
     rank (``p.ndim > 1`` tells weights from biases and norm scales); the values are this
@@ -46,8 +60,34 @@ def _to_view(plan, tree: dict) -> dict:
     """
     records = plan.layouts
     flat = traverse_util.flatten_dict(tree)
-    return traverse_util.unflatten_dict(
-        {p: x.reshape(x.shape[:-1] + (1,) * (records[p].view_ndim - 1) + x.shape[-1:]) for p, x in flat.items()}
+    return traverse_util.unflatten_dict({p: _view(records[p], x) for p, x in flat.items()})
+
+
+class _Ref:
+    """A parameter path as an opaque pytree leaf (for ``optax.tree_map_params``)."""
+
+    def __init__(self, path):
+        self.path = path
+
+
+def _state_views(plan, opt_state, to_view: bool):
+    """The optimizer-state leaves of parameters split over ``tensor`` between their stored form
+    ``[..., T, n]`` (:meth:`ParamLayout.opt_shape <zshard.flat.ParamLayout.opt_shape>`) and the
+    view Optax sees (``to_view``), or back. Other leaves are stored as views already."""
+    if not plan.tensor_split:
+        return opt_state
+    refs = traverse_util.unflatten_dict({p: _Ref(p) for p in plan.layouts if p in plan.trainable})
+
+    def convert(leaf, ref):
+        if isinstance(leaf, optax.MaskedNode) or ref.path not in plan.tensor_split:
+            return leaf
+        rec = plan.layouts[ref.path]
+        if to_view:
+            return _view(rec, leaf)
+        return leaf.reshape(leaf.shape[: len(rec.lead)] + (rec.tp, -1))  # view -> [..., T, n]
+
+    return optax.tree_map_params(
+        plan.tx, convert, opt_state, refs, transform_non_params=lambda x: x, is_leaf=lambda x: isinstance(x, (_Ref, optax.MaskedNode))
     )
 
 
@@ -89,14 +129,12 @@ def _reduction_in(jaxpr, tensor_in: list[bool]):
         ins = [derived(x) for x in eqn.invars]
         if eqn.primitive.name in _REDUCTIONS and any(ins) or eqn.primitive.name in _RANDOM:
             return [eqn]
-        for sub in (v for v in eqn.params.values() for v in (v if isinstance(v, (tuple, list)) else [v])):
-            inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-            if hasattr(inner, "eqns"):
-                # operands -> invars one to one where they line up, else conservatively all
-                sub_in = ins if len(inner.invars) == len(ins) else [any(ins)] * len(inner.invars)
-                found = _reduction_in(inner, sub_in)
-                if found is not None:
-                    return found + [eqn]
+        for inner in sub_jaxprs(eqn):
+            # operands -> invars one to one where they line up, else conservatively all
+            sub_in = ins if len(inner.invars) == len(ins) else [any(ins)] * len(inner.invars)
+            found = _reduction_in(inner, sub_in)
+            if found is not None:
+                return found + [eqn]
         for v in eqn.outvars:
             tensor[v] = any(ins)
     return None
@@ -163,7 +201,8 @@ def needs_global_view(tx: optax.GradientTransformation, views) -> str | None:
 def _update(plan, grads, opt_state, params, record=None):
     """``tx.update`` on local views: as it is (elementwise) or through the global view."""
     if plan.opt_view is None:
-        return plan.tx.update(grads, opt_state, params)
+        updates, new_state = plan.tx.update(grads, _state_views(plan, opt_state, True), params)
+        return updates, _state_views(plan, new_state, False)
     return view_update(plan, grads, opt_state, params, record)
 
 
@@ -173,7 +212,7 @@ def init_optimizer(plan, params: dict):
         params = _opt_slice(plan, params)
     if plan.opt_view is not None:
         return view_init(plan, _to_view(plan, params))
-    return plan.tx.init(_to_view(plan, params))
+    return _state_views(plan, plan.tx.init(_to_view(plan, params)), False)
 
 
 def global_norm(grads, shard_axes: tuple[str, ...]) -> jax.Array:
@@ -214,7 +253,7 @@ def apply_optimizer(plan, params: dict, grads: dict, opt_state, record: list | N
     updates the matching slice of its parameter shard and all-gathers the updated slices
     over ``replica``: ``[R, L/(R*S)] -> [n_pad/S]`` per parameter.
     """
-    tx, axes = plan.tx, plan.strategy.opt_axes
+    axes = plan.strategy.opt_axes
     if axes == plan.shard_axes:
         updates, opt_state = _update(plan, _to_view(plan, grads), opt_state, _to_view(plan, params), record)
         return optax.apply_updates(params, _from_view(updates, params)), opt_state
@@ -252,9 +291,9 @@ def _gather_layers(local: jax.Array, old: jax.Array, axes: tuple[str, ...]) -> j
     """
 
     def one(layer, out):
-        row = jax.lax.dynamic_index_in_dim(local, layer, axis=0, keepdims=False)  # [n_pad/(R S)]
-        # [n_pad/(R S)] --all_gather(replica, tiled)--> [R * n_pad/(R S)] = [n_pad/S]
-        full = jax.lax.all_gather(row, axes, axis=0, tiled=True, to="invarying")
+        row = jax.lax.dynamic_index_in_dim(local, layer, axis=0, keepdims=False)  # [(T,) n_pad/(R S)]
+        # [(T,) n_pad/(R S)] --all_gather(replica, tiled, last dim)--> [(T,) R * n_pad/(R S)] = [(T,) n_pad/S]
+        full = jax.lax.all_gather(row, axes, axis=row.ndim - 1, tiled=True, to="invarying")
         return jax.lax.dynamic_update_index_in_dim(out, full.astype(out.dtype), layer, axis=0)  # row l of [L, n_pad/S]
 
     return jax.lax.fori_loop(0, local.shape[0], one, old)
@@ -276,7 +315,7 @@ def optimizer_program(plan, record: list | None = None):
         return apply_optimizer(plan, params, grads, opt_state, record)
 
     in_specs = (train_specs, optimizer_grad_specs(plan), plan.opt_specs)
-    return jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=in_specs, out_specs=(train_specs, plan.opt_specs)))
+    return jax.jit(sharded_map(local, plan.mesh, in_specs=in_specs, out_specs=(train_specs, plan.opt_specs)))
 
 
 def optimizer_grad_specs(plan):

@@ -24,10 +24,12 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from zshard.flat import FlatParameter, ParamLayout
+from zshard.mesh import AXES, manual_specs, tensor_size
 from zshard.optim import needs_global_view
 from zshard.optim_global import build_view
 from zshard.precision import FULL_PRECISION, MixedPrecision
 from zshard.strategy import Strategy
+from zshard.tp import tensor_dims
 from zshard.units import find_units, path_str, stacked_layers
 
 __all__ = ["Plan", "Unit", "make_plan"]
@@ -122,8 +124,24 @@ class Plan:
 
     @functools.cached_property
     def param_specs(self) -> dict:
-        """Nested dict like ``params``: each parameter's PartitionSpec at rest."""
+        """Nested dict like ``params``: each parameter's PartitionSpec at rest (``tensor``
+        included for a parameter split over it; :func:`zshard.mesh.manual_specs` for a
+        ``shard_map``'s specs)."""
         return traverse_util.unflatten_dict({p: rec.spec for p, rec in self.layouts.items()})
+
+    @property
+    def tensor(self) -> int:
+        """``T``: devices of the mesh's ``tensor`` axis (1 without one)."""
+        return tensor_size(self.mesh)
+
+    @functools.cached_property
+    def tensor_split(self) -> frozenset:
+        """Paths of the parameters split over the ``tensor`` axis."""
+        return frozenset(p for p, rec in self.layouts.items() if rec.split)
+
+    def manual(self, specs):
+        """``specs`` as a ``shard_map`` over the data axes takes them (``tensor`` removed)."""
+        return manual_specs(specs)
 
     @functools.cached_property
     def trainable(self) -> frozenset:
@@ -172,8 +190,9 @@ class Plan:
 
     @property
     def world(self) -> int:
-        """Devices in the mesh; the global batch is split over all of them."""
-        return int(self.mesh.size)
+        """Devices of the data axes (``replica x shard``); the global batch is split over all of
+        them (not over ``tensor``), and the loss scale is ``1 / world``."""
+        return int(np.prod([self.mesh.shape[a] for a in AXES]))
 
     def num_params(self) -> int:
         """Logical parameter count, no padding."""
@@ -207,9 +226,11 @@ def _shared_reads(model, unit_paths) -> dict[tuple, list]:
     return {u: [(r, c) for r, c in pairs if c in shared] for u, pairs in reach.items()}
 
 
-def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int, opt_shards: int, unit, trainable) -> tuple[Unit, ...]:
+def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int, opt_shards: int, unit, trainable,
+                            tp: tuple = (None, {}, 1)) -> tuple[Unit, ...]:
     """The units, each with its parameters' records laid out in FlatParameters (one per
-    dtype and trainability) over the shard axes, and over the optimizer's axes."""
+    dtype, trainability and tensor split) over the shard axes, and over the optimizer's axes.
+    ``tp``: ``(tensor_parallel, logical rules, T)`` (:func:`zshard.tp.tensor_dims`)."""
     unit_paths = find_units(abstract_model, unit)
     param_paths = {p for p, _ in flat_state}
     # Tied parameters; shared non-parameter variables (one Rngs for every block) are simply
@@ -220,13 +241,16 @@ def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int,
     for path, var in flat_state:
         owner = () if path in tied else max((u for u in unit_paths if path[: len(u)] == u), key=len, default=())
         members[owner].append((path, var))
+    stacked = {upath: stacked_layers(_submodule(abstract_model, upath)) if upath else None for upath in [()] + unit_paths}
+    layers_of = {path: stacked[u] for u, params in members.items() for path, _ in params}
+    tp_dims = tensor_dims(flat_state, layers_of, tp[0], tp[1], tp[2])
     units = []
     for upath in [()] + unit_paths:
         params = members.get(upath, [])
         if not params:
             continue
         sub = _submodule(abstract_model, upath)
-        layers = stacked_layers(sub) if upath else None
+        layers = stacked[upath]
         if layers is not None and shared.get(upath):
             raise ValueError(
                 f"stacked unit {path_str(upath)!r} shares {path_str(shared[upath][0][1])!r} with another part of the "
@@ -234,18 +258,19 @@ def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int,
             )
         drop = 0 if layers is None else 1  # stacked: lay out one layer's shape
         name = path_str(upath)
-        groups: dict = defaultdict(list)  # (dtype, trainable) -> records: one FlatParameter each
+        groups: dict = defaultdict(list)  # (dtype, trainable, split) -> records: one FlatParameter each
         for path, var in params:
             value = var.get_value()
             rec = ParamLayout.build(
-                path, value.shape[drop:], value.dtype, opt_shards, layers, strategy.shard_axes, path in trainable, name
+                path, value.shape[drop:], value.dtype, opt_shards, layers, strategy.shard_axes, path in trainable, name,
+                tp_dims.get(path), tp[2],
             )
-            groups[rec.dtype, rec.trainable].append(rec)
-        flats = tuple(FlatParameter.build(name, g, num_shards, trainable=t) for (_, t), g in groups.items())
+            groups[rec.dtype, rec.trainable, rec.split].append(rec)
+        flats = tuple(FlatParameter.build(name, g, num_shards, trainable=t) for (_, t, _), g in groups.items())
         if strategy.scatters_replica:  # HYBRID_SHARD_OPT: each shard split again over replica
             opt_flats = tuple(f.over_replicas(opt_shards // num_shards) for f in flats if f.trainable)
         else:
-            opt_flats = tuple(FlatParameter.build(name, g, opt_shards) for (_, t), g in groups.items() if t)
+            opt_flats = tuple(FlatParameter.build(name, g, opt_shards) for (_, t, _), g in groups.items() if t)
         template = ()
         if upath:  # the unit call merges these with the module's current graph (intercept.UnitBinding)
             _, sub_state = nnx.split(sub)
@@ -269,6 +294,15 @@ def _optimizer_specs(tx, layouts: dict, strategy: Strategy, opt_shards: int):
     # matmul, random numbers) through the global view (zshard.optim_global).
     why = needs_global_view(tx, local)
     if why is not None:
+        split = [p for p, rec in train.items() if rec.split]
+        if split:
+            raise ValueError(
+                f"optax transformation {why!r} needs a global view of the parameters (a norm, a matmul or random "
+                f"numbers over their elements), which zshard does not evaluate on parameters split over the tensor "
+                f"axis ({path_str(split[0])}{f' and {len(split) - 1} more' if len(split) > 1 else ''}); for global-norm "
+                "clipping use zshard.make_train_step(loss_fn, clip_norm=...), otherwise an elementwise chain (adam, "
+                "adamw, sgd, lion, masks, schedules) or a mesh without a tensor axis"
+            )
         logical = {p: jax.ShapeDtypeStruct(rec.logical_shape, rec.dtype) for p, rec in train.items()}
         layers = {p: rec.layers for p, rec in train.items()}
         view = build_view(tx, logical, layers, opt_shards, view_specs, why)
@@ -293,13 +327,15 @@ def make_plan(
     unit: Any = None,
     mixed_precision: MixedPrecision | None = None,
     trainable: Any = nnx.Param,
+    tensor_parallel=None,
+    logical_rules: dict | None = None,
 ) -> Plan:
     """The :class:`Plan` of a model (shapes and dtypes only are read).
 
     Args:
       abstract_model: the model, built or from ``nnx.eval_shape``.
-      tx, mesh, strategy, unit, mixed_precision, trainable: as :func:`zshard.init` takes
-        them, already checked (``strategy`` parsed).
+      tx, mesh, strategy, unit, mixed_precision, trainable, tensor_parallel, logical_rules: as
+        :func:`zshard.init` takes them, already checked (``strategy`` parsed, rules checked).
 
     Raises:
       ValueError: a sow-ed intermediate in the model; a ``trainable`` filter that selects a
@@ -328,7 +364,8 @@ def make_plan(
         raise ValueError(f"trainable= selects {path_str(path)!r}, which is not an nnx.Param; the filter must select parameters")
     if not train_paths:
         raise ValueError("trainable= selects no parameter: nothing would train; check the filter (default nnx.Param)")
-    units = _plan_units(abstract_model, template, strategy, num_shards, opt_shards, unit, train_paths)
+    tp = (tensor_parallel, logical_rules or {}, tensor_size(mesh))
+    units = _plan_units(abstract_model, template, strategy, num_shards, opt_shards, unit, train_paths, tp)
     plan = Plan(mesh, strategy, tx, graphdef, template, units, mp=mixed_precision or FULL_PRECISION, var_template=var_template)
     opt_specs, opt_view = _optimizer_specs(tx, plan.layouts, strategy, opt_shards)
     return dataclasses.replace(plan, opt_specs=opt_specs, opt_view=opt_view)

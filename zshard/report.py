@@ -30,13 +30,14 @@ from collections import defaultdict
 
 import jax
 import numpy as np
+import optax
 from flax import traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.mesh import REPLICA, SHARD
+from zshard.mesh import REPLICA, SHARD, TENSOR
 from zshard.optim import optimizer_grad_specs, optimizer_program
-from zshard.optim_global import SCOPE
+from zshard.jaxprs import OPTIMIZER_SCOPE
 from zshard.strategy import Strategy
 
 __all__ = ["Collective", "Report", "optimizer_report", "parse_collectives", "parse_replica_groups", "report"]
@@ -139,18 +140,22 @@ def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list
 
 
 def _axis_name(mesh, axes) -> str:
-    """The mesh axes a collective spans (size-1 axes ignored) -> ``shard``/``replica``/``world``/``none``."""
+    """The mesh axes a collective spans (size-1 axes ignored) -> ``shard`` / ``replica`` /
+    ``tensor`` / ``world`` (both data axes) / ``none``; other combinations joined with ``+``
+    (``shard+tensor``: a collective over data and tensor devices at once)."""
     axes = {a for a in axes if mesh.shape[a] > 1}
     if not axes:
         return "none"
-    return "world" if axes == {REPLICA, SHARD} else axes.pop()
+    if axes == {REPLICA, SHARD}:
+        return "world"
+    return "+".join(a for a in mesh.axis_names if a in axes)
 
 
 def _axis_of(groups: list[list[int]], mesh) -> str:
     ids = np.vectorize(lambda d: d.id)(mesh.devices)
     pos = {int(d): rs for rs, d in np.ndenumerate(ids)}
     group = [pos[d] for d in groups[0]]
-    varies = {name for i, name in enumerate((REPLICA, SHARD)) if len({p[i] for p in group}) > 1}
+    varies = {name for i, name in enumerate(mesh.axis_names) if len({p[i] for p in group}) > 1}
     return _axis_name(mesh, varies)
 
 
@@ -215,7 +220,7 @@ def parse_collectives(hlo: str, mesh) -> list[Collective]:
             full = result * n if kind == "reduce-scatter" else result  # X: the unsharded buffer
             factor = 2 if kind == "all-reduce" else 1
             sent = factor * full * (n - 1) / n if kind != "other" else float(result)
-            phase = "optimizer" if SCOPE in rest else "step"
+            phase = "optimizer" if OPTIMIZER_SCOPE in rest else "step"
             out.append(Collective(name, kind, _axis_of(groups, mesh), n, full, sent, trips.get(comp, 1), phase))
     return out
 
@@ -247,9 +252,9 @@ def _formula_comm(plan, k: int = 1) -> dict[str, float]:
     W = R * S
     mp = plan.mp
 
-    def total(dtype_of, units, trainable_only=False):  # sum over parameters of size * itemsize
+    def total(dtype_of, units, trainable_only=False):  # sum over parameters of size * itemsize (a tensor piece if split)
         return sum(
-            (u.layers or 1) * s.size * np.dtype(dtype_of(s.dtype)).itemsize
+            (u.layers or 1) * s.param.piece_size * np.dtype(dtype_of(s.dtype)).itemsize
             for u in units
             for f in u.flats
             if f.trainable or not trainable_only
@@ -331,7 +336,7 @@ class Report:
         mib = lambda b: f"{b / 2**20:.3f}"  # noqa: E731
         ms = self.model_state_bytes
         lines = [
-            f"### {self.strategy} on {self.mesh['replica']}x{self.mesh['shard']} ({self.num_params:,} parameters, "
+            f"### {self.strategy} on {'x'.join(str(v) for v in self.mesh.values())} ({self.num_params:,} parameters, "
             f"remat={self.remat}, grad_accum={self.grad_accum})",
             "",
             "| memory per device | MiB |",
@@ -383,16 +388,7 @@ def report(step, state, batch) -> Report:
         "opt_state": sum(_local_bytes(x) for x in jax.tree.leaves(state.opt_state)),
     }
     measured["total"] = measured["params"] + measured["opt_state"]
-    logical = traverse_util.unflatten_dict({p: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype) for p, v in plan.template})
-    trainable, _ = plan.split_trainable(logical)
-    opt_leaves = jax.tree.leaves(jax.eval_shape(plan.tx.init, trainable))
-    opt_full = sum(x.size * _itemsize(x.dtype) for x in opt_leaves)
-    if plan.opt_view is not None:  # leaves not shaped like their parameter are replicated
-        whole = sum(x.size * _itemsize(x.dtype) for x, p in zip(opt_leaves, plan.opt_view.state_paths) if p is None)
-        opt_full = opt_full - whole + whole * plan.opt_shards
-    param_full = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(logical))
-    formula = {"params": param_full / plan.num_shards, "opt_state": opt_full / plan.opt_shards}
-    formula["total"] = formula["params"] + formula["opt_state"]
+    formula = _state_formula(plan)
 
     colls = parse_collectives(compiled.as_text(), plan.mesh)
     by_axis: dict[str, float] = defaultdict(float)
@@ -403,20 +399,20 @@ def report(step, state, batch) -> Report:
         by_axis[c.axis] += c.sent_bytes * c.trips
         table[(c.kind, c.axis)][0] += c.trips
         table[(c.kind, c.axis)][1] += c.sent_bytes * c.trips
-    formula_comm = _formula_comm(plan, getattr(step, "grad_accum", 1))
+    formula_comm = _formula_comm(plan, step.config.grad_accum)
     opt = optimizer_report(state)
     if opt["formula"]:  # the global-view optimizer's collectives run over the optimizer axes
         opt_axis = _axis_name(plan.mesh, plan.strategy.opt_axes)
         formula_comm[opt_axis] = formula_comm.get(opt_axis, 0.0) + opt["formula"]
     comm = {}
-    for axis in (SHARD, REPLICA, "world"):
+    for axis in (SHARD, REPLICA, "world") + ((TENSOR,) if plan.tensor > 1 else ()):
         f, m = formula_comm.get(axis, 0.0), by_axis.get(axis, 0.0)
         if f or m or axis != "world":
             ratio = m / f if f else (1.0 if not m else float("inf"))
             comm[axis] = {"measured": m, "formula": f, "ratio": ratio}
     return Report(
         strategy=plan.strategy.value,
-        mesh={REPLICA: plan.mesh.shape[REPLICA], SHARD: plan.mesh.shape[SHARD]},
+        mesh=dict(plan.mesh.shape),
         num_params=plan.num_params(),
         per_device_bytes=per_device,
         model_state_bytes={"measured": measured, "formula": formula, "ratio": measured["total"] / formula["total"]},
@@ -426,10 +422,52 @@ def report(step, state, batch) -> Report:
             {"name": u.name, "layers": u.layers or 1, "params": u.num_params(), "padded": (u.layers or 1) * sum(f.padded_size for f in u.flats)}
             for u in plan.units
         ],
-        remat=_policy_name(getattr(step, "remat", "block")),
-        grad_accum=getattr(step, "grad_accum", 1),
+        remat=_policy_name(step.config.remat),
+        grad_accum=step.config.grad_accum,
         optimizer=opt,
     )
+
+
+def _state_formula(plan) -> dict:
+    """Model-state bytes per device: ``(param + K opt slots) bytes * (Psi_split / (T N) +
+    Psi_rest / N)`` (ZeRO, arXiv 1910.02054 section 5, with Megatron-LM's split of the
+    tensor-parallel parameters over ``T``, arXiv 1909.08053 section 3): each parameter over the
+    devices of its shard axes (``N``) and, split over ``tensor``, its ``T`` pieces; each
+    optimizer leaf shaped like a parameter likewise over the optimizer's axes; leaves held whole
+    (counts, Adafactor's factors) on every device."""
+    T, N, N_opt = plan.tensor, plan.num_shards, plan.opt_shards
+    params = sum(
+        int(np.prod(rec.logical_shape, dtype=np.int64)) * rec.dtype.itemsize / (N * (T if rec.split else 1))
+        for rec in plan.layouts.values()
+    )
+    logical = traverse_util.unflatten_dict({p: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype) for p, v in plan.template})
+    trainable, _ = plan.split_trainable(logical)
+    state = jax.eval_shape(plan.tx.init, trainable)
+    leaves = jax.tree.leaves(state)
+    if plan.opt_view is not None:  # leaves not shaped like their parameter are replicated
+        owners = list(plan.opt_view.state_paths)
+    else:
+        refs = traverse_util.unflatten_dict({p: _Ref(p) for p in plan.trainable})
+        marked = optax.tree_map_params(
+            plan.tx, lambda leaf, ref: leaf if isinstance(leaf, optax.MaskedNode) else _Ref(ref.path), state, refs,
+            transform_non_params=lambda _: _Ref(None), is_leaf=lambda x: isinstance(x, (_Ref, optax.MaskedNode)),
+        )
+        owners = [m.path for m in jax.tree.leaves(marked, is_leaf=lambda x: isinstance(x, _Ref))]
+    opt = 0.0
+    for x, owner in zip(leaves, owners):
+        b = x.size * _itemsize(x.dtype)
+        if owner is None:
+            opt += b if plan.opt_view is not None else b / N_opt  # whole on every device (a count: negligible)
+        else:
+            opt += b / (N_opt * (T if plan.layouts[owner].split else 1))
+    return {"params": params, "opt_state": opt, "total": params + opt}
+
+
+class _Ref:
+    """A parameter path as an opaque pytree leaf."""
+
+    def __init__(self, path):
+        self.path = path
 
 
 def optimizer_report(state) -> dict:

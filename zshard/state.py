@@ -21,11 +21,12 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.mesh import AXES
+from zshard.mesh import AXES, TENSOR, sharded_map
 from zshard.optim import init_optimizer
 from zshard.planner import Plan, Unit, make_plan
 from zshard.precision import MixedPrecision
 from zshard.strategy import Strategy
+from zshard.tp import check_logical_rules
 from zshard.weights import check_weights, place_weights
 
 __all__ = ["Plan", "Unit", "ShardedState", "init", "unshard"]
@@ -62,16 +63,27 @@ class ShardedState:
     variables: dict = dataclasses.field(default_factory=dict)
 
     def specs(self) -> "ShardedState":
-        """The PartitionSpec tree of this state (for ``shard_map`` in/out specs)."""
+        """The PartitionSpec tree of this state (``tensor`` included where a parameter is split
+        over it: :func:`zshard.mesh.sharded_map` takes these as its in/out specs)."""
         var_specs = traverse_util.unflatten_dict({p: P() for p in self.plan.variable_paths}) if self.plan.var_template else {}
         return ShardedState(self.plan.param_specs, self.plan.opt_specs, P(), self.plan, var_specs)
+
+    def shardings(self) -> "ShardedState":
+        """Every leaf's ``NamedSharding`` (:meth:`specs` on the plan's mesh): the sharding each
+        array of the state carries, and the ``out_shardings`` of programs that produce a state,
+        so that a state split over ``tensor`` always carries the same sharding object (one
+        compile per step, donation in place)."""
+        mesh = self.plan.mesh
+        return jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.specs(), is_leaf=lambda x: isinstance(x, P))
 
 
 def _check_arguments(model, tx, mesh, mixed_precision):
     """``(abstract model, concrete)`` after the checks of :func:`init`'s arguments."""
-    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
+    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) not in (AXES, AXES + (TENSOR,)):
         names = getattr(mesh, "axis_names", None)
-        raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {AXES} (use zshard.make_mesh); got axes {names}")
+        raise ValueError(
+            f"mesh must be a jax.sharding.Mesh with axes {AXES} or {AXES + (TENSOR,)} (use zshard.make_mesh); got axes {names}"
+        )
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         raise TypeError(f"zshard.init: tx must be an optax.GradientTransformation (e.g. optax.adamw(3e-4)), got {type(tx).__name__}")
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -143,11 +155,12 @@ def _place(plan: Plan, model, concrete: bool, weights, abstract: bool) -> tuple[
 def _init_opt_state(plan: Plan, params: dict, abstract: bool):
     """The Optax state of the local shards, split over ``strategy.opt_axes`` (abstract: its
     ``jax.ShapeDtypeStruct`` with shardings)."""
-    init_opt = jax.shard_map(
-        lambda p: init_optimizer(plan, plan.split_trainable(p)[0]), mesh=plan.mesh, in_specs=(plan.param_specs,), out_specs=plan.opt_specs
+    init_opt = sharded_map(
+        lambda p: init_optimizer(plan, plan.split_trainable(p)[0]), plan.mesh, in_specs=(plan.param_specs,), out_specs=plan.opt_specs
     )
+    out = jax.tree.map(lambda spec: NamedSharding(plan.mesh, spec), plan.opt_specs, is_leaf=lambda x: isinstance(x, P))
     if not abstract:
-        return jax.jit(init_opt)(params)
+        return jax.jit(init_opt, out_shardings=out if plan.tensor > 1 else None)(params)
     return jax.tree.map(
         lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(plan.mesh, spec)),
         jax.eval_shape(jax.jit(init_opt), params),
@@ -168,6 +181,8 @@ def init(
     trainable: Any = nnx.Param,
     abstract: bool = False,
     params: Any = None,
+    tensor_parallel: dict | None = None,
+    logical_rules: dict | None = None,
 ) -> ShardedState:
     """Shard a model and initialise the optimizer on the shards.
 
@@ -205,6 +220,17 @@ def init(
         array written straight into its shards (``zshard.weights``), so host memory holds
         about the largest tensor. Values are cast to the parameter's dtype. The model (a
         callable is then only traced with ``nnx.eval_shape``) gives structure and dtypes.
+      tensor_parallel: on a mesh with a ``tensor`` axis (``make_mesh(..., tensor=T)``), which
+        dimension of which parameter is split over it: ``{glob on the dotted path: dim}``
+        (``{"blocks.*.attn.qkv.kernel": -1, "blocks.*.attn.out.kernel": 0}``: column- and
+        row-parallel, Megatron-LM arXiv 1909.08053 section 3). The model's own annotations
+        naming ``tensor`` (``nnx.with_partitioning(init, (None, "tensor"))``) count too; a glob
+        wins over an annotation. Each split parameter is stored ``[T, n_pad]``
+        (``PartitionSpec("tensor", shard_axes)``): cut along that dimension first, each piece
+        flattened, padded and sharded over the data axes (:class:`zshard.flat.ParamLayout`).
+        docs/tensor-parallel.md.
+      logical_rules: ``{logical axis name: mesh axis}`` for the model's annotations
+        (MaxText's logical axis rules, ``{"mlp": "tensor", "heads": "tensor", "vocab": "tensor"}``).
 
     Returns:
       :class:`ShardedState`; every parameter ``[n_pad]`` with ``PartitionSpec(shard_axes)``
@@ -217,10 +243,13 @@ def init(
       TypeError: ``model`` is neither a module nor a callable.
       ValueError (``params``): every missing, extra or misshapen tensor, named with both
         shapes, before anything is placed.
+      ValueError (tensor parallelism): a glob that matches no parameter, a dimension that ``T``
+        does not divide, a rule naming a mesh axis that does not exist (each named).
     """
     abstract_model, concrete = _check_arguments(model, tx, mesh, mixed_precision)
     strategy = Strategy.parse(strategy if strategy is not None or zero_stage is not None else "FULL_SHARD", zero_stage=zero_stage)
-    plan = make_plan(abstract_model, tx, mesh, strategy, unit, mixed_precision, trainable)
+    rules = check_logical_rules(logical_rules)
+    plan = make_plan(abstract_model, tx, mesh, strategy, unit, mixed_precision, trainable, tensor_parallel, rules)
     if params is not None:
         check_weights(list(plan.layouts.values()), params)
     values, variables = _place(plan, model, concrete, params, abstract)

@@ -12,32 +12,33 @@ Per device (docs/design.md section 5):
    ``1 / world`` so the summed gradient is that of the global mean loss;
 4. Optax updates the local shards; the loss and the gradient norm are ``psum``-ed.
 
-Over 400 lines because the public ``TrainStep`` / ``make_train_step`` carry the argument
-checks and docstrings of every step option; the per-device body is ``_local_step``.
+This module owns the per-device body (``_local_step``: differentiation, accumulation, the
+loss scale, clipping, the optimizer, the non-parameter variables) and the public
+:class:`TrainStep`; the options are a frozen :class:`~zshard.step_config.StepConfig`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.collectives import remat_policy, vary
-from zshard.divergence import check_uniform_collectives
-from zshard.shard_reads import LOSS_SCOPE, block_shard_inputs, check_shard_reads
-from zshard.intercept import StepOptions, materialize, read_variables
-from zshard.mesh import AXES
+from zshard.checks import check_traced
+from zshard.collectives import vary
+from zshard.intercept import materialize, read_variables
+from zshard.jaxprs import LOSS_SCOPE
+from zshard.mesh import AXES, sharded_map
 from zshard.optim import apply_optimizer, global_norm
 from zshard.state import Plan, ShardedState
+from zshard.step_config import StepConfig, default_prefetch, put_batch, trace_key
+from zshard.strategy import ReplicaReduce
 
-__all__ = ["TokenMean", "TrainStep", "default_prefetch", "make_train_step"]
+__all__ = ["TokenMean", "TrainStep", "default_prefetch", "make_train_step", "trace_key"]
 
 
 @jax.tree_util.register_dataclass
@@ -124,16 +125,17 @@ def _sync_variables(plan: Plan, new: dict, old: dict) -> dict:
     return out
 
 
-def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, batch, k: int):
+def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, batch, k: int, reduce: ReplicaReduce):
     """Gradient accumulation over ``k`` micro-batches (``lax.scan``), on the shards.
 
     ``params``: what ``objective`` differentiates: the trainable shards, or HYBRID_SHARD_OPT's
     gradient sinks. The accumulator is an fp32 copy of their gradients, never a full
-    gradient; every micro-batch reduce-scatters over the shard axes (the units run with
-    ``defer_replica_reduce``), and HYBRID_SHARD / HYBRID_SHARD_ZERO2 all-reduce the replica
-    axes once per step, on the accumulated shard (FSDP2's ``set_requires_all_reduce(False)``).
-    HYBRID_SHARD_OPT reduce-scatters over replica too in every micro-batch's backward, so the
-    accumulator is ``[n_pad/(R*S)]`` (docs/memory.md, "Gradient accumulation"). Non-parameter
+    gradient; every micro-batch reduce-scatters over the shard axes, and with
+    ``ReplicaReduce.PER_STEP`` (HYBRID_SHARD, HYBRID_SHARD_ZERO2, NO_SHARD, SHARD_OPT) the
+    replica axes are all-reduced once per step, on the accumulated shard (FSDP2's
+    ``set_requires_all_reduce(False)``). ``TO_SINKS`` (HYBRID_SHARD_OPT) reduce-scatters over
+    replica too in every micro-batch's backward, so the accumulator is ``[n_pad/(R*S)]``
+    (docs/memory.md, "Gradient accumulation"). Non-parameter
     variables (BatchNorm statistics, RNG counts) are carried from one micro-batch to the next.
     Returns ``((loss total, count total), aux summed, variables, grads)``.
     """
@@ -158,9 +160,13 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
     )
     variables = jax.tree.map(lambda v: vary(v, AXES), variables)
     (acc, totals, aux_sum, variables), _ = jax.lax.scan(body, (zeros, (zero, zero), aux_zero, variables), micro)
-    if replica and not plan.strategy.scatters_replica:  # HYBRID_SHARD_OPT: summed over replica already
-        # [n_pad/N] --all_reduce(replica)--> [n_pad/N], once per step
-        acc = jax.lax.psum(acc, replica)
+    match reduce:
+        case ReplicaReduce.PER_STEP:  # [n_pad/N] --all_reduce(replica)--> [n_pad/N], once per step
+            acc = jax.lax.psum(acc, replica)
+        case ReplicaReduce.TO_SINKS | ReplicaReduce.NONE:  # summed over replica already, or no replica axes
+            pass
+        case _:
+            raise ValueError(f"zshard: gradient accumulation under replica reduction {reduce!r}")
     # floating aux: mean over micro-batches; integer aux: summed
     aux = jax.tree.map(lambda a: a / k if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux_sum)
     return totals, aux, variables, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
@@ -171,17 +177,16 @@ def gradient_sinks(plan: Plan, train: dict) -> dict:
     ``[..., n_pad/S] -> [..., n_pad/(R*S)]`` in the parameter dtype, varying over every mesh
     axis (each device owns its own slice). Their values are never read; the step
     differentiates w.r.t. them and gets the gradient as the units' backward reduce-scattered it
-    (:func:`zshard.collectives.run_unit`). Unread, they are dropped from the compiled loop."""
+    (:func:`zshard.unit_call.run_unit`). Unread, they are dropped from the compiled loop."""
     parts = plan.opt_shards // plan.num_shards
     return jax.tree.map(lambda p: vary(jnp.zeros(p.shape[:-1] + (p.shape[-1] // parts,), p.dtype), AXES), train)
 
 
-def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
+def _local_step(plan: Plan, config: StepConfig, state: ShardedState, batch):
     """One optimizer step on this device's shards (inside ``shard_map``)."""
-    world, k = plan.world, step.grad_accum
-    # Units all-reduce over replica themselves only under HYBRID_SHARD without accumulation;
-    # HYBRID_SHARD_OPT reduce-scatters over replica in each unit's backward (UnitComm.scatter_axes).
-    opts = StepOptions(step.remat, step.prefetch, defer_replica_reduce=k > 1 or plan.strategy.scatters_replica)
+    world, k = plan.world, config.grad_accum
+    comm = config.comm(plan)  # the step's one replica-reduction decision (ReplicaReduce)
+    prefetch = config.resolved_prefetch()
     token_weighted = []  # set while tracing: loss_fn returned zshard.TokenMean
 
     train, frozen = plan.split_trainable(state.params)
@@ -191,10 +196,10 @@ def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
         """What this device differentiates (trainable shards, or their gradient sinks), with
         ``((loss, count), aux, variables)``."""
         shards = traverse_util.flatten_dict(plan.merge_params(params, frozen))
-        model = materialize(plan, shards, variables, opts, None if sinks is None else traverse_util.flatten_dict(sinks))
-        with jax.named_scope(LOSS_SCOPE):  # where zshard.shard_reads judges uses of raw shards
-            out = step.loss_fn(model, batch)
-        loss, aux = _read_loss(out, step.has_aux)
+        model = materialize(plan, shards, variables, comm, prefetch, None if sinks is None else traverse_util.flatten_dict(sinks))
+        with jax.named_scope(LOSS_SCOPE):  # where zshard.checks judges uses of raw shards
+            out = config.fn(model, batch)
+        loss, aux = _read_loss(out, config.has_aux)
         new_variables = read_variables(plan, model, variables)
         if isinstance(loss, TokenMean):
             # differentiate the sum; divide by the global count afterwards
@@ -206,7 +211,7 @@ def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
         # sum these into the gradient of the global mean.
         return loss / (world * k), ((loss, jnp.ones((), jnp.float32)), aux, new_variables)
 
-    if plan.strategy.scatters_replica:
+    if comm.sinks:
         # HYBRID_SHARD_OPT: differentiate w.r.t. gradient sinks [n_pad/(R S)]; every unit's
         # backward reduce-scatters its gradient over shard and then replica into them, so no
         # [n_pad/S] gradient outlives its unit (docs/memory.md, "Gradient sinks").
@@ -219,7 +224,7 @@ def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
     if k == 1:
         (_, (totals, aux, new_variables)), grads = jax.value_and_grad(differentiated, has_aux=True)(wrt, variables, batch)
     else:
-        totals, aux, new_variables, grads = _accumulate(plan, differentiated, wrt, variables, batch, k)
+        totals, aux, new_variables, grads = _accumulate(plan, differentiated, wrt, variables, batch, k, comm.replica_reduce)
     loss_total, count = (jax.lax.psum(t, AXES) for t in totals)
     if token_weighted:  # global token mean across devices and micro-batches
         loss = loss_total / count
@@ -227,9 +232,9 @@ def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
     else:
         loss = loss_total / (world * k)
     grad_norm = global_norm(grads, plan.grad_axes)
-    if step.clip_norm is not None:
+    if config.clip_norm is not None:
         # optax.clip_by_global_norm semantics with the norm of the whole (unsharded) gradient
-        scale = jnp.where(grad_norm < step.clip_norm, 1.0, step.clip_norm / grad_norm)
+        scale = jnp.where(grad_norm < config.clip_norm, 1.0, config.clip_norm / grad_norm)
         grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
     train, opt_state = apply_optimizer(plan, train, grads, state.opt_state)
     params = plan.merge_params(train, frozen)  # frozen shards pass through untouched
@@ -237,7 +242,7 @@ def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
     # loss and grad_norm are psum-ed: every device sees the same verdict.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     taken = jnp.ones((), jnp.int32)
-    if step.skip_nonfinite:
+    if config.skip_nonfinite:
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         new_variables = keep(new_variables, variables)
@@ -252,13 +257,16 @@ def _local_step(plan: Plan, step: "TrainStep", state: ShardedState, batch):
     metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
     if token_weighted:
         metrics["tokens"] = count
-    if step.has_aux:
+    if config.has_aux:
         metrics["aux"] = _reduce_aux(aux)
     return new_state, metrics
 
 
 class TrainStep:
     """``step(state, batch) -> (state, metrics)``: one optimizer step on the sharded state.
+
+    Built by :func:`make_train_step` from a frozen :class:`~zshard.step_config.StepConfig`
+    (``step.config``; ``step.grad_accum``, ``step.remat``, ``step.prefetch`` ... read it).
 
     ``batch`` is any pytree of numpy or jax arrays whose leading dimension is the global
     batch; it is split over all ``R*S`` devices (``PartitionSpec(("replica", "shard"))``).
@@ -270,104 +278,48 @@ class TrainStep:
         device count (before any compile).
     """
 
-    def __init__(
-        self,
-        loss_fn: Callable[[nnx.Module, Any], Any],
-        *,
-        grad_accum: int = 1,
-        clip_norm: float | None = None,
-        skip_nonfinite: bool = False,
-        remat="block",
-        prefetch: int | None = None,
-        has_aux: bool = False,
-    ):
-        self.remat = remat_policy(remat)
-        self.has_aux = bool(has_aux)
-        if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) or prefetch < 0):
-            raise ValueError(f"prefetch={prefetch!r}: must be a non-negative integer (units gathered ahead; 0 turns prefetch off), "
-                             "or None for the backend's default")
-        self._prefetch = None if prefetch is None else int(prefetch)
-        if isinstance(grad_accum, bool) or not isinstance(grad_accum, numbers.Integral) or grad_accum < 1:
-            raise ValueError(f"grad_accum={grad_accum!r}: must be a positive integer (micro-batches per step)")
-        if clip_norm is not None and (
-            isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real) or not clip_norm > 0 or not np.isfinite(clip_norm)
-        ):
-            raise ValueError(f"clip_norm={clip_norm!r}: must be a positive finite number (or None for no clipping)")
-        grad_accum = int(grad_accum)
-        self.loss_fn = loss_fn
-        self.grad_accum = grad_accum
-        self.clip_norm = clip_norm
-        self.skip_nonfinite = bool(skip_nonfinite)
+    def __init__(self, config: StepConfig):
+        if not isinstance(config, StepConfig):
+            raise TypeError(f"TrainStep takes a zshard.step_config.StepConfig (use zshard.make_train_step), got {type(config).__name__}")
+        self.config = config
         self._jitted = jax.jit(self._step, donate_argnums=0)
+        self._tensor_jits: dict = {}  # plan -> the step jitted with out_shardings (meshes with a tensor axis)
         self._checked: set = set()  # (plan, batch shapes) whose traced step passed the checks
+
+    def _jit_for(self, state: ShardedState):
+        """The jitted step for ``state``'s plan: with a ``tensor`` axis, compiled with the state's
+        own shardings as ``out_shardings`` (``ShardedState.shardings``), else :attr:`_jitted`."""
+        plan = state.plan
+        if plan.tensor == 1:
+            return self._jitted
+        if plan not in self._tensor_jits:
+            out = (state.shardings(), jax.sharding.NamedSharding(plan.mesh, P()))
+            self._tensor_jits[plan] = jax.jit(self._step, donate_argnums=0, out_shardings=out)
+        return self._tensor_jits[plan]
+
+    loss_fn = property(lambda self: self.config.fn)
+    grad_accum = property(lambda self: self.config.grad_accum)
+    clip_norm = property(lambda self: self.config.clip_norm)
+    skip_nonfinite = property(lambda self: self.config.skip_nonfinite)
+    remat = property(lambda self: self.config.remat)
+    has_aux = property(lambda self: self.config.has_aux)
 
     @property
     def prefetch(self) -> int:
         """Units gathered ahead: the value given, or (``None``) :func:`default_prefetch`, read
         when first used so that building the step does not start a JAX backend."""
-        return default_prefetch() if self._prefetch is None else self._prefetch
+        return self.config.resolved_prefetch()
 
     def _step(self, state: ShardedState, batch):
-        fn = jax.shard_map(
-            lambda s, b: _local_step(state.plan, self, s, b),
-            mesh=state.plan.mesh,
-            in_specs=(state.specs(), P(AXES)),
-            out_specs=(state.specs(), P()),
+        plan, config = state.plan, self.config  # the traced body sees the plan and the frozen config only
+        fn = sharded_map(
+            lambda s, b: _local_step(plan, config, s, b), plan.mesh, in_specs=(state.specs(), P(AXES)), out_specs=(state.specs(), P())
         )
         return fn(state, batch)
 
     def put_batch(self, state: ShardedState, batch):
-        """Validate ``batch`` and place it with its leading dimension split over all devices.
-
-        With several processes (``jax.process_count() > 1``) each process passes only its own
-        rows: its contiguous slice ``[i*B/P, (i+1)*B/P)`` of the global batch of ``B`` rows
-        (``jax.make_array_from_process_local_data``); a global ``jax.Array`` passes as is.
-        """
-        world = state.plan.world * self.grad_accum  # the batch splits into devices x micro-batches
-        sharding = NamedSharding(state.plan.mesh, P(AXES))
-        procs = jax.process_count()
-
-        def process_local(x) -> bool:
-            return procs > 1 and not isinstance(x, jax.ShapeDtypeStruct) and getattr(x, "is_fully_addressable", True)
-
-        def shape_of(x) -> tuple:  # global shape: local rows x processes
-            shape = np.shape(x)
-            return (shape[0] * procs,) + tuple(shape[1:]) if shape and process_local(x) else shape
-
-        where = f" (global: the rows of process {jax.process_index()} x {procs} processes)" if procs > 1 else ""
-        leaves = jax.tree_util.tree_leaves_with_path(batch)
-        if not leaves:
-            raise ValueError("batch is empty: give a pytree of arrays with a leading batch dimension")
-        for p, x in leaves:
-            if not np.shape(x):
-                raise ValueError(
-                    f"batch{jax.tree_util.keystr(p)} is a scalar ({type(x).__name__}): every batch leaf needs a leading "
-                    "batch dimension to be split over the devices; pass a constant through loss_fn's closure "
-                    "(functools.partial) or repeat it per example (np.full((B,), value))"
-                )
-        sizes = {f"batch{jax.tree_util.keystr(p)}": shape_of(x)[0] if np.shape(x) else None for p, x in leaves}
-        if len(set(sizes.values())) > 1:
-            raise ValueError(
-                f"batch leaves have different leading (batch) dimensions: {sizes}{where}; every leaf must have "
-                f"the same global batch size, a multiple of the {world} devices of the mesh"
-            )
-        for path, x in leaves:
-            shape = shape_of(x)
-            if not shape or shape[0] == 0 or shape[0] % world:
-                micro = f" x grad_accum={self.grad_accum} micro-batches" if self.grad_accum > 1 else ""
-                raise ValueError(
-                    f"batch{jax.tree_util.keystr(path)} has shape {shape}{where}: its leading (batch) dimension "
-                    f"must divide by the {state.plan.world} devices of the mesh {dict(state.plan.mesh.shape)}{micro}; "
-                    f"use a global batch that is a multiple of {world}"
-                )
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-            if isinstance(x, jax.ShapeDtypeStruct)
-            else jax.make_array_from_process_local_data(sharding, np.asarray(x), shape_of(x))
-            if process_local(x)
-            else jax.device_put(x, sharding),
-            batch,
-        )
+        """:func:`zshard.step_config.put_batch` for this step's micro-batches."""
+        return put_batch(state.plan, batch, self.config.grad_accum)
 
     def __call__(self, state: ShardedState, batch):
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
@@ -377,49 +329,23 @@ class TrainStep:
             )
         batch = self.put_batch(state, batch)
         self._check(state, batch)
-        return self._jitted(state, batch)
+        return self._jit_for(state)(state, batch)
 
     def _check(self, state: ShardedState, batch) -> None:
         """Trace (no compile) once per plan and batch shape and refuse a unit under
-        device-dependent control flow (:func:`zshard.divergence.check_uniform_collectives`)
-        and a block unit's raw shard used as a value in ``loss_fn``
-        (:func:`zshard.shard_reads.check_shard_reads`)."""
+        device-dependent control flow and a block unit's raw shard used as a value in
+        ``loss_fn`` (:func:`zshard.checks.check_traced`)."""
         key = trace_key(state, batch)
         if key not in self._checked:
-            _check_traced(self._jitted.trace(state, batch).jaxpr.jaxpr, state, batch)
+            check_traced(self._jit_for(state).trace(state, batch).jaxpr.jaxpr, state, batch)
             self._checked.add(key)
 
     def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
         """The lowered step (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
         batch = self.put_batch(state, batch)
-        traced = self._jitted.trace(state, batch)
-        _check_traced(traced.jaxpr.jaxpr, state, batch)
+        traced = self._jit_for(state).trace(state, batch)
+        check_traced(traced.jaxpr.jaxpr, state, batch)
         return traced.lower()
-
-
-def trace_key(state: ShardedState, batch) -> tuple:
-    """What a traced step depends on: the plan and the batch's shapes, dtypes and structure
-    (the train and eval steps check each traced program once per key)."""
-    return state.plan, tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(batch)), jax.tree.structure(batch)
-
-
-def _check_traced(jaxpr, state: ShardedState, batch) -> None:
-    """The checks of a traced step (``jaxpr``: its inputs are ``(state, batch)`` flattened)."""
-    check_uniform_collectives(jaxpr)
-    check_shard_reads(jaxpr, state.plan, block_shard_inputs(state.plan, (state, batch)))
-
-
-def default_prefetch(backend: str | None = None) -> int:
-    """``make_train_step``'s ``prefetch`` when none is given: ``0`` on CPU, ``1`` elsewhere.
-
-    XLA:CPU runs collectives synchronously, so a prefetched gather overlaps nothing and only
-    holds one more gathered unit (``python -m train.bench``, config S on 8 emulated CPU
-    devices: temp 16.9 MiB without, 19.9 MiB with; step time 2073 vs 2082 ms, median of 10
-    rounds; config P: 2.35 vs 3.22 gathered units; docs/benchmarks.md). On GPU / TPU the latency-hiding
-    scheduler overlaps the early gather with the previous unit's compute (FSDP's default
-    ``BACKWARD_PRE`` / ``forward_prefetch``). ``backend``: default ``jax.default_backend()``.
-    """
-    return 0 if (backend or jax.default_backend()) == "cpu" else 1
 
 
 def make_train_step(
@@ -479,14 +405,11 @@ def make_train_step(
         (``TypeError``); a unit under device-dependent control flow; a block unit's raw
         shard used as a value in ``loss_fn``, e.g. an L2 penalty over
         ``jax.tree.leaves(nnx.state(model))`` (the parameter named; read it as
-        ``variable[...]``, :func:`zshard.shard_reads.check_shard_reads`).
+        ``variable[...]``, :func:`zshard.checks.check_shard_reads`).
     """
     return TrainStep(
-        loss_fn,
-        grad_accum=grad_accum,
-        clip_norm=clip_norm,
-        skip_nonfinite=skip_nonfinite,
-        remat=remat,
-        prefetch=prefetch,
-        has_aux=has_aux,
+        StepConfig(
+            loss_fn, has_aux=has_aux, grad_accum=grad_accum, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite,
+            remat=remat, prefetch=prefetch,
+        )
     )

@@ -10,7 +10,7 @@ import enum
 
 from zshard.mesh import REPLICA, SHARD
 
-__all__ = ["Strategy"]
+__all__ = ["ReplicaReduce", "Strategy"]
 
 
 class Strategy(enum.Enum):
@@ -112,3 +112,40 @@ class Strategy(enum.Enum):
     def reshard_after_forward(self) -> bool:
         """FSDP's ``reshard_after_forward``: drop gathered units after forward, gather again in backward."""
         return self in (Strategy.FULL_SHARD, Strategy.HYBRID_SHARD, Strategy.HYBRID_SHARD_OPT)
+
+
+class ReplicaReduce(enum.Enum):
+    """Who sums a gradient over the replica axes (``Strategy.replica_axes``), and when.
+
+    The one decision of a step about the cross-replica reduction (FSDP2's
+    ``foreach_reduce(..., all_reduce_grads)``, levanter's ``ReductionType``), resolved once by
+    :meth:`resolve` and carried by the units' communication record
+    (:class:`zshard.collectives.UnitComm`); every place that reduces a gradient matches on it.
+
+    - ``NONE``: nothing to sum over replicas (the parameters are split over every mesh axis:
+      FULL_SHARD, SHARD_GRAD_OP), or nothing is differentiated (the eval step, a forward).
+    - ``PER_UNIT``: each unit's backward all-reduces its reduce-scattered gradient *shard* over
+      the replica axes (HYBRID_SHARD, HYBRID_SHARD_ZERO2; NO_SHARD and SHARD_OPT, whose replica
+      axes are the whole mesh, all-reduce the whole gradient).
+    - ``PER_STEP``: gradient accumulation (``grad_accum > 1``): the units reduce-scatter over
+      the shard axes only and the accumulated shard is all-reduced over replicas once per step
+      (FSDP2's ``set_requires_all_reduce(False)`` on all but the last micro-batch).
+    - ``TO_SINKS``: HYBRID_SHARD_OPT: each unit's backward reduce-scatters its gradient shard
+      over the replica axes into the optimizer's slices, the cotangents of the *gradient
+      sinks* (docs/memory.md), in every micro-batch.
+    """
+
+    NONE = "none"
+    PER_UNIT = "per_unit"
+    PER_STEP = "per_step"
+    TO_SINKS = "to_sinks"
+
+    @classmethod
+    def resolve(cls, strategy: Strategy, grad_accum: int = 1, *, differentiated: bool = True) -> "ReplicaReduce":
+        """The reduction of a step of ``strategy`` with ``grad_accum`` micro-batches
+        (``differentiated=False``: a forward-only step)."""
+        if not differentiated or not strategy.replica_axes:
+            return cls.NONE
+        if strategy.scatters_replica:
+            return cls.TO_SINKS
+        return cls.PER_STEP if grad_accum > 1 else cls.PER_UNIT

@@ -220,7 +220,7 @@ class VerifyResult:
             f"{ok(self.max_loss_diff, self.loss_limit)}",
             f"largest initial difference:   {idiff:.3e} ({ipath}, relative L2)  {ok(idiff, self.tolerance)}",
             f"largest parameter difference: {pd:.3e} ({path}, relative L2)  {ok(pd, self.param_limit)}",
-            *([f"not judged (reference gradient at rounding level, true gradient zero): "
+            *(["not judged (reference gradient at rounding level, true gradient zero): "
                + ", ".join(f"{p} {self.param_diffs[p]:.1e}" for p in self.no_signal)] if self.no_signal else []),
             "PASS" if self.passed else f"FAIL: zshard's {self.strategy} training differs from the single-device "
             "reference by more than the limits; likely: " + "; ".join(self.causes()),

@@ -1,0 +1,235 @@
+"""Tensor parallelism composed with zshard's FSDP: a ``(replica, shard, tensor)`` mesh, the model
+unchanged, its TP plan declared (globs, annotations, logical rules).
+
+Numbers against a plain single-device Optax step; structure and bytes from the compiled HLO;
+model state against ``(param + K opt) * (Psi_split / (T N) + Psi_rest / N)``; bad plans refused
+before anything is placed (docs/tensor-parallel.md)."""
+
+import functools
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import gpt_batches, reference_run, rel_l2, zshard_run
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import zshard
+from zshard.report import parse_collectives
+
+# --- a GPT whose layers are Megatron's: fused q|k|v [D, 3, D], column- and row-parallel -----------
+
+
+class Attn(nnx.Module):
+    def __init__(self, d, h, rngs):
+        self.h = h
+        self.qkv = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, 3, d)))  # [D, 3, D]: q | k | v
+        self.proj = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        B, T, D = x.shape
+        qkv = jnp.einsum("btd,dkf->btkf", x, self.qkv[...])  # (B, T, 3, D)
+        q, k, v = (qkv[:, :, i].reshape(B, T, self.h, D // self.h) for i in range(3))  # (B, T, h, hs)
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(D // self.h)
+        att = jax.nn.softmax(att + jnp.where(jnp.tril(jnp.ones((T, T), bool)), 0, -1e9), axis=-1)
+        return self.proj(jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(B, T, D))
+
+
+class Block(nnx.Module):
+    def __init__(self, d, h, rngs):
+        # no bias before attention: a bias shared by every token shifts all keys alike, a direction whose
+        # true gradient is 0 and in which Adam amplifies rounding noise (as the reference GPT has no qkv bias)
+        self.ln1, self.attn = nnx.LayerNorm(d, use_bias=False, rngs=rngs), Attn(d, h, rngs)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+        self.fc, self.out = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nnx.Module):
+    def __init__(self, rngs, v=64, d=32, h=4, n=2, t=16):
+        self.wte, self.wpe = nnx.Embed(v, d, rngs=rngs), nnx.Embed(t, d, rngs=rngs)
+        self.blocks = nnx.List([Block(d, h, rngs) for _ in range(n)])
+        self.ln = nnx.LayerNorm(d, rngs=rngs)
+        self.head = nnx.Linear(d, v, use_bias=False, rngs=rngs)
+
+    def __call__(self, tok):
+        x = self.wte(tok) + self.wpe(jnp.arange(tok.shape[1]))[None]
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+
+PLAN = {
+    "blocks.*.attn.qkv": -1,  # column-parallel: heads
+    "blocks.*.attn.proj.kernel": 0,  # row-parallel
+    "blocks.*.fc.kernel": -1, "blocks.*.fc.bias": 0,  # column-parallel MLP in
+    "blocks.*.out.kernel": 0,  # row-parallel MLP out
+    "wte.embedding": 0, "head.kernel": -1,  # the vocabulary
+}
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    logp = jax.nn.log_softmax(model(x).astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(logp, y[..., None], -1))
+
+
+def make():
+    return GPT(nnx.Rngs(0))
+
+
+DATA = gpt_batches(10, batch=8, seq_len=16, vocab=64)
+
+
+def mesh(r, s, t):
+    return zshard.make_mesh(r, s, tensor=t)
+
+
+@functools.cache
+def reference():
+    return reference_run(make, optax.adamw(1e-3), loss_fn, DATA)
+
+
+# --- the mesh ------------------------------------------------------------------------------------------
+
+
+def test_mesh_with_a_tensor_axis():
+    m = mesh(2, 2, 2)
+    assert tuple(m.axis_names) == ("replica", "shard", "tensor")
+    assert tuple(m.axis_types) == (AxisType.Explicit, AxisType.Explicit, AxisType.Auto)
+    ids = np.vectorize(lambda d: d.id)(m.devices)
+    np.testing.assert_array_equal(ids, np.arange(8).reshape(2, 2, 2))  # tensor innermost: consecutive devices
+    assert dict(zshard.make_mesh(tensor=4).shape) == {"replica": 1, "shard": 2, "tensor": 4}
+    assert tuple(zshard.make_mesh(1, 8, tensor=1).axis_names) == ("replica", "shard")  # T = 1: today's mesh
+    with pytest.raises(ValueError, match="valid .*1x4x2"):
+        zshard.make_mesh(2, 4, tensor=2)
+    with pytest.raises(ValueError, match="tensor=3 does not divide the 8 devices"):
+        zshard.make_mesh(tensor=3)
+
+
+# --- numbers -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy,shape,remat,options", [
+    ("FULL_SHARD", (1, 4, 2), "block", dict(grad_accum=2)),
+    ("FULL_SHARD", (1, 8, 1), "none", dict(clip_norm=0.5)),
+    ("HYBRID_SHARD", (2, 2, 2), "none", dict(clip_norm=0.5)),
+    ("SHARD_GRAD_OP", (1, 2, 4), "block", dict()),
+    ("HYBRID_SHARD_OPT", (2, 2, 2), "block", dict(grad_accum=2, clip_norm=0.5)),
+    ("NO_SHARD", (2, 2, 2), "block", dict()),
+    ("SHARD_OPT", (1, 4, 2), "none", dict()),
+    ("HYBRID_SHARD_ZERO2", (2, 2, 2), "none", dict(grad_accum=2)),
+], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_training_equals_one_device(strategy, shape, remat, options):
+    clip = options.get("clip_norm")
+    tx = optax.adamw(1e-3) if clip is None else optax.adamw(1e-3)
+    want = reference() if clip is None else _clipped_reference(clip)
+    state = zshard.init(make, tx, mesh(*shape), strategy=strategy, tensor_parallel=PLAN)
+    step = zshard.make_train_step(loss_fn, remat=remat, prefetch=1, **options)
+    losses, norms = [], []
+    for b in DATA:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    np.testing.assert_allclose(losses, want.losses, rtol=1e-5)
+    np.testing.assert_allclose(norms, want.grad_norms, rtol=1e-6)  # TP-replicated parameters counted once
+    got = zshard.unshard(state)
+    flat = dict(nnx.to_flat_state(nnx.state(got, nnx.Param)))
+    for path, ref in want.params.items():
+        assert rel_l2(np.asarray(flat[path].get_value()), ref) <= 1e-5, path
+
+
+@functools.cache
+def _clipped_reference(clip):
+    return reference_run(make, optax.chain(optax.clip_by_global_norm(clip), optax.adamw(1e-3)), loss_fn, DATA)
+
+
+# --- what is stored, and the bad plans ------------------------------------------------------------------
+
+
+def test_storage_of_split_and_replicated_parameters():
+    state = zshard.init(make, optax.adamw(1e-3), mesh(1, 4, 2), strategy="FULL_SHARD", tensor_parallel=PLAN)
+    qkv = state.params["blocks"][0]["attn"]["qkv"]  # [32, 3, 32] split on its last dimension: [T, n_pad]
+    assert qkv.shape == (2, 32 * 3 * 16) and qkv.sharding.spec == P("tensor", ("replica", "shard"))
+    assert qkv.addressable_shards[0].data.shape == (1, 32 * 3 * 16 // 4)  # one piece, 1/N of it
+    ln = state.params["blocks"][0]["ln1"]["scale"]  # not split: as without a tensor axis
+    assert ln.shape == (32,) and ln.sharding.spec == P(("replica", "shard"))
+    mu = state.opt_state[0].mu["blocks"][0]["attn"]["qkv"]
+    assert mu.shape == qkv.shape and mu.sharding.spec == qkv.sharding.spec
+    assert state.plan.tensor_split == {p for p in state.plan.layouts if any(
+        re.fullmatch(g.replace(".", r"\.").replace("*", "[^.]*"), ".".join(map(str, p))) for g in PLAN)}
+
+
+def test_bad_plans_are_refused_before_anything_is_placed():
+    with pytest.raises(ValueError, match=r"tensor_parallel\['blocks\.\*\.nope'\] matches no parameter"):
+        zshard.init(make, optax.adamw(1e-3), mesh(1, 4, 2), tensor_parallel={"blocks.*.nope": 0})
+    with pytest.raises(ValueError, match=r"'blocks\.0\.attn\.qkv' \[32, 3, 32\]: dimension 1 \(3\) .* tensor=2"):
+        zshard.init(make, optax.adamw(1e-3), mesh(1, 4, 2), tensor_parallel={"blocks.*.attn.qkv": 1})
+    with pytest.raises(ValueError, match=r"'wte\.embedding' \[66, 32\]: dimension 0 \(66\) .*tensor=4.*vocabulary"):
+        zshard.init(lambda: GPT(nnx.Rngs(0), v=66), optax.adamw(1e-3), mesh(1, 2, 4), tensor_parallel={"wte.embedding": 0})
+    with pytest.raises(ValueError, match=r"logical_rules\['mlp'\] = 'model': no zshard mesh has an axis 'model'"):
+        zshard.init(make, optax.adamw(1e-3), mesh(1, 4, 2), logical_rules={"mlp": "model"})
+    with pytest.raises(ValueError, match="dimension.*in \\[-3, 3\\)"):
+        zshard.init(make, optax.adamw(1e-3), mesh(1, 4, 2), tensor_parallel={"blocks.*.attn.qkv": 3})
+    with pytest.raises(ValueError, match="'scale_by_trust_ratio' needs a global view.*split over the tensor axis"):
+        zshard.init(make, optax.lamb(1e-3), mesh(1, 4, 2), tensor_parallel=PLAN)
+
+
+# --- structure of the compiled step ----------------------------------------------------------------------
+
+
+@functools.cache
+def _collectives(shape, remat):
+    state = zshard.init(make, optax.adamw(1e-3), mesh(*shape), strategy="FULL_SHARD", tensor_parallel=PLAN)
+    step = zshard.make_train_step(loss_fn, remat=remat, prefetch=0)
+    compiled = step.lower(state, DATA[0]).compile()
+    return state, compiled, parse_collectives(compiled.as_text(), state.plan.mesh)
+
+
+@pytest.mark.parametrize("remat,per_block", [("none", 4), ("block", 5)])
+def test_hlo_fsdp_collectives_shrink_by_T_and_tensor_all_reduces_are_megatrons(remat, per_block):
+    state, _, colls = _collectives((1, 4, 2), remat)
+    _, _, base = _collectives((1, 8, 1), remat)  # the same model without tensor parallelism: N = 8
+    fsdp = lambda cs: Counter(c.kind for c in cs if c.axis == "world" and c.kind != "all-reduce")  # noqa: E731
+    assert fsdp(colls) == fsdp(base)  # as many all-gathers and reduce-scatters as at T = 1
+    # no parameter collective over tensor groups: only all-reduces of activations there
+    assert {c.kind for c in colls if "tensor" in c.axis} == {"all-reduce"}
+    # every all-gather is one parameter's stored piece (the root's once, each block's at most in forward
+    # and in backward: XLA drops a re-gather whose value the backward does not read, a bias's), at
+    # T = 2 as at T = 1; a split parameter's piece is 1/T of its T = 1 size
+    base_state, _, _ = _collectives((1, 8, 1), remat)
+
+    def at_most(plan):
+        return Counter(s.param.padded * 4 for u in plan.units for s in u.slots for _ in range(1 if u.path == () else 2))
+
+    pieces = Counter(c.buffer_bytes for c in colls if c.kind == "all-gather" and c.axis == "shard")
+    assert not pieces - at_most(state.plan), pieces - at_most(state.plan)
+    assert not Counter(c.buffer_bytes for c in base if c.kind == "all-gather" and c.axis == "shard") - at_most(base_state.plan)
+    split = [(p, rec) for p, rec in state.plan.layouts.items() if rec.split]
+    assert len(split) == 5 * 2 + 2  # qkv, proj, fc (kernel and bias), out per block; embedding and head
+    for path, rec in split:
+        assert rec.padded * 2 == base_state.plan.layouts[path].padded and pieces[rec.padded * 4], path  # half, gathered
+    # tensor all-reduces of b*s*h (fp32) per block: Megatron's 4 (remat="none"); with the block
+    # recomputed XLA drops the recompute's last all-reduce, whose output the backward never reads: 5
+    bsh = (8 // 4) * 16 * 32 * 4  # local batch 2, seq 16, d 32, fp32
+    arrays = sum(c.buffer_bytes // bsh for c in colls if c.axis == "tensor" and c.kind == "all-reduce" and c.buffer_bytes >= bsh)
+    assert arrays == 2 * per_block + 2, arrays  # + the root: the vocabulary-split embedding (forward), the head's input (backward)
+
+
+def test_state_memory_matches_the_formula():
+    state, compiled, _ = _collectives((1, 4, 2), "block")
+    rep = zshard.report(zshard.make_train_step(loss_fn, prefetch=0), state, DATA[0])
+    assert abs(rep.model_state_bytes["ratio"] - 1) < 0.01, rep.model_state_bytes
+    T, N = 2, 4
+    split = sum(int(np.prod(r.logical_shape)) for r in state.plan.layouts.values() if r.split)
+    rest = sum(int(np.prod(r.logical_shape)) for r in state.plan.layouts.values() if not r.split)
+    formula = (4 + 2 * 4) * (split / (T * N) + rest / N)  # fp32 params + Adam's mu and nu
+    assert abs(rep.model_state_bytes["measured"]["total"] / formula - 1) < 0.01

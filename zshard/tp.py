@@ -1,0 +1,129 @@
+"""The tensor-parallel plan: which dimension of which parameter is split over the ``tensor`` axis.
+
+Three sources, as torchtitan's ``parallelize_module`` plans, MaxText's logical axis rules and
+flax's ``nnx.with_partitioning`` annotations give them:
+
+- ``zshard.init(..., tensor_parallel={"blocks.*.attn.qkv.kernel": -1, ...})``: a glob on the
+  dotted parameter path (``fnmatch``) -> the dimension (negative counts from the end);
+- the model's own annotations: a parameter made with ``nnx.with_partitioning(init, (None,
+  "tensor"))`` (or ``sharding=`` / ``out_sharding`` metadata) naming the mesh axis ``tensor``;
+- logical names in those annotations, mapped by ``zshard.init(..., logical_rules={"mlp":
+  "tensor", "heads": "tensor", "vocab": "tensor"})``.
+
+Annotations naming other names (``embed``, ``fsdp``, ``data``, or mesh axes zshard lays out
+itself, ``replica`` / ``shard``) are ignored for the layout: zshard shards over the data axes
+itself. A glob wins over an annotation of the same parameter. Column-parallel (split the
+output dimension) and row-parallel (split the input dimension) layers are Megatron-LM's
+(arXiv 1909.08053 section 3); the plan is data, the model code does not change.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Mapping
+
+from zshard.units import path_str
+
+__all__ = ["MESH_AXES", "check_logical_rules", "tensor_dims"]
+
+MESH_AXES = ("replica", "shard", "context", "tensor")  # every axis name a zshard mesh may have
+_META_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def check_logical_rules(rules) -> dict:
+    """``logical_rules`` -> ``{logical name: mesh axis or None}``.
+
+    Raises:
+      ValueError: not a mapping of names, or a rule naming an axis that no zshard mesh has.
+    """
+    if rules is None:
+        return {}
+    if not isinstance(rules, Mapping) and not (isinstance(rules, (list, tuple)) and all(len(r) == 2 for r in rules)):
+        raise ValueError(f"logical_rules={rules!r}: give a mapping {{logical name: mesh axis}}, e.g. {{'mlp': 'tensor'}}")
+    out = dict(rules)
+    for name, axis in out.items():
+        if axis is not None and axis not in MESH_AXES:
+            raise ValueError(
+                f"logical_rules[{name!r}] = {axis!r}: no zshard mesh has an axis {axis!r}; map logical names to "
+                f"one of {', '.join(MESH_AXES)} (or None), e.g. {{'mlp': 'tensor'}}"
+            )
+    return out
+
+
+def _annotation(var) -> tuple | None:
+    meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+    for key in _META_KEYS:
+        names = meta.get(key)
+        if names is not None and not hasattr(names, "mesh"):  # a PartitionSpec-like tuple of names
+            return tuple(names)
+    return None
+
+
+def _names_tensor(entry, rules: dict) -> bool:
+    entries = entry if isinstance(entry, (tuple, list)) else (entry,)
+    return any(e == "tensor" or (e is not None and rules.get(e) == "tensor") for e in entries)
+
+
+def tensor_dims(template, layers: Mapping, tensor_parallel, rules: dict, tensor: int) -> dict:
+    """``{parameter path: dimension of one layer's shape}`` for every parameter split over ``tensor``.
+
+    Args:
+      template: ``(path, Variable)`` pairs of the parameters (abstract values).
+      layers: ``path -> L`` of stacked parameters (``None`` otherwise): an annotation of a
+        stacked parameter may name its layer axis first (``nnx.vmap``'s ``transform_metadata``).
+      tensor_parallel: ``{glob: dim}`` or ``None``.
+      rules: checked ``logical_rules``.
+      tensor: ``T``; with 1 the plan is only validated (nothing is split).
+
+    Raises:
+      ValueError (before anything is placed): a glob that matches no parameter; a dimension out
+        of range; two globs giving one parameter different dimensions; an annotation naming
+        ``tensor`` on two dimensions; ``T`` not dividing a split dimension (the parameter, its
+        dimension and ``T`` named).
+    """
+    if tensor_parallel is not None and not isinstance(tensor_parallel, Mapping):
+        raise ValueError(f"tensor_parallel={tensor_parallel!r}: give a mapping {{glob on the dotted path: dimension}}")
+    names = {path_str(p): (p, v) for p, v in template}
+    dims: dict = {}
+    for path, var in template:  # the model's annotations
+        ann = _annotation(var)
+        if ann is None:
+            continue
+        shape = var.get_value().shape
+        if layers.get(path) is not None and len(ann) == len(shape):
+            ann = ann[1:]  # the stacked layer axis
+        hits = [i for i, e in enumerate(ann) if _names_tensor(e, rules)]
+        if len(hits) > 1:
+            raise ValueError(f"parameter {path_str(path)!r}: its annotation {ann} splits dimensions {hits} over 'tensor'; "
+                             "split one dimension only")
+        if hits:
+            dims[path] = hits[0]
+    chosen: dict = {}
+    for glob, dim in (tensor_parallel or {}).items():
+        matched = [n for n in names if fnmatch.fnmatchcase(n, glob)]
+        if not matched:
+            raise ValueError(
+                f"tensor_parallel[{glob!r}] matches no parameter; parameter paths look like "
+                f"{', '.join(list(names)[:4])}{', ...' if len(names) > 4 else ''}"
+            )
+        for n in matched:
+            path, var = names[n]
+            rank = len(var.get_value().shape) - (1 if layers.get(path) is not None else 0)
+            if isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
+                raise ValueError(f"tensor_parallel[{glob!r}] = {dim!r}: parameter {n!r} has {rank} dimension(s) per layer; "
+                                 f"give a dimension in [{-rank}, {rank})")
+            d = dim % rank
+            if n in chosen and chosen[n][1] != d:
+                raise ValueError(f"parameter {n!r}: tensor_parallel globs {chosen[n][0]!r} and {glob!r} split dimensions "
+                                 f"{chosen[n][1]} and {d}; make them agree")
+            chosen[n] = (glob, d)
+            dims[path] = d
+    for path, d in dims.items():
+        shape = names[path_str(path)][1].get_value().shape[(1 if layers.get(path) is not None else 0):]
+        if shape[d] % tensor:
+            raise ValueError(
+                f"parameter {path_str(path)!r} {list(shape)}: dimension {d} ({shape[d]}) is split over the tensor axis but "
+                f"does not divide by tensor={tensor}; use a tensor size that divides it (heads, kv heads, vocabulary and "
+                f"MLP width must all divide by T), or pad the model"
+            )
+    return dims if tensor > 1 else {}
