@@ -37,6 +37,7 @@ __all__ = [
     "routes",
     "scope_owner",
     "sub_jaxprs",
+    "unit_of",
     "unit_scope",
     "varying",
 ]
@@ -72,6 +73,14 @@ def scope_owner(name_stack: str) -> str | None:
     if m.group(1) == "unit":
         return f"unit {m.group(2).rsplit('.', 1)[0]!r}"
     return f"parameter {m.group(2)!r}"
+
+
+def unit_of(name_stack: str) -> str | None:
+    """The unit whose call (or gather) emitted an equation or HLO instruction: ``"blocks.0"``
+    for ``.../zshard.unit.blocks.0.__call__/...``, ``"root"`` for the root unit's gather;
+    ``None`` outside every ``zshard.unit.*`` scope."""
+    m = re.search(r"zshard\.unit\.([^/]+)", name_stack)
+    return m.group(1).rsplit(".", 1)[0] if m else None
 
 
 def is_var(v) -> bool:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import jax
 import numpy as np
@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from zshard.mesh import REPLICA, SHARD, TENSOR
 from zshard.optim import optimizer_grad_specs, optimizer_program
-from zshard.jaxprs import OPTIMIZER_SCOPE
+from zshard.jaxprs import OPTIMIZER_SCOPE, unit_of
 from zshard.strategy import Strategy
 
 __all__ = ["Collective", "Report", "optimizer_report", "parse_collectives", "parse_replica_groups", "report"]
@@ -70,6 +70,9 @@ class Collective:
       trips: executions per step (product of enclosing ``while`` trip counts).
       phase: ``"optimizer"`` for a collective the global-view optimizer issues
         (:mod:`zshard.optim_global`, named scope ``zshard.optimizer``), else ``"step"``.
+      unit: the unit whose call emitted it (``"blocks.0"``, ``"root"`` for the root unit's
+        gather; from the ``zshard.unit.<unit>.*`` scope in its ``op_name``), or ``None``
+        (the loss, the head, the optimizer). Not part of equality.
     """
 
     name: str
@@ -80,6 +83,7 @@ class Collective:
     sent_bytes: float
     trips: int = 1
     phase: str = "step"
+    unit: str | None = dataclasses.field(default=None, compare=False)
 
 
 def _shape_bytes(shape_text: str) -> list[int]:
@@ -221,7 +225,9 @@ def parse_collectives(hlo: str, mesh) -> list[Collective]:
             factor = 2 if kind == "all-reduce" else 1
             sent = factor * full * (n - 1) / n if kind != "other" else float(result)
             phase = "optimizer" if OPTIMIZER_SCOPE in rest else "step"
-            out.append(Collective(name, kind, _axis_of(groups, mesh), n, full, sent, trips.get(comp, 1), phase))
+            op = re.search(r'op_name="([^"]*)"', rest)
+            unit = unit_of(op.group(1)) if op else None
+            out.append(Collective(name, kind, _axis_of(groups, mesh), n, full, sent, trips.get(comp, 1), phase, unit))
     return out
 
 
@@ -309,6 +315,9 @@ class Report:
       remat: the step's activation-checkpointing policy (``make_train_step(remat=...)``);
         it sets ``per_device_bytes["temp"]``.
       grad_accum: micro-batches per step.
+      tensor: with a ``tensor`` axis, its all-reduces (:func:`_tensor_formula`):
+        ``activation_bytes`` (``X = b s h e``), ``arrays_per_block`` (Megatron's count ``k``) and
+        the measured one, ``root_bytes`` (outside the blocks); else ``None``.
       optimizer: the optimizer step measured apart (``None`` when not measured): ``path``
         (``"elementwise"``: Optax on the local slices, no collective; or ``"global view
         (<transformation>)"``, :mod:`zshard.optim_global`), ``collectives`` (per kind and
@@ -327,6 +336,7 @@ class Report:
     remat: str = "block"
     grad_accum: int = 1
     optimizer: dict | None = None
+    tensor: dict | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -354,6 +364,14 @@ class Report:
             "|---|---|---:|---:|",
             *(f"| {c['kind']} | {c['axis']} | {c['count']} | {mib(c['bytes'])} |" for c in self.collectives),
         ]
+        if self.tensor is not None:
+            t = self.tensor
+            lines += [
+                "",
+                f"tensor axis: {t['measured_arrays_per_block']:.2f} all-reduces of one block's activation "
+                f"({t['activation_bytes']:,} bytes) per block call, Megatron-LM's count {t['arrays_per_block']}; "
+                f"outside the blocks {mib(t['root_bytes'])} MiB",
+            ]
         if self.optimizer is not None:
             o = self.optimizer
             lines += [
@@ -400,6 +418,10 @@ def report(step, state, batch) -> Report:
         table[(c.kind, c.axis)][0] += c.trips
         table[(c.kind, c.axis)][1] += c.sent_bytes * c.trips
     formula_comm = _formula_comm(plan, step.config.grad_accum)
+    tensor = _tensor_formula(plan, colls, step.config) if plan.tensor > 1 else None
+    if tensor is not None:
+        by_axis[TENSOR] = tensor["measured"]  # the blocks' all-reduces (the root's are in tensor["root_bytes"])
+        formula_comm[TENSOR] = tensor["formula"]
     opt = optimizer_report(state)
     if opt["formula"]:  # the global-view optimizer's collectives run over the optimizer axes
         opt_axis = _axis_name(plan.mesh, plan.strategy.opt_axes)
@@ -425,7 +447,44 @@ def report(step, state, batch) -> Report:
         remat=_policy_name(step.config.remat),
         grad_accum=step.config.grad_accum,
         optimizer=opt,
+        tensor=tensor,
     )
+
+
+# Tensor all-reduces of one block's activation per block call (Megatron-LM, arXiv 1909.08053
+# section 3: two in forward, after the attention and the MLP output projections, two in backward,
+# before their column-parallel input projections). Full block recompute adds the forward's two
+# (Korthikanti et al. 2022, arXiv 2205.05198 section 4: 6); XLA drops the recomputed block's
+# last one, whose value the backward does not read: 5. "dots" saves the matmul outputs: 4.
+_TENSOR_ARRAYS = {"none": 4, "block": 5, "dots": 4}
+
+
+def _tensor_formula(plan, colls, config) -> dict:
+    """Bytes one device sends over ``tensor`` per step against Megatron-LM's count.
+
+    ``X``, the bytes of one block's activation ``b * s * h * e`` (this device's rows), is read from
+    the program: the most frequent size of the tensor all-reduces inside the block units. Formula: ``block calls * k *
+    2 (T - 1) / T * X`` (ring all-reduce), ``k`` from :data:`_TENSOR_ARRAYS` for the remat policy.
+    All-reduces outside the blocks (a vocabulary-split embedding's output, the head's input
+    cotangent, the softmax statistics over a split vocabulary) are counted apart (``root_bytes``).
+    """
+    T = plan.tensor
+    ring = 2 * (T - 1) / T
+    blocks = [c for c in colls if c.axis == TENSOR and c.kind == "all-reduce" and c.unit not in (None, "root")]
+    root = [c for c in colls if c.axis == TENSOR and c not in blocks]
+    sizes = Counter(c.buffer_bytes for c in blocks)  # mostly one size; a tuple combined with a small one is rarer
+    X = max(sizes, key=lambda b: (sizes[b], b)) if sizes else 0
+    calls = config.grad_accum * sum(u.layers or 1 for u in plan.units if u.path != ())
+    k = _TENSOR_ARRAYS.get(_policy_name(config.remat), 4)
+    measured = sum(c.sent_bytes * c.trips for c in blocks)
+    return {
+        "measured": measured,
+        "formula": calls * k * ring * X,
+        "activation_bytes": X,
+        "arrays_per_block": k,
+        "measured_arrays_per_block": measured / (calls * ring * X) if calls and X else 0.0,
+        "root_bytes": sum(c.sent_bytes * c.trips for c in root),
+    }
 
 
 def _state_formula(plan) -> dict:
