@@ -109,9 +109,10 @@ def test_presets_build_meshes_here():
 
 
 def test_presets_are_found_after_a_non_editable_install(tmp_path):
-    # `pip install .` (not -e) copies only the packages and their package data: the presets
-    # must travel inside zshard. Built from a copy of the sources (nothing written in the
-    # checkout), installed with --target, and imported from a folder outside the checkout.
+    # `pip install .` (not -e) copies only the packages and their package data: the presets of
+    # the top-level meshes/ must travel as zshard.meshes (pyproject.toml's package-dir). Built
+    # from a copy of the sources (nothing written in the checkout), installed with --target, and
+    # imported from a folder outside the checkout.
     import os
     import shutil
     import subprocess
@@ -120,7 +121,7 @@ def test_presets_are_found_after_a_non_editable_install(tmp_path):
 
     root = Path(__file__).resolve().parent.parent
     src = tmp_path / "src"
-    for name in ("zshard", "train"):
+    for name in ("zshard", "train", "meshes"):
         shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(root / name, src / name)
@@ -131,6 +132,7 @@ def test_presets_are_found_after_a_non_editable_install(tmp_path):
     probe = (
         "import zshard, zshard.checkpoint, zshard.mesh as m, train.plan\n"
         "assert zshard.__file__.startswith(SITE), zshard.__file__\n"
+        "assert str(m.preset_dir()).startswith(SITE), m.preset_dir()\n"
         "mesh = zshard.make_mesh(*m.parse_mesh('cpu-2x4'))\n"
         "print(sorted(m.mesh_presets()), dict(mesh.shape))\n"
     ).replace("SITE", repr(str(site)))
@@ -138,4 +140,4 @@ def test_presets_are_found_after_a_non_editable_install(tmp_path):
     res = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "'cpu-2x4'" in res.stdout and "{'replica': 2, 'shard': 4}" in res.stdout
-    assert not (root / "meshes").exists()  # one copy of the presets, inside the package
+    assert not (root / "zshard" / "meshes").exists()  # one copy of the presets: the top-level meshes/

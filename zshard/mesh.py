@@ -1,4 +1,7 @@
-"""Hardware -> the ``("replica", "shard"[, "tensor"])`` device mesh, and the presets in ``zshard/meshes/``.
+"""Hardware -> the ``("replica", "shard"[, "tensor"])`` device mesh, and the topology presets.
+
+The presets are the repository's top-level ``meshes/*.toml``, installed as the package data
+``zshard.meshes`` (``pyproject.toml`` maps the package onto that folder).
 
 The mesh is the only topology zshard knows. ``shard`` is the fast axis (devices of one
 host, NVLink): FULL_SHARD and HYBRID_SHARD all-gather parameters over it. ``replica`` is
@@ -12,8 +15,10 @@ dimension over it, and the compiler moves the activations (an ``Auto`` axis, whi
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import re
 import tomllib
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import jax
@@ -32,7 +37,14 @@ SHARD = "shard"
 TENSOR = "tensor"
 AXES = (REPLICA, SHARD)  # the data axes: the batch is split over them, zshard's shard_map is manual over them
 
-PRESET_DIR = Path(__file__).resolve().parent / "meshes"  # package data: found after a non-editable install
+
+def preset_dir() -> Traversable:
+    """The folder of the presets: the package ``zshard.meshes`` (installed, editable or not), or
+    ``meshes/`` beside ``zshard/`` when the sources run from a checkout without being installed."""
+    try:
+        return importlib.resources.files("zshard.meshes")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "meshes"
 
 
 def _factorizations(n: int) -> str:
@@ -222,7 +234,7 @@ def sharded_map(fn, mesh: Mesh, in_specs, out_specs):
 
 @dataclasses.dataclass(frozen=True)
 class MeshPreset:
-    """A named topology from ``zshard/meshes/NAME.toml``.
+    """A named topology from ``meshes/NAME.toml``.
 
     Attributes:
       name: file stem, e.g. ``"cpu-2x4"``.
@@ -244,13 +256,13 @@ class MeshPreset:
 
 
 def mesh_presets() -> dict[str, MeshPreset]:
-    """All presets in ``zshard/meshes/``, by name."""
+    """All presets in ``meshes/`` (:func:`preset_dir`), by name."""
     out = {}
-    for path in sorted(PRESET_DIR.glob("*.toml")):
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-        out[path.stem] = MeshPreset(
-            name=path.stem,
+    for path in sorted((p for p in preset_dir().iterdir() if p.name.endswith(".toml")), key=lambda p: p.name):
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        name = path.name.removesuffix(".toml")
+        out[name] = MeshPreset(
+            name=name,
             replica=int(raw["replica"]),
             shard=int(raw["shard"]),
             platform=str(raw.get("platform", "cpu")),
@@ -260,7 +272,7 @@ def mesh_presets() -> dict[str, MeshPreset]:
 
 
 def mesh_preset(name: str) -> MeshPreset:
-    """The preset ``zshard/meshes/NAME.toml``; ``ValueError`` listing the known names if missing."""
+    """The preset ``meshes/NAME.toml``; ``ValueError`` listing the known names if missing."""
     presets = mesh_presets()
     if name not in presets:
         raise ValueError(f"unknown mesh preset {name!r}; known presets: {', '.join(presets)} (or give RxS, e.g. 2x4)")

@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("function", metavar="MODULE:FUNCTION",
                    help="a function returning (model_or_builder, tx, loss_fn, batch); MODULE dotted or a .py file")
     p.add_argument("--strategy", default="FULL_SHARD", help=f"one of {', '.join(s.value for s in Strategy)} (default FULL_SHARD)")
-    p.add_argument("--mesh", default="1x8", metavar="RxS", help="replica x shard, or a zshard/meshes/*.toml preset (default 1x8)")
+    p.add_argument("--mesh", default="1x8", metavar="RxS", help="replica x shard, or a meshes/*.toml preset (default 1x8)")
     p.add_argument("--steps", type=int, default=5, metavar="K", help="optimizer steps (default 5)")
     p.add_argument("--param-dtype", choices=["bfloat16", "float16"], default=None,
                    help="mixed precision on the zshard side (reduce in float32); sets the tolerance")
