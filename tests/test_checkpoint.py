@@ -446,7 +446,7 @@ def test_resume_after_sigkill_is_exact(tmp_path, corpus):
 
 def test_cli_refuses_to_mix_runs(tmp_path, corpus):
     """Checked before anything compiles (train.checkpointing.prepare), nothing written."""
-    from train.__main__ import parse_config
+    from train.cli import parse_config
     from train.checkpointing import ResumeError, prepare, run_settings
 
     out = tmp_path / "run"

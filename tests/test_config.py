@@ -13,7 +13,7 @@ import pytest
 
 import zshard
 from train import config as C
-from train.__main__ import build_parser
+from train.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "train" / "configs").glob("*.toml"))
@@ -69,7 +69,7 @@ def test_every_field_has_a_documented_flag():
         for f in dataclasses.fields(cls):
             assert docs.get(f.name, "").strip(), f"{section}.{f.name} has no docstring"
             assert f"--{section}.{f.name}" in text
-            value_args, want = given[C._field_type(cls, f.name)[0]]
+            value_args, want = given[C.field_type(cls, f.name)[0]]
             flag = f"--{section}.{f.name}"
             if f.default is True:
                 flag, want = f"--no-{section}.{f.name}", False

@@ -88,7 +88,8 @@ def test_processes_rows_of_a_token_file_make_the_global_batch(tmp_path):
 
 def _validate(argv):
     """``python -m train``'s checks before compiling, in this process: its one-line error (exit 2) or ``None``."""
-    from train.__main__ import parse_config, validate
+    from train.cli import parse_config
+    from train.job import validate
 
     try:
         validate(parse_config(argv)[0])
@@ -207,7 +208,8 @@ def test_token_file_resume_is_bitwise(tmp_path):
 
 def test_init_from_a_checkpoint_needs_room_for_the_token_ids(tmp_path, capsys):
     """--init-from keeps the checkpoint's vocabulary (256 in the fixture); the file's ids must fit in it."""
-    from train.__main__ import parse_config, validate
+    from train.cli import parse_config
+    from train.job import validate
 
     path = write_tokens(tmp_path / "t.bin", np.arange(2_000) % 200, "uint16")
     base = ["--init-from", str(ROOT / "tests" / "fixtures" / "hf" / "gpt2"), "--seq-len", "16", "--data", str(path),

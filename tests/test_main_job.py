@@ -69,7 +69,8 @@ def test_weights_at_the_end_load_into_the_model(tmp_path, corpus):
     # the exported weights are the checkpoint's parameters
     cfg = MODEL_PRESETS["nano"].__class__(**{**summary["model"]["config"]})
     model = zshard.load_params(out / "model.safetensors", GPT(cfg, rngs=nnx.Rngs(1)))
-    from train.__main__ import make_optimizer, parse_config
+    from train.cli import parse_config
+    from train.job import make_optimizer
 
     run = parse_config([*TINY, "--data", str(corpus)])[0]
     state, _ = zshard.restore(out / "checkpoints", zshard.make_mesh(1, 8), model=lambda: GPT(cfg, rngs=nnx.Rngs(0)),

@@ -4,12 +4,16 @@
     python -m train --strategy HYBRID_SHARD --mesh 2x4
     python -m train --data /path/to/text.txt --steps 500 --out runs/shakespeare
 
-Modules:
+The modules, by what they own (README "Layout" lists them all):
 
-- ``train.model``: the GPT (Flax NNX), its presets and the loss.
-- ``train.data``: byte corpus, held-out split, batches.
-- ``train.__main__``: the command line (``python -m train --help``).
+- the run: ``__main__`` (the entry point) over ``trainer`` (``Trainer``: build, loop, finish),
+  ``hooks`` (evaluation, samples, checkpoints, each with its ``due(step)``), ``metrics``
+  (every step), ``summary``, ``output`` (run folders, Ctrl-C), ``checkpointing`` (resume);
+- the configuration: ``sections`` (one dataclass per ``[table]``), ``config`` (``Config``:
+  checks, derived values), ``flags`` (TOML and flag plumbing), ``cli`` (the parser), ``job``
+  (``validate`` -> ``Setup``), ``devices`` (the emulated device count);
+- the model and data: ``model``, ``hf`` (Hugging Face in and out), ``data``, ``generate``;
+- the other programs: ``plan``, ``scale``, ``bench`` (a package), ``plot``.
 
-This file imports nothing: ``python -m train`` must set ``XLA_FLAGS`` (the emulated device
-count) before the first ``import jax``, and ``train.model`` imports jax.
+This file imports nothing, so ``python -m train`` installs its Ctrl-C handler before jax loads.
 """

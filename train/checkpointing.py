@@ -1,7 +1,7 @@
 """Checkpoints for ``python -m train``: exact resume, and the batch stream's position.
 
 ``[checkpoint] ckpt_every = N`` (``--ckpt-every N``) saves ``OUT/checkpoints/<step>`` every
-``N`` steps and after the last one (asynchronously, :class:`zshard.checkpoint.Checkpointer`);
+``N`` steps and after the last one (asynchronously, :class:`zshard.Checkpointer`);
 ``keep = K`` keeps the ``K`` newest; ``resume`` continues from the newest complete
 checkpoint in ``OUT``.
 
@@ -22,6 +22,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
+import zshard
 from train import data
 from train.config import Config, flag_of
 
@@ -98,13 +99,11 @@ class RunCheckpoints:
     """
 
     def __init__(self, run: Config, out: Path, start: int = 0, extra: dict | None = None):
-        from zshard.checkpoint import Checkpointer  # noqa: PLC0415
-
         c = run.checkpoint
         self.every, self.steps, self.start, self.extra = c.ckpt_every, run.training.steps, start, extra
         self.settings = run_settings(run)
         self.directory = out / SUBDIR
-        self.ckpt = Checkpointer(self.directory, keep=c.keep)
+        self.ckpt = zshard.Checkpointer(self.directory, keep=c.keep)
 
     @property
     def resuming(self) -> bool:
@@ -150,12 +149,10 @@ def prepare(run: Config, out: Path, fresh: bool = False) -> RunCheckpoints | Non
         numbers (each named with its flag, old -> new); the checkpoint is already at
         ``training.steps``; or its record cannot be read.
     """
-    from zshard.checkpoint import Checkpointer  # noqa: PLC0415
-
     where = out / SUBDIR
     if where.exists() and not where.is_dir():
         raise ResumeError(f"--out: {str(where)!r} is a file; checkpoints need a directory there, give another --out")
-    latest = None if fresh else Checkpointer(where).latest_step()
+    latest = None if fresh else zshard.Checkpointer(where).latest_step()
     if not run.checkpoint.resume:
         if latest is not None:
             raise ResumeError(
@@ -167,7 +164,7 @@ def prepare(run: Config, out: Path, fresh: bool = False) -> RunCheckpoints | Non
         print(f"--resume: no complete checkpoint in {str(where)!r}; starting from step 0", file=sys.stderr)
         return RunCheckpoints(run, out)
     try:
-        extra = Checkpointer(where).read_extra(latest)
+        extra = zshard.Checkpointer(where).read_extra(latest)
     except (OSError, ValueError) as e:
         raise ResumeError(f"--resume: {e}") from e
     if "config" not in extra:

@@ -1,17 +1,19 @@
-"""What ``python -m train`` writes and prints: run folders, append-only metrics, TensorBoard,
-one-line messages, and Ctrl-C at any moment (docs/main-job.md).
+"""What ``python -m train`` writes and prints: run folders, atomic files, one-line messages,
+samples, and Ctrl-C at any moment (docs/main-job.md). The metrics files are ``train/metrics.py``.
 
 Only rank 0 of a multi-process run writes files and prints progress (:data:`WRITES_FILES`).
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import signal
 import sys
 import threading
 from pathlib import Path
+
+from tqdm import tqdm
 
 PROG = "python -m train"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
@@ -31,64 +33,6 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-class MetricsLog:
-    """``OUT/metrics.jsonl``, append-only: one JSON object per line, each line flushed as written.
-
-    :meth:`start` replaces the file once (atomically) with the records a run starts from
-    (the step-0 evaluation, or a resumed checkpoint's records); :meth:`write` appends
-    ``records[n:]`` for the records not yet written. Rank 0 only.
-    """
-
-    def __init__(self, path: Path):
-        self.path, self.file, self.written = path, None, 0
-
-    def start(self, records: list[dict]) -> None:
-        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in records))
-        self.written = len(records)
-        if WRITES_FILES:
-            self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
-
-    def write(self, records: list[dict]) -> None:
-        new, self.written = records[self.written :], len(records)
-        if self.file is not None and new:
-            self.file.write("".join(json.dumps(r) + "\n" for r in new))
-            self.file.flush()
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-
-
-class TensorBoard:
-    """Scalars to TensorBoard event files in ``OUT/tb`` (``tensorboardX.SummaryWriter``), or nothing.
-
-    Tags: ``train/loss``, ``train/grad_norm``, ``train/lr``, ``eval/loss`` (nats per byte,
-    per step), ``perf/tokens_per_s``, ``perf/step_time_s``. View with
-    ``tensorboard --logdir OUT/tb``.
-    """
-
-    TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "eval_loss": "eval/loss",
-            "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s"}
-
-    def __init__(self, logdir: Path | None):
-        self.writer = None
-        if logdir is not None:
-            from tensorboardX import SummaryWriter  # noqa: PLC0415
-
-            self.writer = SummaryWriter(str(logdir), flush_secs=10)
-
-    def log(self, rec: dict) -> None:
-        if self.writer is not None:
-            for key, tag in self.TAGS.items():
-                if key in rec:
-                    self.writer.add_scalar(tag, rec[key], rec["step"])
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 class Interrupts:
@@ -168,8 +112,6 @@ def format_sample(step: int, prompt: list[int], new: list[int], temperature: flo
 def say(msg: str) -> None:
     """One line on stderr, above the progress bar (``tqdm.write``); rank 0 only."""
     if WRITES_FILES:
-        from tqdm import tqdm  # noqa: PLC0415
-
         tqdm.write(msg, file=sys.stderr)
 
 
@@ -205,8 +147,6 @@ def choose_out(run, stamp: str) -> tuple[Path, Path | None]:
 
 def clear_earlier_run(out: Path) -> None:
     """``--overwrite``: remove an earlier run's outputs (:data:`OUTPUTS` only) from ``out``."""
-    import shutil  # noqa: PLC0415
-
     for name in OUTPUTS:
         path = out / name
         if path.is_dir() and not path.is_symlink():

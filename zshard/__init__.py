@@ -5,19 +5,30 @@
     step  = zshard.make_train_step(loss_fn)
     state, metrics = step(state, batch)
     model = zshard.unshard(state)
+
+Also public, for applications built on zshard (the ``train/`` package uses nothing else):
+``Checkpointer`` (asynchronous save / restore with an ``extra`` record), ``fetch_params``
+(one logical parameter at a time on the host), ``parse_collectives`` (the collectives of a
+compiled program's HLO, by mesh axis), ``parse_mesh`` (``"RxS"`` or a preset name),
+``path_str`` (the dotted parameter path of ``init(params=...)``) and the submodule
+``zshard.distributed`` (``initialize``: ``jax.distributed`` start-up).
 """
 
-from zshard.checkpoint import export, load_params, restore, save
+from zshard import distributed
+from zshard.checkpoint import Checkpointer, export, load_params, restore, save
 from zshard.evaluate import EvalStep, make_eval_step, make_forward
-from zshard.mesh import make_mesh
+from zshard.mesh import make_mesh, parse_mesh
 from zshard.precision import MixedPrecision
-from zshard.report import Report, report
+from zshard.report import Report, parse_collectives, report
 from zshard.state import Plan, ShardedState, init, unshard
 from zshard.intercept import device_key
 from zshard.step import TokenMean, TrainStep, make_train_step
 from zshard.strategy import Strategy
+from zshard.units import path_str
+from zshard.weights import fetch_params
 
 __all__ = [
+    "Checkpointer",
     "MixedPrecision",
     "Plan",
     "Report",
@@ -26,14 +37,19 @@ __all__ = [
     "TokenMean",
     "TrainStep",
     "device_key",
+    "distributed",
     "EvalStep",
     "export",
+    "fetch_params",
     "init",
     "load_params",
     "make_eval_step",
     "make_forward",
     "make_mesh",
     "make_train_step",
+    "parse_collectives",
+    "parse_mesh",
+    "path_str",
     "report",
     "restore",
     "save",

@@ -1,0 +1,145 @@
+"""The periodic parts of ``python -m train``'s loop, each deciding when it is due (the metrics,
+due every step, are ``train/metrics.py``).
+
+- :class:`Evaluate`: the held-out loss every ``training.eval_every`` steps and after the last,
+  on the sharded state (``zshard.make_eval_step``).
+- :class:`Sample`: text every ``logging.sample_every`` steps and after the last
+  (``train.generate``, sharded), to the terminal and ``OUT/samples.txt``.
+- :class:`Checkpoint`: ``OUT/checkpoints/<step>`` every ``checkpoint.ckpt_every`` steps, after
+  the last, and when Ctrl-C stops the run (``train/checkpointing.py``, asynchronous).
+
+A hook has ``due(step, stopping)`` and ``hook(state, step, record, metrics)``; ``apart`` hooks
+(evaluation, samples) are timed apart from training throughput. ``train.trainer.Trainer``
+runs them in this order, so a checkpoint's records hold the step's evaluation.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+import zshard
+from train import data, output
+from train.generate import generate
+from train.metrics import Metrics
+from train.model import cross_entropy_loss
+from train.output import say
+
+__all__ = ["Checkpoint", "Evaluate", "Sample", "every"]
+
+
+def every(n: int, steps: int, step: int) -> bool:
+    """The cadence of evaluations, samples and checkpoints: every ``n`` steps (``0``: never) and after step ``steps``."""
+    return step == steps or bool(n and step % n == 0)
+
+
+class Evaluate:
+    """``loss(state) -> float``: mean next-token cross-entropy (nats) over the held-out batches.
+
+    Runs the sharded, forward-only ``zshard.make_eval_step`` (each unit gathered just in time,
+    never the whole model on one device); ``compiled`` is the compiled eval step (its
+    ``memory_analysis()`` goes to the summary).
+
+    Args:
+      state: a ``zshard.ShardedState``.
+      batches: global ``(inputs, targets)`` pairs, int32 ``[B, T]`` each (with several
+        processes, each passes its own rows ``[i*B/P, (i+1)*B/P)`` to the step).
+      every: ``training.eval_every`` (0: only before the first and after the last step).
+      steps: ``training.steps``.
+      prefetch: units gathered ahead (``training.prefetch``, as the train step).
+    """
+
+    apart = True
+
+    def __init__(self, state, batches: list, every: int, steps: int, prefetch: int | None = None):
+        i, procs = jax.process_index(), jax.process_count()
+        self.batches = [tuple(x[i * (len(x) // procs):(i + 1) * (len(x) // procs)] for x in b) for b in batches]
+        self.every, self.steps = every, steps
+        self.step = zshard.make_eval_step(cross_entropy_loss, prefetch=prefetch)
+        self.compiled = self.step.lower(state, self.batches[0]).compile()
+
+    def loss(self, state) -> float:
+        return float(np.mean([float(self.step(state, b)["loss"]) for b in self.batches]))
+
+    def due(self, step: int, stopping: bool = False) -> bool:
+        return not stopping and every(self.every, self.steps, step)
+
+    def __call__(self, state, step: int, rec: dict, metrics: Metrics) -> None:
+        rec["eval_loss"] = self.loss(state)
+        metrics.tb.log({"step": step, "eval_loss": rec["eval_loss"]})
+        say(f"step {step}: train loss {rec['loss']:.4f}, eval loss {rec['eval_loss']:.4f}")
+
+
+class Sample:
+    """``logging.sample_tokens`` tokens after the prompt, every ``logging.sample_every`` steps and
+    after the last; printed and appended to ``OUT/samples.txt``.
+
+    Sharded generation with a KV cache (``train.generate.generate``: each unit gathered per
+    decoding step, never the whole model). The prompt is ``logging.prompt`` (bytes, or token
+    ids of a token file) or the first ``min(64, seq_len / 2)`` held-out tokens. The context is
+    at most ``seq_len`` tokens: when it is full, generation continues from the last
+    ``seq_len // 2``. Greedy when ``temperature == 0``; the draws depend only on the seed
+    ``training.seed + step`` (and the chunk).
+    """
+
+    apart = True
+
+    def __init__(self, setup):
+        run = setup.run
+        lg = run.logging
+        self.out, self.seq_len, self.prefetch = setup.out, run.model.seq_len, run.training.prefetch
+        self.every, self.steps, self.seed = lg.sample_every, run.training.steps, run.training.seed
+        self.n, self.temperature = lg.sample_tokens, lg.temperature
+        self.byte_level = run.data.vocab_size is None  # else a token file: samples are token ids
+        if lg.prompt is not None:
+            self.prompt = list(lg.prompt.encode()) if self.byte_level else data.parse_token_prompt(lg.prompt, run.data.vocab_size)
+        else:
+            self.prompt = [int(t) for t in setup.eval_data[: min(64, run.model.seq_len // 2)]]
+
+    def sample(self, state, prompt: list[int], n: int, temperature: float, seed: int) -> list[int]:
+        """``n`` token ids generated after ``prompt``."""
+        seq_len = self.seq_len
+        tokens, chunk = list(prompt[-(seq_len // 2):] if len(prompt) >= seq_len else prompt), 0
+        new: list[int] = []
+        while len(new) < n:
+            ctx = tokens[-(seq_len // 2):] if len(tokens) >= seq_len else tokens
+            k = min(n - len(new), seq_len - len(ctx))
+            got = generate(state, [ctx], k, temperature=temperature, seed=(seed * 1000 + chunk) % 2**31, prefetch=self.prefetch)[0]
+            tokens += got.tolist()
+            new += got.tolist()
+            chunk += 1
+        return new  # ids; train.output.format_sample prints bytes as text, other tokens as ids
+
+    def due(self, step: int, stopping: bool = False) -> bool:
+        return not stopping and every(self.every, self.steps, step)
+
+    def __call__(self, state, step: int, rec: dict, metrics: Metrics) -> None:
+        new = self.sample(state, self.prompt, self.n, self.temperature, self.seed + step)
+        text = output.format_sample(step, self.prompt, new, self.temperature, self.byte_level)
+        if output.WRITES_FILES:
+            metrics.print_above_bar(text)
+            with open(self.out / "samples.txt", "a", encoding="utf-8") as f:
+                f.write(f"{text}\n")
+
+
+class Checkpoint:
+    """Save ``OUT/checkpoints/<step>`` (``train.checkpointing.RunCheckpoints``, in the background)
+    every ``checkpoint.ckpt_every`` steps, after the last, and at a Ctrl-C stop; the state, the
+    batch stream's position and the records so far. ``saved``: the steps saved."""
+
+    apart = False  # the save is asynchronous: its time is the loop's
+
+    def __init__(self, ckpt, batches):
+        self.ckpt, self.batches, self.saved = ckpt, batches, []
+
+    def due(self, step: int, stopping: bool = False) -> bool:
+        return self.ckpt.due(step) or (stopping and bool(self.ckpt.every))
+
+    def __call__(self, state, step: int, rec: dict, metrics: Metrics) -> None:
+        self.ckpt.save(state, step, self.batches, metrics.records)  # `batches` has drawn `step` batches
+        self.saved.append(step)
+        say(f"step {step}: saving checkpoint {self.ckpt.directory / str(step)} (in the background)")
+
+    def close(self) -> None:
+        """Wait for the last checkpoint to be complete on disk."""
+        self.ckpt.close()

@@ -1,0 +1,165 @@
+"""The validated job of ``python -m train``: the configuration checked against the data, the
+devices and the output folder, before anything compiles (:func:`validate` -> :class:`Setup`),
+and the optimizer it asks for (:func:`make_optimizer`).
+
+Every problem is :func:`train.cli.fail`: one line naming the key, its flag and the fix, exit
+status 2; nothing is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+
+import zshard
+from train import checkpointing, data
+from train.cli import fail
+from train.config import ConfigError
+from train.model import MODEL_PRESETS, GPTConfig, from_hf
+from train.output import choose_out
+
+__all__ = ["Setup", "make_optimizer", "validate"]
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything validated, before any compile.
+
+    Attributes:
+      run: the configuration (``train.config.Config``), type-checked and validated.
+      resolved: ``run`` with every derived value written out (``Config.resolved``).
+      cfg: the model shape (the preset, with ``seq_len`` and ``scan`` from the config).
+      source: one line naming the corpus.
+      train_data: uint8 ``[n_train]``, the training bytes, or uint16/uint32 tokens of a token file (a memmap).
+      eval_data: the held-out bytes or tokens (last 10% of the corpus), same dtype.
+      devices: the devices of the mesh.
+      replica: size of the mesh's ``replica`` axis.
+      shard: size of the mesh's ``shard`` axis.
+      mesh: ``jax.sharding.Mesh`` of shape ``(replica, shard)``.
+      out: the output directory (not created yet).
+      link: ``runs/latest``, to point at ``out`` once it is written (``None``: no link).
+      strategy: the strategy's name (``zshard.Strategy`` value).
+      ckpt: the run's checkpoints (``None``: neither saving nor resuming).
+      builder: with ``model.init_from``: the model builder of ``train.model.from_hf``, else ``None``.
+      weights: with ``model.init_from``: its ``{path: tensor}`` (read when the state is built).
+    """
+
+    run: object
+    resolved: object
+    cfg: object
+    source: str
+    train_data: object
+    eval_data: object
+    devices: list
+    replica: int
+    shard: int
+    mesh: object
+    out: Path
+    link: Path | None
+    strategy: str
+    ckpt: object
+    builder: object = None
+    weights: object = None
+
+
+def _run_stamp() -> str:
+    """``YYYYmmdd-HHMMSS`` of now, the same on every process (process 0's clock)."""
+    now = int(time.time())
+    if jax.process_count() > 1:
+        now = int(multihost_utils.broadcast_one_to_all(np.int64(now)))
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+
+
+def validate(run) -> Setup:
+    """Check the configuration against the data, the devices and OUT; :func:`fail` (exit 2) on the first problem.
+
+    Args:
+      run: a type-checked ``train.config.Config``.
+    """
+    procs = jax.process_count()  # > 1: every device of every process (mesh.devices is then per process)
+    try:
+        devices = jax.devices() if procs > 1 else jax.devices()[: run.mesh.devices]  # an accelerator may have fewer
+        run.validate(len(devices), procs)
+        replica, shard = run.mesh_shape(len(devices), procs)
+        strategy = run.strategy()
+        resolved = run.resolved(len(devices), procs)
+    except ConfigError as e:
+        fail(str(e))
+    cfg = dataclasses.replace(MODEL_PRESETS[run.model.preset], seq_len=run.model.seq_len)
+    if run.model.scan is not None:
+        cfg = dataclasses.replace(cfg, scan=run.model.scan)
+    builder = weights = None
+    if run.model.init_from is not None:
+        builder, weights, cfg = _init_from(run)
+
+    source = data.describe_source(run.data.path)
+    try:
+        train_data, eval_data = data.split_corpus(data.load_data(run.data.path, run.data.vocab_size, run.data.token_dtype))
+        data.check_split(train_data, eval_data, run.model.seq_len, source=source)
+    except ValueError as e:
+        fail(f"data.path: {e}")
+    if run.data.vocab_size is not None and run.logging.prompt is not None:
+        try:
+            data.parse_token_prompt(run.logging.prompt, run.data.vocab_size)
+        except ValueError as e:
+            fail(f"logging.prompt: {e}")
+    if run.data.vocab_size is not None and builder is None:  # a token file: its vocabulary is the model's
+        cfg = dataclasses.replace(cfg, vocab_size=run.data.vocab_size)
+    try:
+        # no mesh.shape with several processes: one row per process (jax's hybrid-mesh helper)
+        mesh = zshard.make_mesh() if procs > 1 and run.mesh.shape is None else zshard.make_mesh(replica, shard, devices=devices)
+    except ValueError as e:
+        fail(f"mesh.shape (--mesh) {run.mesh.shape!r}: {e}")
+    try:
+        out, link = choose_out(run, _run_stamp())
+        ckpt = checkpointing.prepare(resolved, out, fresh=run.logging.overwrite and not run.checkpoint.resume)
+    except ValueError as e:
+        fail(str(e))
+    return Setup(run, resolved, cfg, source, train_data, eval_data, devices, replica, shard, mesh, out, link, strategy, ckpt,
+                 builder, weights)
+
+
+def _init_from(run):
+    """``model.init_from``: ``(builder, weights, model config)`` of a Hugging Face directory; exit 2 on a problem."""
+    key = "model.init_from (--init-from)"
+    try:
+        builder, weights = from_hf(run.model.init_from)
+    except (OSError, ValueError) as e:
+        fail(f"{key} {run.model.init_from!r}: {e}")
+    cfg = builder.config
+    need, what = (run.data.vocab_size, f"--vocab-size {run.data.vocab_size}") if run.data.vocab_size else (256, "the byte-level data")
+    if cfg.vocab_size < need:
+        fail(f"{key}: the checkpoint's vocab_size is {cfg.vocab_size}; {what} needs >= {need} tokens")
+    if isinstance(cfg, GPTConfig) and run.model.seq_len > cfg.seq_len:
+        fail(f"model.seq_len (--seq-len) {run.model.seq_len} > the checkpoint's n_positions {cfg.seq_len}; lower --seq-len")
+    return builder, weights, cfg  # (model.preset and model.scan do not apply: the checkpoint's layers are a list)
+
+
+def make_optimizer(run):
+    """AdamW with linear warmup and cosine decay to ``lr / 10``; returns ``(tx, warmup steps, schedule)``.
+
+    Warmup step ``t`` (0-based) uses ``lr * (t + 1) / (warmup + 1)``: the first step already
+    moves the weights (a schedule from 0 would spend step 0 on Adam's moments alone), and
+    step ``warmup`` reaches ``lr`` (nanoGPT's ``get_lr``, the same line).
+
+    Weight decay applies to kernels and embeddings only (the mask goes by name).
+    ``optimizer.clip_norm`` goes to the step (``make_train_step(clip_norm=...)``), which is
+    the same as ``optax.clip_by_global_norm`` first in the chain (docs/optimizers.md).
+    """
+    o, steps = run.optimizer, run.training.steps
+    warmup = run.warmup_steps()
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=o.lr / (warmup + 1), peak_value=o.lr, warmup_steps=warmup, decay_steps=steps, end_value=o.lr / 10
+    )
+
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key in ("kernel", "embedding"), params)
+
+    tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=o.weight_decay, mask=decay_mask)
+    return tx, warmup, schedule

@@ -1,0 +1,171 @@
+"""The eight sections of ``python -m train``'s configuration: one dataclass per TOML table.
+
+``[model]``, ``[data]``, ``[mesh]``, ``[optimizer]``, ``[training]``, ``[checkpoint]``,
+``[distributed]``, ``[logging]``; the string under each field is its documentation (and its
+``--help`` text, read by :func:`train.flags.field_docs`). A field's flag is ``--field-name``
+unless its metadata names another (``--model`` for ``model.preset``). The whole run, its
+cross-field checks and its derived values are :class:`train.config.Config`; files and flags
+are ``train/flags.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = [
+    "SECTIONS",
+    "CheckpointConfig",
+    "DataConfig",
+    "DistributedConfig",
+    "LoggingConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "TrainingConfig",
+]
+
+
+def _flag(name: str, flag: str | None = None) -> dict:
+    return {"flag": flag or "--" + name.replace("_", "-")}
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """``[model]``: the GPT's shape (``train/model.py``)."""
+
+    preset: str = dataclasses.field(default="tiny", metadata=_flag("preset", "--model"))
+    """model preset of train/model.py: nano (d 64, 2 layers), tiny (128, 4), small (256, 6), medium (512, 8, scanned)"""
+    seq_len: int = 128
+    """tokens (bytes) per sequence; also the size of the model's position table"""
+    scan: bool | None = None
+    """stack the blocks (nnx.vmap) and run them with nnx.scan (compile time flat in depth); unset: the preset's choice"""
+    init_from: str | None = None
+    """Hugging Face model directory (gpt2 or llama, config.json + safetensors) to fine-tune; its config.json replaces the preset (vocab_size >= 256 for byte data)"""
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """``[data]``: the corpus, bytes or a token file (``train/data.py``)."""
+
+    path: str | None = dataclasses.field(default=None, metadata=_flag("path", "--data"))
+    """text file, or folder of text files (concatenated in sorted path order), to train on (bytes; the last 10% held out; a relative path is taken from the working directory); or a pre-tokenised .bin / .npy token file with --vocab-size; unset: the Python stdlib's .py sources, first 8 MiB"""
+    eval_batches: int = 8
+    """held-out batches (of training.batch_size sequences) per evaluation"""
+    vocab_size: int | None = None
+    """tokens in the vocabulary of a token file (--data FILE.bin or FILE.npy, nanoGPT layout); required for one, and the model's vocab_size; every token must be < it; unset for text (bytes, 256)"""
+    token_dtype: str | None = None
+    """dtype of a .bin token file: uint16 or uint32 (raw tokens, no header); unset: uint16 as nanoGPT (a .npy carries its own)"""
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    """``[mesh]``: devices, the ``(replica, shard)`` mesh and the sharding strategy."""
+
+    devices: int = 8
+    """devices per process: N emulated CPU devices; on an accelerator, the first N (at most) of its devices"""
+    shape: str | None = dataclasses.field(default=None, metadata=_flag("shape", "--mesh"))
+    """REPLICAxSHARD (e.g. 2x4) or a preset of meshes/*.toml (e.g. cpu-2x4); unset: 1xN (N devices on shard), or processes x devices per process"""
+    strategy: str | None = None
+    """sharding strategy (FSDP names; file alias: sharding_strategy): NO_SHARD, SHARD_OPT, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, HYBRID_SHARD_OPT; unset: FULL_SHARD, or zero_stage's"""
+    zero_stage: int | None = None
+    """DeepSpeed ZeRO stage, an alias of strategy (file alias: [zero_optimization] stage): 0 NO_SHARD, 1 SHARD_OPT, 2 SHARD_GRAD_OP, 3 FULL_SHARD"""
+    unit: str = "blocks"
+    """wrap policy: blocks (each transformer block a unit; embeddings, final norm and head form the root unit, gathered for the step) or ends (the embedding and the head are units too, gathered only where used: train.model.units_with_ends)"""
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """``[optimizer]``: AdamW (b1 0.9, b2 0.95), linear warmup, cosine decay to ``lr / 10``."""
+
+    lr: float = 3e-3
+    """peak learning rate (per step, dimensionless)"""
+    warmup: int | None = None
+    """linear warmup, steps (step t uses lr * (t + 1) / (warmup + 1)); unset: 10% of training.steps (at most steps - 1)"""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on kernels and embeddings (not on norms or biases)"""
+    clip_norm: float | None = None
+    """clip the gradient to this global L2 norm (exact over all shards); unset: no clipping"""
+
+
+@dataclasses.dataclass
+class TrainingConfig:
+    """``[training]``: steps, batch, precision, evaluation."""
+
+    steps: int = 300
+    """optimizer steps"""
+    batch_size: int = 16
+    """GLOBAL batch, sequences per step (split over all devices x grad_accum micro-batches)"""
+    grad_accum: int = 1
+    """gradient accumulation: micro-batches per optimizer step"""
+    param_dtype: str | None = None
+    """mixed precision: dtype of the all-gather and of the compute, float32 or bfloat16 (masters stay float32)"""
+    reduce_dtype: str | None = None
+    """mixed precision: dtype of the gradient reduce-scatter / all-reduce (unset: param_dtype)"""
+    skip_nonfinite: bool = False
+    """skip the update of a step whose loss or gradient is NaN/inf; otherwise such a step stops the run"""
+    remat: str = "block"
+    """activation checkpointing in each block: block (recompute the block), dots (save matmul outputs), none (save all)"""
+    prefetch: int | None = None
+    """units whose all-gather may be issued ahead of the unit computing (0: off; unset: zshard.make_train_step's default, 0 on CPU and 1 on GPU/TPU)"""
+    seed: int = 0
+    """seed of the initial weights, of the batches and of sampling"""
+    eval_every: int = 100
+    """steps between held-out evaluations (0: only before the first and after the last step)"""
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """``[checkpoint]``: saving and exact resume, by ``train/checkpointing.py``."""
+
+    ckpt_every: int = 0
+    """steps between checkpoints in OUT/checkpoints/<step>, and after the last step (0: none)"""
+    keep: int | None = None
+    """checkpoints kept, the newest (unset: all)"""
+    resume: bool = False
+    """continue from the newest complete checkpoint in OUT/checkpoints (same batches, same losses)"""
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    """``[distributed]``: ``jax.distributed`` for multi-host runs (``zshard.distributed.initialize``, docs/multihost.md)."""
+
+    coordinator: str | None = None
+    """HOST:PORT of process 0, reachable from every process; unset: $ZSHARD_COORDINATOR, the cluster's (SLURM / Open MPI), or one process"""
+    num_processes: int | None = None
+    """processes (hosts) in the run, the same on all; unset: $ZSHARD_NUM_PROCESSES or the cluster's"""
+    process_id: int | None = None
+    """this process's rank, 0 .. num_processes - 1; unset: $ZSHARD_PROCESS_ID or the cluster's"""
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    """``[logging]``: where the run writes, what it watches."""
+
+    out: str | None = None
+    """output directory: metrics.jsonl, summary.json, config.toml, samples.txt, tb/, model.safetensors (created after validation); unset: a new runs/<date-time> folder, runs/latest pointing at it (--resume: runs/latest)"""
+    overwrite: bool = False
+    """replace the files of an earlier run in OUT (without it a run never writes into an OUT that holds one; --resume continues it)"""
+    report: bool = False
+    """print zshard.report (memory and collective bytes of the compiled step) and store it in summary.json"""
+    tensorboard: bool = True
+    """write TensorBoard event files under OUT/tb"""
+    sample_every: int = 0
+    """steps between text samples (0: only after the last step)"""
+    prompt: str | None = None
+    """text the samples start from; unset: the first min(64, seq_len / 2) bytes of the held-out split"""
+    sample_tokens: int = 128
+    """tokens (bytes) generated per sample"""
+    temperature: float = 0.8
+    """sampling temperature; 0: greedy (argmax)"""
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "mesh": MeshConfig,
+    "optimizer": OptimizerConfig,
+    "training": TrainingConfig,
+    "checkpoint": CheckpointConfig,
+    "distributed": DistributedConfig,
+    "logging": LoggingConfig,
+}

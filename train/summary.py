@@ -1,0 +1,127 @@
+"""The end of a ``python -m train`` run: the weights, ``OUT/summary.json`` and the last line.
+
+``summary.json`` holds what ran (strategy, mesh, devices, model, data, the resolved
+configuration), what it measured (losses, per-device bytes of the compiled train and eval
+steps, compile / train / evaluation seconds, tokens per second) and what it wrote (weights,
+the checkpoints still on disk). The last line on stderr says what the run did and every file
+it wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import zshard
+from train import output
+from train.output import PROG, write_atomic
+
+__all__ = ["finish", "summary_line"]
+
+
+def finish(b, p, t_start: float) -> dict:
+    """Save the weights (``OUT/model.safetensors``), write ``OUT/summary.json``, print what was written.
+
+    Args:
+      b: the :class:`train.trainer.Trainer`.
+      p: its :class:`train.trainer.Progress`.
+      t_start: ``time.perf_counter()`` when the program started (``wall_s`` counts from there).
+
+    Returns:
+      The summary (the JSON object written).
+    """
+    setup = b.setup
+    run, out = setup.run, setup.out
+    t_cfg = run.training
+    weights = out / "model.safetensors"
+    eval_mem = b.evaluate.compiled.memory_analysis()
+    zshard.export(p.state, weights)  # every process gathers; process 0 writes
+    losses = [r["loss"] for r in p.records if "loss" in r]
+    evals = [r for r in p.records if "eval_loss" in r]
+    tokens_per_step = t_cfg.batch_size * run.model.seq_len
+    steps_done = p.last - b.start
+    summary = {
+        "strategy": setup.strategy,
+        "mesh": {"replica": setup.replica, "shard": setup.shard},
+        "devices": len(setup.devices),
+        "processes": jax.process_count(),
+        "platform": setup.devices[0].platform,
+        "model": {"preset": run.model.preset, "config": dataclasses.asdict(setup.cfg)},
+        "num_params": p.state.plan.num_params(),
+        "steps": t_cfg.steps,
+        "steps_done": p.last,  # the last step trained (== steps unless interrupted)
+        "resumed_from": b.start,  # 0: a fresh run
+        "interrupted": p.interrupted,
+        "batch_size": t_cfg.batch_size,  # global, sequences
+        "seq_len": run.model.seq_len,  # tokens
+        "tokens_per_step": tokens_per_step,
+        "lr": run.optimizer.lr,
+        "param_dtype": t_cfg.param_dtype or "float32",
+        "reduce_dtype": t_cfg.reduce_dtype or t_cfg.param_dtype or "float32",
+        "grad_accum": t_cfg.grad_accum,  # micro-batches per step
+        "clip_norm": run.optimizer.clip_norm,
+        "scan": setup.cfg.scan,
+        "warmup": b.warmup,  # steps
+        "weight_decay": run.optimizer.weight_decay,
+        "seed": t_cfg.seed,
+        "data": {
+            "source": setup.source,
+            "vocab_size": run.data.vocab_size or 256,  # a token file's --vocab-size, or bytes
+            "train_tokens": len(setup.train_data),  # bytes for text
+            "eval_tokens": len(setup.eval_data),
+            **({"train_bytes": len(setup.train_data), "eval_bytes": len(setup.eval_data)} if run.data.vocab_size is None else {}),
+            "eval_sequences": run.data.eval_batches * t_cfg.batch_size,
+        },
+        "final_train_loss": losses[-1] if losses else None,  # nats per token (byte), last step
+        "final_train_loss_mean10": float(np.mean(losses[-10:])) if losses else None,  # mean of the last 10 steps
+        "initial_eval_loss": evals[0]["eval_loss"],  # step 0 (of the first run, when resumed)
+        "final_eval_loss": evals[-1]["eval_loss"],  # at step final_eval_step
+        "final_eval_step": evals[-1]["step"],
+        "per_device_bytes": b.per_device_bytes,  # from the compiled step's memory_analysis()
+        "eval_per_device_bytes": None if eval_mem is None else {  # the sharded eval step's
+            k: int(getattr(eval_mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp")},
+        "model_bytes": sum(int(v.get_value().size) * v.get_value().dtype.itemsize for _, v in p.state.plan.template),
+        "init_from": run.model.init_from,
+        **({"report": b.report.to_dict()} if b.report is not None else {}),
+        "compile_s": b.compile_s,
+        "train_s": p.train_s,  # the training loop, evaluations included
+        "eval_s": p.eval_s,  # evaluations and samples inside the loop
+        "tokens_per_s": tokens_per_step * steps_done / max(p.train_s - p.eval_s, 1e-9),
+        "weights": str(weights),  # safetensors, logical shapes (zshard.export)
+        # the saved checkpoints still on disk (checkpoint.keep deletes the oldest)
+        "checkpoints": [str(setup.ckpt.directory / str(s)) for s in p.saved
+                        if (setup.ckpt.directory / str(s)).is_dir()] if setup.ckpt is not None else [],
+        "wall_s": time.perf_counter() - t_start,  # whole program, imports included
+        "config": setup.resolved.to_dict(),
+    }
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    print(summary_line(summary, b, out), file=sys.stderr, flush=True)  # every rank: what it trained and evaluated
+    return summary
+
+
+def summary_line(summary: dict, b, out: Path) -> str:
+    """The last line: what the run did (evaluations of this run only) and every file it wrote."""
+    last, steps = summary["steps_done"], summary["steps"]
+    unit = "nats/byte" if "train_bytes" in summary["data"] else "nats/token"
+    what = f"interrupted after step {last} of {steps}" if summary["interrupted"] else f"{steps} steps"
+    if b.start:
+        what += f" (resumed after step {b.start})"
+    if summary["final_eval_step"] > b.eval_step0:
+        evals = (f"eval loss {b.eval_loss0:.4f} (step {b.eval_step0}) -> {summary['final_eval_loss']:.4f} {unit} "
+                 f"(step {summary['final_eval_step']})")
+    else:
+        evals = f"no evaluation in this run (the last: {b.eval_loss0:.4f} {unit} at step {b.eval_step0})"
+    if summary["final_train_loss"] is not None:
+        evals += f"; last train loss {summary['final_train_loss']:.4f}"
+    names = [n for n in ("metrics.jsonl", "summary.json", "config.toml", "samples.txt", "tb", "checkpoints", "model.safetensors")
+             if (out / n).exists()]
+    wrote = f"wrote {', '.join(n + ('/' if (out / n).is_dir() else '') for n in names)} in {out}"
+    if not output.WRITES_FILES:
+        wrote = "rank 0 writes the files"
+    return f"{PROG}: {what}; {evals}; {summary['wall_s']:.0f} s wall; {wrote}"
