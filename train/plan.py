@@ -18,9 +18,22 @@ their papers. The planner lives with the application (zshard does not import ``t
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import sys
 import time
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import optax
+from flax import nnx
+
+import zshard
+from train.devices import emulate_devices
+from train.model import PLAN_PRESETS, build_model, cross_entropy_loss, units_with_ends
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
 
 __all__ = ["main", "peak_bytes"]
 
@@ -58,26 +71,12 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     parser, args = _parse(sys.argv[1:] if argv is None else argv)
-    from zshard.mesh import parse_mesh  # noqa: PLC0415  (no jax import: devices not yet fixed)
-
     try:
-        replica, shard = parse_mesh(args.mesh)
+        replica, shard = zshard.parse_mesh(args.mesh)
     except ValueError as e:
         parser.error(f"--mesh: {e}")
     world = replica * shard
-    # Emulated devices must be set before jax is imported.
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={world}"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-    import dataclasses  # noqa: PLC0415
-
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    import optax  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
-
-    import zshard  # noqa: PLC0415
-    from train.model import PLAN_PRESETS, build_model, cross_entropy_loss, units_with_ends  # noqa: PLC0415
+    emulate_devices(world, cpu_only=True)  # before jax starts its backend (the check below says when it had)
 
     if args.model not in PLAN_PRESETS:
         parser.error(f"--model {args.model!r}: choose one of {', '.join(PLAN_PRESETS)}")
@@ -128,11 +127,6 @@ def main(argv=None) -> int:
     )
 
     if args.plot:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-
         names, rows = [], []
         for s in zshard.Strategy:
             r = rep if s.value == rep.strategy else plan_one(s.value)[0]

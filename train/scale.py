@@ -7,13 +7,13 @@
 GPT-2 1.5B, Llama 7B and 70B shapes (``train.model.PLAN_PRESETS``), seq 2048, one sequence per
 device, AdamW, fp32, FULL_SHARD / HYBRID_SHARD / HYBRID_SHARD_OPT on meshes of ``N/8 x 8`` (8
 devices per host), compiled ahead of time with abstract inputs on ``N`` emulated CPU devices
-(one subprocess per ``N``, each with its own ``XLA_FLAGS``; nothing is allocated). Per-device
+(one subprocess per ``N``, each asking for its own device count; nothing is allocated). Per-device
 peak (``argument + output - alias + temp``) and the live set at the fullest instant
 (:func:`live_peak`) against :func:`expected_peak` (:func:`memory_formula`,
 :func:`moment_bytes`); fits on 80 GB and on 141 GB devices.
 docs/memory.md ("The scale table") has the measured table and the buffer-level analysis.
 
-Split out of ``train/bench.py``, which imports the formulas and the runner from here.
+``python -m train.bench`` runs it as its section 3 and imports the formulas from here.
 """
 
 from __future__ import annotations
@@ -28,6 +28,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import zshard
+from train.devices import emulate_devices
+from train.model import PLAN_PRESETS, GPTConfig, build_model, cross_entropy_loss
+from train.plan import peak_bytes
 
 __all__ = ["activation_bytes", "expected_peak", "live_peak", "memory_formula", "moment_bytes", "run_scale", "scale_table", "scale_worker"]
 
@@ -228,17 +238,8 @@ def live_peak(dump_dir: str | Path) -> dict:
 
 
 def scale_worker(n_devices: int, models, strategies) -> list[dict]:
-    """In a process whose ``XLA_FLAGS`` give ``n_devices`` CPU devices: compile every
-    (model, strategy) on a ``n/8 x 8`` mesh with abstract inputs and measure it."""
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    import optax  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
-
-    import zshard  # noqa: PLC0415
-    from train.model import PLAN_PRESETS, GPTConfig, build_model, cross_entropy_loss  # noqa: PLC0415
-    from train.plan import peak_bytes  # noqa: PLC0415
-
+    """In a process of ``n_devices`` emulated CPU devices (:func:`train.devices.emulate_devices`):
+    compile every (model, strategy) on a ``n/8 x 8`` mesh with abstract inputs and measure it."""
     mesh = zshard.make_mesh(n_devices // HOST_DEVICES, HOST_DEVICES, devices=jax.devices()[:n_devices])
     tokens = jax.ShapeDtypeStruct((n_devices, SCALE_SEQ), jnp.int32)
     step = zshard.make_train_step(cross_entropy_loss)
@@ -281,10 +282,7 @@ def run_scale(devices, models, strategies, progress, timeout: float) -> list[dic
     rows = []
     for n in devices:
         progress.set_description(f"scale: {n} devices")
-        env = dict(os.environ)
-        env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f) + \
-            f" --xla_force_host_platform_device_count={n}"
-        env["JAX_PLATFORMS"] = "cpu"
+        env = dict(os.environ, JAX_PLATFORMS="cpu")  # the worker asks for its n devices itself
         cmd = [sys.executable, "-m", "train.scale", "--worker", str(n), "--models", ",".join(models),
                "--strategies", ",".join(strategies)]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -330,13 +328,6 @@ def scale_table(rows) -> str:
 # --------------------------------------------------------------------------------------
 
 
-def set_device_count(n_devices: int) -> None:
-    """Before jax is imported: ``n_devices`` emulated CPU devices (other ``XLA_FLAGS`` kept)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n_devices}"])
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
 class _Progress:
     """The slice of ``tqdm``'s interface :func:`run_scale` uses, printing to stderr."""
 
@@ -370,7 +361,7 @@ def main(argv=None) -> int:
     models = _csv(args.models, SCALE_MODELS, "--models", p)
     strategies = _csv(args.strategies, SCALE_STRATEGIES, "--strategies", p)
     if args.worker is not None:
-        set_device_count(args.worker)
+        emulate_devices(args.worker, cpu_only=True)
         scale_worker(args.worker, models, strategies)
         return 0
     try:

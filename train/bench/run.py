@@ -1,0 +1,118 @@
+"""``python -m train.bench``: zshard against its peers, side by side, and at scale by simulation.
+
+The program: the flags, the sections in order (``train/bench/sections.py``, the scale section
+``train/scale.py``), the targets, and ``OUT/bench.json``, ``OUT/bench.md`` and the PNG plots
+(``train/bench/tables.py``), each file written whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import jax
+from tqdm import tqdm
+
+from train.bench.sections import CONFIGS, DEPTHS, GPU_XLA_FLAGS, NUM_DEVICES, QUICK, STRATEGIES, bench_config, depth_sweep, gpu_section
+from train.bench.tables import config_table, depth_table, plots, targets, targets_table
+from train.devices import emulate_devices
+from train.scale import SCALE_DEVICES, SCALE_MODELS, SCALE_STRATEGIES, run_scale, scale_table, scale_worker
+
+__all__ = ["PROG", "main"]
+
+PROG = "python -m train.bench"
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog=PROG, allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/bench", help="output directory for bench.json, bench.md and the PNG plots")
+    p.add_argument("--quick", action="store_true", help="smoke mode: tiny model (config Q), 3 strategies, 3 rounds, no sweep, no scale")
+    p.add_argument("--repeats", type=int, default=None, metavar="N", help="interleaved timing rounds (default: S 10, P 3; --quick 3)")
+    p.add_argument("--configs", default="S,P", help="section 1 configurations, comma-separated (S, P)")
+    p.add_argument("--no-depth", action="store_true", help="skip the depth sweep")
+    p.add_argument("--no-scale", action="store_true", help="skip scale by simulation")
+    p.add_argument("--scale-timeout", type=float, default=900.0, metavar="S", help="seconds allowed to each scale subprocess")
+    p.add_argument("--scale-worker", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--models", default=",".join(SCALE_MODELS), help=argparse.SUPPRESS)
+    p.add_argument("--strategies", default=",".join(SCALE_STRATEGIES), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: must be a positive integer (timing rounds)")
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for c in configs:
+        if c not in CONFIGS:
+            p.error(f"--configs: unknown configuration {c!r}; choose from {', '.join(CONFIGS)}")
+    args.config_list = configs
+    return p, args
+
+
+def main(argv=None) -> int:
+    parser, args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.scale_worker is not None:  # kept for older scripts; run_scale spawns python -m train.scale --worker
+        emulate_devices(args.scale_worker, cpu_only=True)
+        scale_worker(args.scale_worker, args.models.split(","), args.strategies.split(","))
+        return 0
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {out}: exists and is not a directory; give a directory path")
+    emulate_devices(NUM_DEVICES, xla_flags=GPU_XLA_FLAGS)  # before jax starts (in a test process it has: its 8 stand)
+    t_start = time.perf_counter()
+
+    if len(jax.devices("cpu")) < NUM_DEVICES:
+        parser.error(f"needs {NUM_DEVICES} CPU devices, JAX sees {len(jax.devices('cpu'))} (jax started with fewer before this program asked)")
+    configs = {"Q": QUICK} if args.quick else {c: CONFIGS[c] for c in args.config_list}
+    strategies = ("NO_SHARD", "FULL_SHARD", "HYBRID_SHARD") if args.quick else STRATEGIES
+    do_depth, do_scale = not (args.quick or args.no_depth), not (args.quick or args.no_scale)
+    scale_strats = SCALE_STRATEGIES
+    total = sum(4 + len(strategies) + 2 * ("FULL_SHARD" in strategies) + (args.repeats or c.repeats) for c in configs.values()) + (2 * len(DEPTHS) if do_depth else 0) + \
+        (len(SCALE_DEVICES) * len(SCALE_MODELS) * len(scale_strats) if do_scale else 0)
+    results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
+               f"{platform.system()} {platform.release()}", "jax": jax.__version__, "backend": jax.default_backend(),
+               "command": " ".join([PROG] + (sys.argv[1:] if argv is None else list(argv))), "configs": {}}
+    with tqdm(total=total, desc="bench", file=sys.stderr, dynamic_ncols=True) as progress:
+        for name, cfg in configs.items():
+            results["configs"][name] = bench_config(cfg, strategies, args.repeats or cfg.repeats, progress)
+            progress.write(config_table(results["configs"][name]) + "\n", file=sys.stderr)  # early view; full report below
+        if do_depth:
+            results["depth"] = depth_sweep(DEPTHS, CONFIGS["S"], progress)
+            progress.write(depth_table(results["depth"]) + "\n", file=sys.stderr)
+        if do_scale:
+            results["scale"] = run_scale(SCALE_DEVICES, SCALE_MODELS, scale_strats, progress, args.scale_timeout)
+    if jax.default_backend() == "gpu":
+        results["gpu"] = gpu_section(args.repeats or 10)
+    results["targets"] = targets(results)
+    results["wall_s"] = time.perf_counter() - t_start
+
+    md = [f"## zshard benchmarks ({results['date']}; {results['machine']}; jax {results['jax']})", ""]
+    md += [config_table(r) + "\n" for r in results["configs"].values()]
+    if do_depth:
+        md.append(depth_table(results["depth"]) + "\n")
+    if do_scale:
+        md.append(scale_table(results["scale"]) + "\n")
+    if "gpu" in results:
+        g = results["gpu"]
+        mfu = "n/a (unknown peak)" if g["mfu_zshard"] is None else f"{g['mfu_zshard']:.1%} (plain jit {g['mfu_plain']:.1%})"
+        md.append(f"### GPU ({g['device']})\n\nzshard FULL_SHARD 1x1 / plain jit step time: {g['overhead']:.3f}; "
+                  f"MFU {mfu}, FLOPs = 6*N*T + 12*L*h*s*T (Kaplan 2020 s2.1, PaLM app. B); XLA_FLAGS {' '.join(g['xla_flags'])}\n")
+    else:
+        md.append(f"GPU section skipped: jax.default_backend() is {jax.default_backend()!r}, not 'gpu'.\n")
+    md.append(targets_table(results["targets"]))
+    text = "\n".join(md)
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    written = plots(results, out)
+    for name, content in (("bench.json", json.dumps(results, indent=1)), ("bench.md", text + "\n")):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(content)
+        os.replace(tmp, out / name)
+    print(f"\nwrote {out / 'bench.json'}, {out / 'bench.md'}, {', '.join(written)} in {results['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
