@@ -1,16 +1,17 @@
 """Autoregressive sampling with a KV cache for the GPT and Llama of ``train/model.py``, on
 the sharded state.
 
-Two ways to hold the parameters while decoding (``gather_once``):
+One :func:`generate` call is one call of a sharded forward (``zshard.make_forward``,
+:func:`decoder`): the prefill and every decoding step run inside it, in one
+``lax.fori_loop``. Two ways to hold the parameters while decoding (``gather_once``):
 
-- ``False`` (default, sharded): every decoding step is one call of the sharded forward
-  (``zshard.evaluate.forward``): the root unit and each block unit are all-gathered just in
-  time and dropped, as in training. Per device: parameters at rest ``Psi / N`` plus about
+- ``False`` (default, sharded): in every decoding step the root unit and each block unit are
+  all-gathered just in time and dropped, as in training. Per device: parameters at rest ``Psi / N`` plus about
   two gathered units; per generated token, all-gathers of the whole model,
   ``Psi * (N - 1) / N`` elements received per device. Use it when the model does not fit
   on one device, or for a few tokens (sampling during training).
-- ``True``: every parameter is all-gathered once per :func:`generate` call, then all tokens
-  are decoded with the whole model on every device. Per device: ``Psi`` (the whole model)
+- ``True``: every parameter is all-gathered once per :func:`generate` call, before the loop,
+  then all tokens are decoded with the whole model on every device. Per device: ``Psi`` (the whole model)
   plus the cache; no communication per token. Use it when the whole model fits with the
   cache beside it and many tokens are generated: the gathers are paid once, not per token.
 
@@ -30,16 +31,17 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, traverse_util
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from flax import nnx
+from jax.experimental import multihost_utils
 
+import zshard
 from train.model import GPTConfig, init_cache
-from zshard.evaluate import forward
-from zshard.mesh import AXES
-from zshard.units import path_str
 
-__all__ = ["generate", "generate_local"]
+__all__ = ["decoder", "generate", "generate_local"]
+
+make_forward = getattr(zshard, "make_forward", None)
+if make_forward is None:  # until zshard.make_forward lands (issue 24): train/_forward_compat.py, the same signature
+    from train._forward_compat import make_forward
 
 
 def _pick(logits, rows, t, seed, temperature):
@@ -102,53 +104,41 @@ def generate_local(model: nnx.Module, prompts, n: int, *, temperature: float = 0
 
 
 # ----------------------------------------------------------------------------------------
-# Sharded
+# Sharded: the whole decode loop inside one sharded forward call
 # ----------------------------------------------------------------------------------------
 
 
-@jax.jit
-def gather_all(state) -> dict:
-    """Every parameter whole on every device: ``{path: logical array}``, replicated."""
-    plan = state.plan
+@functools.cache
+def decoder(n: int, gather_once: bool = False, prefetch: int | None = None):
+    """The sharded forward (``zshard.make_forward``) that decodes ``n`` tokens in one call.
 
-    def local(params):
-        out = {}
-        for path, x in traverse_util.flatten_dict(params).items():
-            # [.., n_pad/N] --all_gather(shard, tiled)--> [.., n_pad]
-            full = jax.lax.all_gather(x, plan.shard_axes, axis=x.ndim - 1, tiled=True) if plan.shard_axes else x
-            out[path_str(path)] = plan.layouts[path].from_storage(full)  # [.., n_pad] -> [.., n] -> shape
-        return out
+    ``decoder(n, ...)(state, prompts, rows, seed, temperature)``: ``prompts`` int32 ``[B, T0]``
+    and ``rows`` int32 ``[B]`` (each row's index, for its random stream) split over the devices
+    (``B`` a multiple of the device count); ``seed`` int32 and ``temperature`` float32 scalars.
+    Returns int32 ``[B, n]``, split the same way. Per device: the prefill, then ``n - 1``
+    decoding steps in one ``lax.fori_loop`` over this device's rows and KV cache
+    ``[rows, T0 + n, n_kv_heads, head_size]`` per layer. ``gather_once``: the whole model is
+    gathered once, before the loop; otherwise each unit is gathered just in time in every step.
+    """
 
-    # The tiled all-gather leaves identical copies on every device of a shard group, and the
-    # groups hold the same parameters: replicated in fact, though jax types the result as
-    # varying over the gathered axes, hence check_vma=False.
-    return jax.shard_map(local, mesh=plan.mesh, in_specs=(plan.param_specs,), out_specs=P(), check_vma=False)(state.params)
+    def decode(model, prompts, rows, seed, temperature):
+        b, t0 = prompts.shape
+        cache = init_cache(model.cfg, b, t0 + n)
+        logits, cache = model(prompts, cache=cache, pos=jnp.int32(0))  # prefill: [b, T0, V]
+        tok = _pick(logits[:, -1], rows, jnp.int32(0), seed, temperature)  # [b]
+        out = jnp.zeros((b, n), jnp.int32).at[:, 0].set(tok)
 
+        def step(t, carry):
+            model, tok, cache, out = carry
+            logits, cache = model(tok[:, None], cache=cache, pos=t0 + t - 1)  # [b, 1, V]
+            tok = _pick(logits[:, -1], rows, t, seed, temperature)
+            return model, tok, cache, out.at[:, t].set(tok)
 
-@functools.partial(jax.jit, static_argnames=("gather_once", "prefetch"), donate_argnames=("cache",))
-def sharded_step(state, full, tokens, cache, pos, t, rows, seed, temperature, gather_once=False, prefetch=None):
-    # (state.variables: the GPT and Llama have none; generation reads, never writes them)
-    """One decoding step over the mesh: tokens [B, T] (rows split over all devices) -> next [B]."""
-    plan = state.plan
+        # nnx.fori_loop: the model goes in the carry (a stacked model's own nnx.scan may not
+        # reach a module captured from outside the loop's trace)
+        return nnx.fori_loop(1, n, step, (model, tok, cache, out))[3]  # [b, n]
 
-    def step(model, tokens, cache, rows):
-        logits, cache = model(tokens, cache=cache, pos=pos)  # [b, T, V]
-        return _pick(logits[:, -1], rows, t, seed, temperature), cache
-
-    def local(params, variables, full, tokens, cache, rows):
-        if gather_once:  # the whole model is here already
-            var_flat = traverse_util.flatten_dict(variables) if variables else {}
-            flat = [(p, v.replace(full[path_str(p)])) for p, v in plan.template]
-            flat += [(p, v.replace(var_flat[p])) for p, v in plan.var_template]
-            return step(nnx.merge(plan.graphdef, nnx.from_flat_state(flat)), tokens, cache, rows)
-        return forward(state, params, variables, step, tokens, cache, rows, prefetch=prefetch)  # each unit gathered just in time
-
-    batch = P(AXES)
-    return jax.shard_map(
-        local, mesh=plan.mesh,
-        in_specs=(plan.param_specs, state.specs().variables, P(), batch, batch, batch),
-        out_specs=(batch, batch),
-    )(state.params, state.variables, full, tokens, cache, rows)
+    return make_forward(decode, gather_once=gather_once, prefetch=prefetch)
 
 
 def generate(
@@ -184,22 +174,8 @@ def generate(
     bp = -(-b // world) * world  # rows padded to a multiple of the devices (padding rows dropped)
     padded = np.zeros((bp, t0), np.int32)
     padded[:b] = prompts
-    batch = NamedSharding(plan.mesh, P(AXES))
-    cache = jax.jit(lambda: init_cache(cfg, bp, t0 + n), out_shardings=batch)()  # each device: its rows
-    put = lambda a: jax.make_array_from_callback(a.shape, batch, lambda index: a[index])  # noqa: E731  (multi-process safe)
-    rows = put(np.arange(bp, dtype=np.int32))
-    full = gather_all(state) if gather_once else {}
-    seed, temp = jnp.int32(seed), jnp.float32(temperature)
-    tok, cache = sharded_step(state, full, put(padded), cache, jnp.int32(0), jnp.int32(0), rows, seed, temp,
-                               gather_once=gather_once, prefetch=prefetch)
-    out = [tok]
-    for t in range(1, n):
-        tok, cache = sharded_step(state, full, tok[:, None], cache, jnp.int32(t0 + t - 1), jnp.int32(t), rows, seed, temp,
-                                   gather_once=gather_once, prefetch=prefetch)
-        out.append(tok)
-    tokens = jnp.stack(out, axis=1)  # [bp, n], rows split over the devices
+    rows = np.arange(bp, dtype=np.int32)
+    tokens = decoder(n, gather_once, prefetch)(state, padded, rows, jnp.int32(seed), jnp.float32(temperature))  # [bp, n]
     if not tokens.is_fully_addressable:  # several processes: every process gets every row
-        from jax.experimental import multihost_utils  # noqa: PLC0415
-
         return np.asarray(multihost_utils.process_allgather(tokens, tiled=True))[:b]
     return np.asarray(tokens)[:b]

@@ -286,8 +286,7 @@ def to_hf(state_or_model, path) -> Path:
     from safetensors.numpy import save_file  # noqa: PLC0415
 
     from train.model import GPTConfig  # noqa: PLC0415
-    from zshard.units import path_str  # noqa: PLC0415
-    from zshard.weights import fetch_params  # noqa: PLC0415
+    from zshard import fetch_params, path_str  # noqa: PLC0415
 
     if isinstance(state_or_model, nnx.Module):
         mc = state_or_model.cfg

@@ -1,0 +1,165 @@
+"""The repository's layout, read from the file system (no jax program runs here).
+
+1. ``train/`` uses only zshard's public names: every ``import zshard.X``, ``from zshard import
+   X``, ``from zshard.X import ...`` and attribute ``zshard.X`` in its modules names an entry of
+   ``zshard.__all__`` (a public submodule such as ``zshard.distributed`` may be used inside).
+2. No import cycle among ``train/``'s modules, function-local imports included.
+3. Every module of ``zshard/`` and ``train/`` is listed, grouped by room, in the README's layout
+   block and in docs/design.md section 1, and neither lists a module that is not there.
+4. No module of ``train/`` is over 500 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import zshard
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_LINES = 500
+
+
+def _modules(package: str) -> dict[str, Path]:
+    """``{"train.bench.peers": path}`` for every ``.py`` file of a package (``__init__`` as the package)."""
+    out = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _zshard_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, "zshard.X...")`` for every use of zshard in a module: imports and attributes of the package."""
+    aliases, uses = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "zshard" or a.name.startswith("zshard."):
+                    if a.name != "zshard":
+                        uses.append((node.lineno, a.name))
+                    if a.asname is None or a.name == "zshard":
+                        aliases.add(a.asname or "zshard")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == "zshard":
+            if node.module == "zshard":
+                uses += [(node.lineno, f"zshard.{a.name}") for a in node.names]
+            else:
+                uses.append((node.lineno, node.module))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            uses.append((node.lineno, f"zshard.{node.attr}"))
+    return uses
+
+
+def test_train_uses_only_zshard_public_names():
+    public = set(zshard.__all__)
+    bad = []
+    for name, path in _modules("train").items():
+        for line, use in _zshard_uses(ast.parse(path.read_text(), str(path))):
+            if use.split(".")[1] not in public:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {use}")
+    assert not bad, "train/ uses names outside zshard.__all__ (export them in zshard/__init__.py or do without):\n" + "\n".join(bad)
+
+
+def test_the_public_names_check_sees_every_kind_of_use():
+    code = ("import zshard\nimport zshard.mesh\nfrom zshard import init\nfrom zshard.units import path_str\n"
+            "from zshard.distributed import initialize\nzshard.step.default_prefetch()\nzshard.distributed.initialize()\n")
+    uses = [u for _, u in _zshard_uses(ast.parse(code))]
+    # (`import zshard.mesh` also binds the name zshard, whose attributes count too)
+    assert sorted(uses) == sorted(["zshard.mesh", "zshard.init", "zshard.units", "zshard.distributed", "zshard.step",
+                                   "zshard.distributed"])
+
+
+def _train_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The ``train`` modules a module imports anywhere in it (top level or inside functions)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules}
+    return out
+
+
+def test_no_import_cycle_in_train():
+    modules = _modules("train")
+    graph = {name: _train_imports(path, modules) - {name} for name, path in modules.items()}
+    done, stack = set(), []
+
+    def visit(name):
+        if name in stack:
+            cycle = stack[stack.index(name):] + [name]
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+        if name in done:
+            return
+        stack.append(name)
+        for dep in sorted(graph[name]):
+            visit(dep)
+        stack.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+def _block(text: str, heading: str) -> str:
+    """The first fenced code block after ``heading``."""
+    start = text.index(heading)
+    a = text.index("```", start)
+    return text[text.index("\n", a) + 1 : text.index("```", a + 3)]
+
+
+def _listed_compact(block: str) -> set[str]:
+    """README style: a line starting ``zshard/`` or ``train/`` opens that package; ``name.py``
+    tokens are its modules, ``sub/ (a.py b.py)`` those of a subpackage."""
+    out, package = set(), None
+    for line in block.splitlines():
+        if line and not line[0].isspace():
+            package = line.split()[0].rstrip("/") if line.split()[0] in ("zshard/", "train/") else None
+        if package is None:
+            continue
+        for sub, names in re.findall(r"\b(\w+)/ \(([^)]*)\)", line):
+            out |= {f"{package}/{sub}/{n}" for n in re.findall(r"\b\w+\.py\b", names)}
+        line = re.sub(r"\b\w+/ \([^)]*\)", "", line)
+        out |= {f"{package}/{n}" for n in re.findall(r"(?<![\w/.])\w+\.py\b", line)}
+    return out
+
+
+def _listed_paths(block: str) -> set[str]:
+    """design.md style: full paths, ``zshard/checkpoint/layout.py``."""
+    return set(re.findall(r"\b(?:zshard|train)/(?:\w+/)*\w+\.py\b", block))
+
+
+def _on_disk() -> set[str]:
+    return {str(p.relative_to(ROOT)) for pkg in ("zshard", "train") for p in (ROOT / pkg).rglob("*.py")
+            if p.name != "__init__.py" and "__pycache__" not in p.parts}
+
+
+@pytest.mark.parametrize("doc,heading,parse", [("README.md", "## Layout", _listed_compact),
+                                               ("docs/design.md", "## 1. Layers and files", _listed_paths)],
+                         ids=["readme", "design"])
+def test_every_module_is_listed_by_room(doc, heading, parse):
+    listed, disk = parse(_block((ROOT / doc).read_text(), heading)), _on_disk()
+    assert not disk - listed, f"{doc}: modules not listed under '{heading}': {sorted(disk - listed)}"
+    assert not listed - disk, f"{doc}: listed under '{heading}' but not on disk: {sorted(listed - disk)}"
+
+
+def test_the_layout_parsers_read_both_styles():
+    block = "zshard/   policy   mesh.py (the mesh) units.py\n          host     checkpoint/ (layout.py a.py) launch.py\nmeshes/  x.py\n"
+    assert _listed_compact(block) == {"zshard/mesh.py", "zshard/units.py", "zshard/checkpoint/layout.py",
+                                      "zshard/checkpoint/a.py", "zshard/launch.py"}
+    assert _listed_paths("  zshard/checkpoint/layout.py  x\n  train/bench/run.py\n") == {"zshard/checkpoint/layout.py",
+                                                                                         "train/bench/run.py"}
+
+
+def test_no_train_module_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for p in _modules("train").values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"train/ modules over {MAX_LINES} lines: {long}"
