@@ -33,7 +33,7 @@ Sections
 
    Per peer: per-device argument / output / temp bytes (``memory_analysis()`` of the compiled
    step), model-state bytes (params + optimizer state, from the shard shapes) against the
-   formula, collective bytes per step per mesh axis (``zshard.report.parse_collectives`` on the
+   formula, collective bytes per step per mesh axis (``zshard.parse_collectives`` on the
    compiled HLO of every peer; ring algorithm bytes), compile time (trace + lower + compile,
    seconds), step time (the executable is warmed up by the two checked steps; then in each
    round every peer, in rotating order, runs one step from a fresh initial state, so that only
