@@ -39,10 +39,6 @@ from train.model import GPTConfig, init_cache
 
 __all__ = ["decoder", "generate", "generate_local"]
 
-make_forward = getattr(zshard, "make_forward", None)
-if make_forward is None:  # until zshard.make_forward lands (issue 24): train/_forward_compat.py, the same signature
-    from train._forward_compat import make_forward
-
 
 def _pick(logits, rows, t, seed, temperature):
     """Next token per row from ``logits`` [b, V]: argmax when ``temperature == 0``, else a draw
@@ -114,8 +110,9 @@ def decoder(n: int, gather_once: bool = False, prefetch: int | None = None):
 
     ``decoder(n, ...)(state, prompts, rows, seed, temperature)``: ``prompts`` int32 ``[B, T0]``
     and ``rows`` int32 ``[B]`` (each row's index, for its random stream) split over the devices
-    (``B`` a multiple of the device count); ``seed`` int32 and ``temperature`` float32 scalars.
-    Returns int32 ``[B, n]``, split the same way. Per device: the prefill, then ``n - 1``
+    (``B`` a multiple of the device count; with several processes each passes its rows
+    ``[i*B/P, (i+1)*B/P)``); ``seed`` int32 and ``temperature`` float32 scalars. Returns int32
+    ``[B, n]`` (a global ``jax.Array``), split the same way. Per device: the prefill, then ``n - 1``
     decoding steps in one ``lax.fori_loop`` over this device's rows and KV cache
     ``[rows, T0 + n, n_kv_heads, head_size]`` per layer. ``gather_once``: the whole model is
     gathered once, before the loop; otherwise each unit is gathered just in time in every step.
@@ -138,7 +135,7 @@ def decoder(n: int, gather_once: bool = False, prefetch: int | None = None):
         # reach a module captured from outside the loop's trace)
         return nnx.fori_loop(1, n, step, (model, tok, cache, out))[3]  # [b, n]
 
-    return make_forward(decode, gather_once=gather_once, prefetch=prefetch)
+    return zshard.make_forward(decode, gather_once=gather_once, prefetch=prefetch)
 
 
 def generate(
@@ -175,7 +172,9 @@ def generate(
     padded = np.zeros((bp, t0), np.int32)
     padded[:b] = prompts
     rows = np.arange(bp, dtype=np.int32)
-    tokens = decoder(n, gather_once, prefetch)(state, padded, rows, jnp.int32(seed), jnp.float32(temperature))  # [bp, n]
+    i, procs = jax.process_index(), jax.process_count()
+    mine = slice(i * bp // procs, (i + 1) * bp // procs)  # several processes: each passes its rows (make_forward's rule)
+    tokens = decoder(n, gather_once, prefetch)(state, padded[mine], rows[mine], jnp.int32(seed), jnp.float32(temperature))
     if not tokens.is_fully_addressable:  # several processes: every process gets every row
         return np.asarray(multihost_utils.process_allgather(tokens, tiled=True))[:b]
     return np.asarray(tokens)[:b]
