@@ -79,6 +79,16 @@ def test_parse_mesh_presets():
     assert parse_mesh("cpu-8") == (1, 8)
 
 
+def test_parse_mesh_with_a_tensor_axis():
+    assert parse_mesh("1x4x2") == (1, 4, 2)
+    assert parse_mesh("2x4x1") == (2, 4)  # T = 1: the 2D mesh
+    assert parse_mesh("cpu-2x2x2") == (2, 2, 2)
+    assert dict(zshard.make_mesh(*parse_mesh("1x4x2")).shape) == {"replica": 1, "shard": 4, "tensor": 2}
+    assert mesh_presets()["h100-8x8-tp8"].devices == 64
+    with pytest.raises(ValueError, match="every size must be >= 1"):
+        parse_mesh("1x0x2")
+
+
 def test_parse_mesh_unknown_preset_lists_known():
     with pytest.raises(ValueError) as e:
         parse_mesh("tpu-v9-4096")
@@ -105,7 +115,7 @@ def test_presets_build_meshes_here():
     for name, p in mesh_presets().items():
         if p.platform == "cpu" and p.devices == 8:
             mesh = zshard.make_mesh(*parse_mesh(name))
-            assert dict(mesh.shape) == {"replica": p.replica, "shard": p.shard}
+            assert dict(mesh.shape) == {"replica": p.replica, "shard": p.shard, **({"tensor": p.tensor} if p.tensor > 1 else {})}
 
 
 def test_presets_are_found_after_a_non_editable_install(tmp_path):

@@ -73,7 +73,7 @@ def _hybrid_grid(devices: list) -> np.ndarray:
     return mesh_utils.create_hybrid_device_mesh((1, local), (len(per), 1), devices, process_is_granule=True)
 
 
-def make_mesh(replica: int | None = None, shard: int | None = None, *, tensor: int = 1, devices=None) -> Mesh:
+def make_mesh(replica: int | None = None, shard: int | None = None, tensor: int = 1, *, devices=None) -> Mesh:
     """Build the ``(replica, shard)`` mesh with explicit axis types (``(replica, shard, tensor)``
     with ``tensor > 1``).
 
@@ -239,9 +239,10 @@ class MeshPreset:
     Attributes:
       name: file stem, e.g. ``"cpu-2x4"``.
       replica: replica-axis size (hosts).
-      shard: shard-axis size (devices per host).
+      shard: shard-axis size (devices per host, or groups of ``tensor`` devices).
       platform: ``"cpu"`` (emulated devices) or ``"gpu"``.
       description: one line for humans.
+      tensor: tensor-axis size (1: no tensor axis).
     """
 
     name: str
@@ -249,10 +250,16 @@ class MeshPreset:
     shard: int
     platform: str
     description: str = ""
+    tensor: int = 1
 
     @property
     def devices(self) -> int:
-        return self.replica * self.shard
+        return self.replica * self.shard * self.tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """``(replica, shard)``, or ``(replica, shard, tensor)`` with a tensor axis."""
+        return (self.replica, self.shard) + ((self.tensor,) if self.tensor > 1 else ())
 
 
 def mesh_presets() -> dict[str, MeshPreset]:
@@ -267,6 +274,7 @@ def mesh_presets() -> dict[str, MeshPreset]:
             shard=int(raw["shard"]),
             platform=str(raw.get("platform", "cpu")),
             description=str(raw.get("description", "")),
+            tensor=int(raw.get("tensor", 1)),
         )
     return out
 
@@ -275,21 +283,21 @@ def mesh_preset(name: str) -> MeshPreset:
     """The preset ``meshes/NAME.toml``; ``ValueError`` listing the known names if missing."""
     presets = mesh_presets()
     if name not in presets:
-        raise ValueError(f"unknown mesh preset {name!r}; known presets: {', '.join(presets)} (or give RxS, e.g. 2x4)")
+        raise ValueError(f"unknown mesh preset {name!r}; known presets: {', '.join(presets)} (or give RxS[xT], e.g. 2x4 or 1x4x2)")
     return presets[name]
 
 
-def parse_mesh(spec: str) -> tuple[int, int]:
-    """``"RxS"`` or a preset name -> ``(replica, shard)``.
+def parse_mesh(spec: str) -> tuple[int, ...]:
+    """``"RxS"``, ``"RxSxT"`` or a preset name -> ``(replica, shard)``, or ``(replica, shard,
+    tensor)`` for ``RxSxT`` and presets with a tensor axis (``T > 1``; ``"2x4x1"`` is ``(2, 4)``).
 
     Raises:
-      ValueError: neither an ``RxS`` shape nor a known preset.
+      ValueError: neither an ``RxS[xT]`` shape nor a known preset; a size below 1.
     """
-    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", spec)
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?", spec)
     if m:
-        r, s = int(m.group(1)), int(m.group(2))
-        if r < 1 or s < 1:
-            raise ValueError(f"mesh {spec!r}: both sizes must be >= 1")
-        return r, s
-    preset = mesh_preset(spec)
-    return preset.replica, preset.shard
+        sizes = tuple(int(g) for g in m.groups() if g is not None)
+        if min(sizes) < 1:
+            raise ValueError(f"mesh {spec!r}: every size must be >= 1")
+        return sizes[:2] if len(sizes) == 3 and sizes[2] == 1 else sizes
+    return mesh_preset(spec).shape

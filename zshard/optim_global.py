@@ -234,7 +234,8 @@ class _Mark:
     path: tuple | None
 
 
-def build_view(tx, template_logical: dict, layers: dict, num_shards: int, view_specs: dict, why: str) -> OptView:
+def build_view(tx, template_logical: dict, layers: dict, num_shards: int, view_specs: dict, why: str,
+               tp: dict | None = None) -> OptView:
     """Plan the global-view optimizer (before any compile).
 
     Args:
@@ -245,11 +246,13 @@ def build_view(tx, template_logical: dict, layers: dict, num_shards: int, view_s
       num_shards: devices the optimizer state is split over.
       view_specs: flat dict ``path -> PartitionSpec`` of the stored (sharded) state leaf.
       why: the transformation that needs it (from :func:`zshard.optim.check_elementwise`).
+      tp: ``path -> (tp_dim, T)`` of the parameters split over the ``tensor`` axis.
 
     Raises:
       ValueError: a transformation with side effects (host callbacks), named.
     """
-    layouts = {p: Layout(tuple(v.shape), int(layers[p] is not None), num_shards) for p, v in template_logical.items()}
+    tp = tp or {}
+    layouts = {p: Layout(tuple(v.shape), int(layers[p] is not None), num_shards, *tp.get(p, (None, 1))) for p, v in template_logical.items()}
     logical = traverse_util.unflatten_dict(template_logical)
     state = jax.eval_shape(tx.init, logical)
     closed = jax.make_jaxpr(tx.update)(logical, state, logical)
@@ -303,7 +306,11 @@ def _finish_state(ctx: Ctx, view: OptView, outs: list, state_aval, flat_like: di
             x = ctx.whole(v)
             leaves.append(x if x.dtype == aval.dtype else x.astype(aval.dtype))
         else:
-            leaves.append(_store(ctx, v, view.layouts[path], flat_like[path].shape, aval.dtype))
+            lay = view.layouts[path]
+            # stored like the elementwise path keeps it: the parameter's view, or a split parameter's
+            # shard [*lead, T, n_pad/N] (ParamLayout.opt_shape)
+            like = lay.local_shape if lay.tp_dim is not None else flat_like[path].shape
+            leaves.append(_store(ctx, v, lay, like, aval.dtype))
     return jax.tree.unflatten(jax.tree.structure(state_aval), leaves)
 
 

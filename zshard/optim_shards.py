@@ -33,27 +33,51 @@ class Layout:
       shape: logical shape; ``[L, *inner]`` for a stacked parameter (``lead=1``).
       lead: leading (layer) dimensions kept whole on every device: 0 or 1.
       num_shards: ``N``.
+      tp_dim: the dimension of ``inner`` split over the ``tensor`` axis (``None``: not split);
+        each device then holds ``[*lead, T, n_pad/N]``: every tensor piece's slice, ``T`` left to
+        the compiler ([Note: tensor pieces] in zshard/collectives.py, ParamLayout's order).
+      tp: ``T``.
     """
 
     shape: tuple
     lead: int
     num_shards: int
+    tp_dim: int | None = None
+    tp: int = 1
 
     @property
-    def n(self) -> int:  # elements of one layer
-        return int(np.prod(self.shape[self.lead :], dtype=np.int64))
+    def inner(self) -> tuple:  # one layer's logical shape
+        return tuple(self.shape[self.lead :])
+
+    @property
+    def piece(self) -> tuple:  # one tensor piece of one layer (the layer, unsplit)
+        inner, d = self.inner, self.tp_dim
+        return inner if d is None else inner[:d] + (inner[d] // self.tp,) + inner[d + 1 :]
+
+    @property
+    def pieces(self) -> tuple:  # (T,) split, else ()
+        return () if self.tp_dim is None else (self.tp,)
+
+    @property
+    def n(self) -> int:  # elements of one piece of one layer
+        return int(np.prod(self.piece, dtype=np.int64))
 
     @property
     def n_loc(self) -> int:  # n_pad / N
         return padded_size(self.n, self.num_shards) // self.num_shards
 
     def storage(self, dtype) -> ParamLayout:
-        """The stored form of a ``dtype`` value of this shape (``[*lead, n_pad]``)."""
-        return ParamLayout.build((), self.shape[self.lead :], dtype, self.num_shards, self.shape[0] if self.lead else None)
+        """The stored form of a ``dtype`` value of this shape (``[*lead, (T,) n_pad]``)."""
+        return ParamLayout.build((), self.inner, dtype, self.num_shards, self.shape[0] if self.lead else None,
+                                 tp_dim=self.tp_dim, tp=self.tp)
 
     @property
-    def local_shape(self) -> tuple:  # [*lead, n_pad/N]
-        return tuple(self.shape[: self.lead]) + (self.n_loc,)
+    def local_shape(self) -> tuple:  # [*lead, (T,) n_pad/N]
+        return tuple(self.shape[: self.lead]) + self.pieces + (self.n_loc,)
+
+    @property
+    def flat_dim(self) -> int:  # the dimension of the local shape that runs over a piece's elements
+        return len(self.local_shape) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,24 +119,40 @@ class Ctx:
 
     # ---- layout arithmetic -------------------------------------------------------------
     def flat_index(self, lay: Layout) -> jax.Array:
-        """Index of each local element inside its layer: ``r * n_loc + j``, int32 ``[*lead, n_loc]``."""
-        j = jax.lax.broadcasted_iota(jnp.int32, lay.local_shape, lay.lead)
+        """Index of each local element inside its layer (inside its tensor piece, split):
+        ``r * n_loc + j``, int32 of ``lay.local_shape``."""
+        j = jax.lax.broadcasted_iota(jnp.int32, lay.local_shape, lay.flat_dim)
         return j + jnp.int32(lay.n_loc) * self.index
 
     def valid(self, lay: Layout) -> jax.Array:
-        """bool ``[*lead, n_loc]``: the element is a real one, not padding."""
+        """bool of ``lay.local_shape``: the element is a real one, not padding."""
         return self.flat_index(lay) < lay.n
 
     def coords(self, lay: Layout) -> list:
-        """Logical coordinates of each local element, one int32 ``[*lead, n_loc]`` per dimension
-        (padding clipped to the last element)."""
+        """Logical coordinates of each local element, one int32 of ``lay.local_shape`` per
+        dimension of ``lay.shape`` (padding clipped to the last element); a split parameter's
+        piece ``t`` starts at ``t * piece[tp_dim]`` along ``tp_dim``."""
         out = [jax.lax.broadcasted_iota(jnp.int32, lay.local_shape, d) for d in range(lay.lead)]
         f = jnp.minimum(self.flat_index(lay), lay.n - 1)
-        inner = lay.shape[lay.lead :]
-        for d in range(len(inner)):
-            stride = int(np.prod(inner[d + 1 :], dtype=np.int64))
-            out.append((f // stride) % inner[d])
+        piece = lay.piece
+        for d in range(len(piece)):
+            stride = int(np.prod(piece[d + 1 :], dtype=np.int64))
+            c = (f // stride) % piece[d]
+            if d == lay.tp_dim:  # + the piece's offset: t * s_d / T
+                c = c + jax.lax.broadcasted_iota(jnp.int32, lay.local_shape, lay.lead) * piece[d]
+            out.append(c)
         return out
+
+    def logical_index(self, lay: Layout) -> jax.Array:
+        """Each local element's flat index in its whole logical layer (``ravel`` of :meth:`coords`
+        over one layer's shape), int32 of ``lay.local_shape``; its layer's flat index unsplit."""
+        if lay.tp_dim is None:
+            return jnp.minimum(self.flat_index(lay), lay.n - 1)
+        coords, inner = self.coords(lay)[lay.lead :], lay.inner
+        flat = jnp.zeros(lay.local_shape, jnp.int32)
+        for c, size in zip(coords, inner):
+            flat = flat * size + c
+        return flat
 
     def to_shard(self, x, lay: Layout) -> Shard:
         """A whole value of ``lay.shape`` (or broadcastable to it) -> this device's shard."""
@@ -121,11 +161,11 @@ class Ctx:
             return Shard(jnp.broadcast_to(x.reshape(()), lay.local_shape), lay)
         if tuple(x.shape) != tuple(lay.shape):  # [.., 1, ..] -> index arithmetic, no full-size copy
             return self.broadcast(x, lay, tuple(range(len(lay.shape))))
-        lead = tuple(lay.shape[: lay.lead])
-        flat = lay.storage(x.dtype).to_storage(x)  # [*lead, *inner] -> [*lead, n_pad]
-        rows = flat.reshape(lead + (self.num_shards, lay.n_loc))  # [*lead, N, n_pad/N]
-        # [*lead, N, n_pad/N] --row r (no collective)--> [*lead, n_pad/N]
-        return Shard(jax.lax.dynamic_index_in_dim(rows, self.index, axis=lay.lead, keepdims=False), lay)
+        lead = tuple(lay.shape[: lay.lead]) + lay.pieces
+        flat = lay.storage(x.dtype).to_storage(x)  # [*lead, *inner] -> [*lead, (T,) n_pad]
+        rows = flat.reshape(lead + (self.num_shards, lay.n_loc))  # [*lead, (T,) N, n_pad/N]
+        # [*lead, (T,) N, n_pad/N] --row r (no collective)--> [*lead, (T,) n_pad/N]
+        return Shard(jax.lax.dynamic_index_in_dim(rows, self.index, axis=lay.flat_dim, keepdims=False), lay)
 
     def broadcast(self, x, lay: Layout, dims: tuple) -> Shard:
         """``broadcast_in_dim(x, lay.shape, dims)`` built only on this device's elements."""
@@ -146,9 +186,9 @@ class Ctx:
             x = x + (jnp.where(jnp.isfinite(t), t, 0) * 0).astype(x.dtype)  # exact: x + 0
         if self.num_shards > 1:
             self.collectives.append(("all-gather", x.size * x.dtype.itemsize * self.num_shards))
-            # [*lead, n_pad/N] --all_gather(opt axes)--> [*lead, n_pad]
+            # [*lead, (T,) n_pad/N] --all_gather(opt axes)--> [*lead, (T,) n_pad]
             x = all_gather_last(x, self.axes, invariant=True)
-        return lay.storage(x.dtype).from_storage(x)  # [*lead, n_pad] -> [*lead, n] -> logical shape
+        return lay.storage(x.dtype).from_storage(x)  # [*lead, (T,) n_pad] -> logical shape
 
     def reduce(self, kind: str, x):
         """All-reduce of a locally reduced value over the optimizer axes."""
@@ -222,9 +262,9 @@ def random_bits(ctx: Ctx, key, lay: Layout, bit_width: int):
     if "threefry" not in str(jax.random.key_impl(key)) or int(np.prod(lay.shape)) >= 2**32:
         return None
     data = jax.random.key_data(key)  # uint32[2]
-    f = jnp.minimum(ctx.flat_index(lay), lay.n - 1).astype(jnp.uint32)
+    f = ctx.logical_index(lay).astype(jnp.uint32)  # the counter of the element's logical index
     if lay.lead:
-        f = f + jax.lax.broadcasted_iota(jnp.uint32, lay.local_shape, 0) * jnp.uint32(lay.n)
+        f = f + jax.lax.broadcasted_iota(jnp.uint32, lay.local_shape, 0) * jnp.uint32(int(np.prod(lay.inner)))
     b1, b2 = jex.random.threefry2x32_p.bind(data[0], data[1], jnp.zeros_like(f), f)
     bits = b1 ^ b2
     return Shard(bits if bit_width == 32 else bits.astype({8: jnp.uint8, 16: jnp.uint16}[bit_width]), lay)

@@ -294,18 +294,10 @@ def _optimizer_specs(tx, layouts: dict, strategy: Strategy, opt_shards: int):
     # matmul, random numbers) through the global view (zshard.optim_global).
     why = needs_global_view(tx, local)
     if why is not None:
-        split = [p for p, rec in train.items() if rec.split]
-        if split:
-            raise ValueError(
-                f"optax transformation {why!r} needs a global view of the parameters (a norm, a matmul or random "
-                f"numbers over their elements), which zshard does not evaluate on parameters split over the tensor "
-                f"axis ({path_str(split[0])}{f' and {len(split) - 1} more' if len(split) > 1 else ''}); for global-norm "
-                "clipping use zshard.make_train_step(loss_fn, clip_norm=...), otherwise an elementwise chain (adam, "
-                "adamw, sgd, lion, masks, schedules) or a mesh without a tensor axis"
-            )
         logical = {p: jax.ShapeDtypeStruct(rec.logical_shape, rec.dtype) for p, rec in train.items()}
         layers = {p: rec.layers for p, rec in train.items()}
-        view = build_view(tx, logical, layers, opt_shards, view_specs, why)
+        tp = {p: (rec.tp_dim, rec.tp) for p, rec in train.items() if rec.split}
+        view = build_view(tx, logical, layers, opt_shards, view_specs, why, tp)
         return view.specs, view
     masked = optax.MaskedNode
     specs = optax.tree_map_params(
