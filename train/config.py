@@ -157,15 +157,19 @@ class Config:
         if d.token_dtype is not None:
             choice("data.token_dtype", d.token_dtype, ["uint16", "uint32"])
         at_least("mesh.devices", me.devices, 1)
+        if me.tensor is not None:
+            at_least("mesh.tensor", me.tensor, 1)
         self.strategy()  # a known name / stage, and not two that disagree
-        replica, shard = self.mesh_shape(n, processes)
-        if replica * shard != n:
-            shapes = ", ".join(f"{r}x{n // r}" for r in range(1, n + 1) if n % r == 0)
+        replica, shard, tensor = self.mesh_shape(n, processes)
+        if replica * shard * tensor != n:
+            shapes = ", ".join(f"{r}x{n // (r * tensor)}" + (f"x{tensor}" if tensor > 1 else "")
+                               for r in range(1, n + 1) if n % (r * tensor) == 0)
             raise ConfigError(
-                key_of("mesh.shape"),
-                f"{me.shape!r} is {replica}x{shard} = {replica * shard} devices, but there are {n} "
-                f"(mesh.devices = {me.devices}); use a mesh of {n} devices ({shapes})"
-                + (f" or --devices {replica * shard}" if n == me.devices else ""),
+                key_of("mesh.shape" if me.shape is not None else "mesh.tensor"),
+                f"{me.shape or f'tensor = {tensor}'!r} is {replica}x{shard}{f'x{tensor}' if tensor > 1 else ''} = "
+                f"{replica * shard * tensor} devices, but there are {n} (mesh.devices = {me.devices}); use a mesh of "
+                f"{n} devices ({shapes or f'a tensor size dividing {n}'})"
+                + (f" or --devices {replica * shard * tensor}" if n == me.devices else ""),
             )
         at_least("optimizer.lr", o.lr, 0, strict=True)
         if o.warmup is not None:
@@ -185,14 +189,16 @@ class Config:
             at_least("training.prefetch", t.prefetch, 0)
         at_least("training.seed", t.seed, 0)
         at_least("training.eval_every", t.eval_every, 0)
-        unit = n * t.grad_accum  # the global batch splits over devices x micro-batches
+        data = n // tensor  # the batch is split over the data axes (replica x shard), not over tensor
+        unit = data * t.grad_accum  # the global batch splits over data devices x micro-batches
         if t.batch_size % unit:
             lo = max(unit, t.batch_size // unit * unit)
             accum = f" x training.grad_accum {t.grad_accum}" if t.grad_accum > 1 else ""
+            where = f"{data} data devices of the {replica}x{shard}x{tensor}" if tensor > 1 else f"{n} devices of the {replica}x{shard}"
             raise ConfigError(
                 key_of("training.batch_size"),
-                f"{t.batch_size} does not divide by the {n} devices of the {replica}x{shard} mesh{accum} "
-                f"(the global batch is split over all devices); use a multiple of {unit}, e.g. {lo} or {lo + unit}",
+                f"{t.batch_size} does not divide by the {where} mesh{accum} "
+                f"(the global batch is split over all data devices); use a multiple of {unit}, e.g. {lo} or {lo + unit}",
             )
         at_least("checkpoint.ckpt_every", c.ckpt_every, 0)
         if c.keep is not None:
@@ -225,15 +231,27 @@ class Config:
             key = "mesh.zero_stage" if me.zero_stage is not None else "mesh.strategy"
             raise ConfigError(key_of(key), str(e)) from None
 
-    def mesh_shape(self, n_devices: int | None = None, processes: int = 1) -> tuple[int, int]:
-        """``(replica, shard)``: ``mesh.shape`` parsed, or ``(processes, n_devices / processes)`` when unset."""
+    def mesh_shape(self, n_devices: int | None = None, processes: int = 1) -> tuple[int, int, int]:
+        """``(replica, shard, tensor)``: ``mesh.shape`` parsed (``RxS`` takes ``mesh.tensor``), or
+        ``(processes, n_devices / (processes * tensor), tensor)`` when unset.
+
+        Raises:
+          ConfigError: an unknown shape, or ``RxSxT`` disagreeing with ``mesh.tensor``.
+        """
         n = self.mesh.devices if n_devices is None else n_devices
+        tensor = self.mesh.tensor or 1
         if self.mesh.shape is None:
-            return processes, n // processes
+            return processes, max(n // (processes * tensor), 1), tensor
         try:
-            return zshard.parse_mesh(self.mesh.shape)
+            shape = zshard.parse_mesh(self.mesh.shape)
         except ValueError as e:
             raise ConfigError(key_of("mesh.shape"), str(e)) from None
+        if len(shape) == 3:
+            if tensor not in (1, shape[2]):
+                raise ConfigError(key_of("mesh.tensor"), f"{tensor} disagrees with mesh.shape {self.mesh.shape!r} "
+                                  f"(tensor {shape[2]}); give one of them")
+            return shape
+        return shape[0], shape[1], tensor
 
     def warmup_steps(self) -> int:
         """``optimizer.warmup`` or 10% of ``training.steps``, at most ``steps - 1``."""
@@ -242,13 +260,14 @@ class Config:
 
     def resolved(self, n_devices: int | None = None, processes: int = 1) -> "Config":
         """A validated copy with every derived value written out: the canonical strategy (no
-        ``zero_stage``), the mesh as ``RxS``, the device count, the preset's ``scan``, the
+        ``zero_stage``), the mesh as ``RxS`` (``RxSxT``), the device count, the preset's ``scan``, the
         warmup in steps and the data path made absolute. Running it repeats this run."""
         self.validate(n_devices, processes)
         r = Config.from_dict(self.to_dict())
         n = self.mesh.devices if n_devices is None else n_devices
-        replica, shard = self.mesh_shape(n, processes)
-        r.mesh.devices, r.mesh.shape = n // processes, f"{replica}x{shard}"  # devices: per process
+        replica, shard, tensor = self.mesh_shape(n, processes)
+        r.mesh.devices, r.mesh.shape = n // processes, f"{replica}x{shard}" + (f"x{tensor}" if tensor > 1 else "")  # devices: per process
+        r.mesh.tensor = tensor if tensor > 1 else None
         r.mesh.strategy, r.mesh.zero_stage = self.strategy(), None
         if r.model.scan is None:
             r.model.scan = MODEL_PRESETS[r.model.preset].scan

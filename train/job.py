@@ -41,7 +41,8 @@ class Setup:
       devices: the devices of the mesh.
       replica: size of the mesh's ``replica`` axis.
       shard: size of the mesh's ``shard`` axis.
-      mesh: ``jax.sharding.Mesh`` of shape ``(replica, shard)``.
+      mesh: ``jax.sharding.Mesh`` of shape ``(replica, shard)``, or ``(replica, shard, tensor)``
+        with ``mesh.tensor > 1``.
       out: the output directory (not created yet).
       link: ``runs/latest``, to point at ``out`` once it is written (``None``: no link).
       strategy: the strategy's name (``zshard.Strategy`` value).
@@ -86,7 +87,7 @@ def validate(run) -> Setup:
     try:
         devices = jax.devices() if procs > 1 else jax.devices()[: run.mesh.devices]  # an accelerator may have fewer
         run.validate(len(devices), procs)
-        replica, shard = run.mesh_shape(len(devices), procs)
+        replica, shard, tensor = run.mesh_shape(len(devices), procs)
         strategy = run.strategy()
         resolved = run.resolved(len(devices), procs)
     except ConfigError as e:
@@ -113,7 +114,11 @@ def validate(run) -> Setup:
         cfg = dataclasses.replace(cfg, vocab_size=run.data.vocab_size)
     try:
         # no mesh.shape with several processes: one row per process (jax's hybrid-mesh helper)
-        mesh = zshard.make_mesh() if procs > 1 and run.mesh.shape is None else zshard.make_mesh(replica, shard, devices=devices)
+        if procs > 1 and run.mesh.shape is None and tensor == 1:
+            mesh = zshard.make_mesh()
+        else:
+            mesh = zshard.make_mesh(None if procs > 1 and run.mesh.shape is None else replica,
+                                    None if procs > 1 and run.mesh.shape is None else shard, tensor, devices=devices)
     except ValueError as e:
         fail(f"mesh.shape (--mesh) {run.mesh.shape!r}: {e}")
     try:

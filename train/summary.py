@@ -48,7 +48,7 @@ def finish(b, p, t_start: float) -> dict:
     steps_done = p.last - b.start
     summary = {
         "strategy": setup.strategy,
-        "mesh": {"replica": setup.replica, "shard": setup.shard},
+        "mesh": dict(setup.mesh.shape),
         "devices": len(setup.devices),
         "processes": jax.process_count(),
         "platform": setup.devices[0].platform,

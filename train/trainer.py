@@ -48,8 +48,10 @@ def start(argv: list[str]) -> "Trainer":
     output.WRITES_FILES = jax.process_index() == 0
     setup = validate(run)
     what = "bytes" if run.data.vocab_size is None else f"tokens (vocabulary {run.data.vocab_size})"
-    say(f"{PROG}: {run.model.init_from or run.model.preset + ' GPT'}, {setup.strategy} on a {setup.replica}x{setup.shard} "
-        f"(replica x shard) mesh of {len(setup.devices)} {setup.devices[0].platform} devices; data: {setup.source}: "
+    shape = "x".join(str(v) for v in dict(setup.mesh.shape).values())
+    axes = " x ".join(setup.mesh.axis_names)
+    say(f"{PROG}: {run.model.init_from or run.model.preset + ' GPT'}, {setup.strategy} on a {shape} "
+        f"({axes}) mesh of {len(setup.devices)} {setup.devices[0].platform} devices; data: {setup.source}: "
         f"{len(setup.train_data):,} train / {len(setup.eval_data):,} held-out {what}; output: {setup.out}")
     t = Trainer(setup)
     if t.report is not None and output.WRITES_FILES:
