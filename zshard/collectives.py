@@ -206,8 +206,10 @@ def _gather_pieces(rec: ParamLayout, b: jax.Array, axes: tuple[str, ...]) -> jax
     lead = b.ndim - 2
 
     def piece(x):  # this tensor device's piece, [..., 1, n_pad/N]
-        x = all_gather_last(x, axes)  # [..., 1, n_pad/N] --all_gather(shard axes, tiled)--> [..., 1, n_pad]
-        return rec.piece_from_storage(jnp.squeeze(x, lead))  # [..., n_pad] -> [..., *piece_shape]
+        # squeezed before the collective: a [.., 1, n] all-gather output gets a layout with the unit
+        # dimension minor, and XLA copied every gathered piece into the dot's layout (twice the bytes)
+        x = all_gather_last(jnp.squeeze(x, lead), axes)  # [..., n_pad/N] --all_gather(shard axes, tiled)--> [..., n_pad]
+        return rec.piece_from_storage(x)  # [..., n_pad] -> [..., *piece_shape]
 
     return jax.shard_map(piece, in_specs=_piece_spec(lead), out_specs=rec.tp_spec(lead), axis_names={TENSOR})(b)
 
