@@ -16,6 +16,7 @@ it by name.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -24,12 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from flax import nnx, traverse_util
 
 import zshard
 from conftest import flat_params, rel_l2
 from test_hf import FIXTURES, forward, plain_model
-from train.model import from_hf, moe_loss
+from train.model import MoEConfig, Qwen3Moe, from_hf, moe_loss
 
 MIN_GAP = 1e-5
 STEPS = 5
@@ -117,3 +118,25 @@ def test_moe_trains_like_one_device_on_every_strategy(strategy):
     params = flat_params(zshard.unshard(state))
     for path, want in ref["params"].items():
         assert rel_l2(params[path], want) <= 1e-5, path
+
+
+def test_scanned_moe_equals_unrolled():
+    """Stacked layers under nnx.scan (cfg.scan) give the logits and router loss of the nnx.List."""
+    cfg = MoEConfig(vocab_size=64, seq_len=16, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32, n_experts=4,
+                    top_k=2, d_expert=8)
+    listed = Qwen3Moe(cfg, rngs=nnx.Rngs(0))
+    stacked = nnx.eval_shape(lambda: Qwen3Moe(dataclasses.replace(cfg, scan=True), rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(stacked)
+    flat = dict(traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(listed, nnx.Param))))
+    values = []
+    for path, var in nnx.to_flat_state(state):
+        if path[0] == "blocks":  # [L, ...] from the L blocks of the list
+            values.append((path, var.replace(jnp.stack([flat[("blocks", i) + path[1:]] for i in range(cfg.n_layers)]))))
+        else:
+            values.append((path, var.replace(flat[path])))
+    stacked = nnx.merge(graphdef, nnx.from_flat_state(values))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 8)))
+    run = nnx.jit(lambda m, x: m(x, router_aux=True))
+    (a, aux_a), (b, aux_b) = run(listed, ids), run(stacked, ids)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
+    assert rel_l2(float(aux_b), float(aux_a)) < 1e-6

@@ -136,20 +136,19 @@ class Qwen3Moe(Llama):
             return super().__call__(tokens, cache, pos)
         cfg = self.cfg
         x = self.embed_tokens(tokens)  # (B, T, C)
-        zeros = jnp.zeros((x.shape[0], cfg.n_experts), jnp.float32)
-        if cfg.scan:
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-            def body(carry, block):
-                x, c, p = carry
-                x, (dc, dp) = block(x, router_aux=True)
-                return x, c + dc, p + dp
+        if cfg.scan:  # per-layer stats as scan outputs [L, B, E] (no carry to initialise)
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+            def body(x, block):
+                return block(x, router_aux=True)
 
-            x, counts, probs = body((x, zeros, zeros), self.blocks)
+            x, (counts, probs) = body(x, self.blocks)
+            counts, probs = counts.sum(axis=0), probs.sum(axis=0)  # [L, B, E] -> [B, E]
         else:
-            counts, probs = zeros, zeros
+            stats = []
             for block in self.blocks:
-                x, (dc, dp) = block(x, router_aux=True)
-                counts, probs = counts + dc, probs + dp
+                x, s = block(x, router_aux=True)
+                stats.append(s)
+            counts, probs = (sum(parts) for parts in zip(*stats))  # (B, E) each, summed over the layers
         aux = load_balancing_loss(counts, probs, cfg.n_layers * tokens.shape[1], cfg.n_experts)
         return self.logits(x), aux
 
