@@ -26,6 +26,7 @@ from train.model import from_hf, init_cache
 
 decode = nnx.jit(lambda model, ids, cache, pos: model(ids, cache=cache, pos=pos))
 VOCAB = 128  # every fixture's vocabulary holds it (gpt2 and llama: 256)
+SAMPLED = {"gemma3": "4", "qwen3_moe": "4"}  # the trainer samples too (its sharded generate): the two most unlike Llama
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +40,10 @@ def tokens(tmp_path_factory):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_init_from_fine_tunes(name, tokens, tmp_path):
     out = tmp_path / "run"
+    sample = SAMPLED.get(name, "0")  # sampling of every family: test_sharded_generation_equals_single_device
     res = run(tmp_path, "--init-from", str(FIXTURES / name), "--data", str(tokens), "--vocab-size", str(VOCAB),
               "--seq-len", "16", "--batch-size", "8", "--steps", "4", "--mesh", "2x4", "--strategy", "HYBRID_SHARD",
-              "--lr", "1e-2", "--eval-every", "4", "--eval-batches", "1", "--sample-every", "4", "--sample-tokens", "4",
+              "--lr", "1e-2", "--eval-every", "4", "--eval-batches", "1", "--sample-every", sample, "--sample-tokens", "4",
               "--prompt", "3 10 17", "--out", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -51,7 +53,8 @@ def test_init_from_fine_tunes(name, tokens, tmp_path):
         assert all(r["router_aux_loss"] > 0 for r in steps if "loss" in r)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["init_from"] == str(FIXTURES / name)
-    assert "=== step 4: 4 tokens after" in (out / "samples.txt").read_text()
+    if sample != "0":
+        assert "=== step 4: 4 tokens after a 3-token prompt" in (out / "samples.txt").read_text()
     assert (out / "model.safetensors").is_file()
 
 
