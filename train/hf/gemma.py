@@ -17,7 +17,7 @@ embedding (``tie_word_embeddings``, Gemma's default); an untied ``lm_head.weight
 
 from __future__ import annotations
 
-from train.hf import llama
+from train.hf.llama import attention_tensors, decoder_config, decoder_fields, ends, hf_layer_types, hf_rope, layer_types, parse_rope
 from train.hf.files import ConfigReader, Map
 from train.models.gemma import GemmaConfig
 
@@ -32,18 +32,18 @@ def config(r: ConfigReader) -> GemmaConfig:
     r.refuse(act not in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"), f"hidden_activation={act!r}")
     r.refuse(r.get("attention_bias", False), "attention_bias=true")
     r.refuse(r.get("use_bidirectional_attention", False), "use_bidirectional_attention=true")
-    fields = llama.decoder_fields(r)
+    fields = decoder_fields(r)
     params = r.get("rope_parameters") or {}
     if gemma3 and "full_attention" in params:  # transformers >= 5: one rope dict per layer type
-        theta, scaling = llama.parse_rope(r, params["full_attention"])
-        local, local_scaling = llama.parse_rope(r, params.get("sliding_attention") or {"rope_theta": 10000.0})
+        theta, scaling = parse_rope(r, params["full_attention"])
+        local, local_scaling = parse_rope(r, params.get("sliding_attention") or {"rope_theta": 10000.0})
         r.refuse(local_scaling is not None, "RoPE scaling on the sliding layers")
     else:
-        theta, scaling = llama.parse_rope(r)
+        theta, scaling = parse_rope(r)
         local = float(r.get("rope_local_base_freq", 10000.0)) if gemma3 else None
     window = r.get("sliding_window")
     every = int(r.get("sliding_window_pattern", r.get("_sliding_window_pattern", 6))) if gemma3 else 2
-    types = llama.layer_types(r, fields["n_layers"], window, lambda i: "sliding" if (i + 1) % every else "full")
+    types = layer_types(r, fields["n_layers"], window, lambda i: "sliding" if (i + 1) % every else "full")
     return GemmaConfig(
         **fields, rope_theta=theta, rope_scaling=scaling, local_rope_theta=local if window is not None else None,
         tie_embeddings=bool(r.get("tie_word_embeddings", True)), qk_norm=gemma3, sliding_window=window, layer_types=types,
@@ -53,30 +53,30 @@ def config(r: ConfigReader) -> GemmaConfig:
 
 
 def tensors(mc: GemmaConfig, names=None) -> dict[str, Map]:
-    out = llama.ends(mc)
+    out = ends(mc)
     for i in range(mc.n_layers):
         b, L = f"blocks.{i}.", f"model.layers.{i}."
         for ours, theirs in [("attn_norm", "input_layernorm"), ("post_attn_norm", "post_attention_layernorm"),
                              ("mlp_norm", "pre_feedforward_layernorm"), ("post_mlp_norm", "post_feedforward_layernorm")]:
             out[f"{b}{ours}.scale"] = Map((f"{L}{theirs}.weight",))
-        out.update(llama.attention_tensors(mc, i, b + "attn.", L + "self_attn."))
+        out.update(attention_tensors(mc, i, b + "attn.", L + "self_attn."))
         out[b + "mlp.w_gate_up.kernel"] = Map((L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"), transpose=True)
         out[b + "mlp.w_down.kernel"] = Map((L + "mlp.down_proj.weight",), transpose=True)
     return out
 
 
 def hf_config(mc: GemmaConfig) -> dict:
-    out = llama.decoder_config(mc)
-    full = llama.hf_rope(mc.rope_theta, mc.rope_scaling)
+    out = decoder_config(mc)
+    full = hf_rope(mc.rope_theta, mc.rope_scaling)
     if mc.family == "gemma3_text":
         local = mc.local_rope_theta if mc.local_rope_theta is not None else mc.rope_theta
-        rope = {"full_attention": full, "sliding_attention": llama.hf_rope(local, None)}
+        rope = {"full_attention": full, "sliding_attention": hf_rope(local, None)}
     else:
         rope = full
     out.update({
         "rope_parameters": rope, "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
         "query_pre_attn_scalar": mc.query_pre_attn_scalar, "sliding_window": mc.sliding_window,
-        "layer_types": llama.hf_layer_types(mc), "attn_logit_softcapping": mc.attn_softcap,
+        "layer_types": hf_layer_types(mc), "attn_logit_softcapping": mc.attn_softcap,
         "final_logit_softcapping": mc.final_softcap,
     })
     return out

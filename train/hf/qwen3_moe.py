@@ -16,7 +16,7 @@ loads too; :func:`train.hf.to_hf` writes the per-expert names.
 
 from __future__ import annotations
 
-from train.hf import llama
+from train.hf.llama import attention_tensors, decoder_config, decoder_fields, ends, hf_rope, parse_rope
 from train.hf.files import ConfigReader, Map
 from train.models.moe import MoEConfig
 
@@ -33,10 +33,10 @@ def config(r: ConfigReader) -> MoEConfig:
     experts = r.get("num_experts", r.get("num_local_experts"))
     if experts is None:
         r.need("num_experts")
-    theta, scaling = llama.parse_rope(r)
+    theta, scaling = parse_rope(r)
     window = r.get("sliding_window") if r.get("use_sliding_window", False) else None
     return MoEConfig(
-        **llama.decoder_fields(r), rope_theta=theta, rope_scaling=scaling, tie_embeddings=bool(r.get("tie_word_embeddings", False)),
+        **decoder_fields(r), rope_theta=theta, rope_scaling=scaling, tie_embeddings=bool(r.get("tie_word_embeddings", False)),
         sliding_window=window, n_experts=int(experts), top_k=int(r.need("num_experts_per_tok")),
         d_expert=int(r.need("moe_intermediate_size")), norm_topk_prob=bool(r.get("norm_topk_prob", False)),
         router_aux_coef=float(r.get("router_aux_loss_coef", 0.001)),
@@ -46,11 +46,11 @@ def config(r: ConfigReader) -> MoEConfig:
 def tensors(mc: MoEConfig, names=None) -> dict[str, Map]:
     """``names``: the checkpoint's tensor names (``None`` when writing): the fused expert
     layout is used where the checkpoint has it."""
-    out = llama.ends(mc)
+    out = ends(mc)
     for i in range(mc.n_layers):
         b, L = f"blocks.{i}.", f"model.layers.{i}."
         out[b + "attn_norm.scale"] = Map((L + "input_layernorm.weight",))
-        out.update(llama.attention_tensors(mc, i, b + "attn.", L + "self_attn."))
+        out.update(attention_tensors(mc, i, b + "attn.", L + "self_attn."))
         out[b + "mlp_norm.scale"] = Map((L + "post_attention_layernorm.weight",))
         out[b + "moe.router.kernel"] = Map((L + "mlp.gate.weight",), transpose=True)
         x = L + "mlp.experts."
@@ -66,9 +66,9 @@ def tensors(mc: MoEConfig, names=None) -> dict[str, Map]:
 
 
 def hf_config(mc: MoEConfig) -> dict:
-    out = llama.decoder_config(mc)
+    out = decoder_config(mc)
     out.update({
-        "rope_parameters": llama.hf_rope(mc.rope_theta, mc.rope_scaling), "hidden_act": "silu", "attention_bias": False,
+        "rope_parameters": hf_rope(mc.rope_theta, mc.rope_scaling), "hidden_act": "silu", "attention_bias": False,
         "use_sliding_window": mc.sliding_window is not None, "sliding_window": mc.sliding_window,
         "num_experts": mc.n_experts, "num_experts_per_tok": mc.top_k, "moe_intermediate_size": mc.d_expert,
         "norm_topk_prob": mc.norm_topk_prob, "router_aux_loss_coef": mc.router_aux_coef, "decoder_sparse_step": 1,
