@@ -8,6 +8,7 @@ import shutil
 
 import numpy as np
 import optax
+from safetensors.numpy import load_file, save_file
 
 import zshard
 from conftest import ROOT, rel_l2
@@ -58,6 +59,8 @@ def test_init_from_small_vocab_refused(tmp_path):
     shutil.copytree(FIXTURES / "gpt2", small)
     cfg = json.loads((small / "config.json").read_text())
     (small / "config.json").write_text(json.dumps(dict(cfg, vocab_size=100)))
+    tensors = load_file(small / "model.safetensors")  # a consistent checkpoint: its embedding has 100 rows
+    save_file(dict(tensors, **{"transformer.wte.weight": tensors["transformer.wte.weight"][:100]}), small / "model.safetensors")
     res = run(tmp_path, "--init-from", str(small), "--out", str(tmp_path / "run"), timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "vocab_size is 100; the byte-level data needs >= 256 tokens" in res.stderr

@@ -12,7 +12,9 @@ The modules, by what they own (README "Layout" lists them all):
 - the configuration: ``sections`` (one dataclass per ``[table]``), ``config`` (``Config``:
   checks, derived values), ``flags`` (TOML and flag plumbing), ``cli`` (the parser), ``job``
   (``validate`` -> ``Setup``), ``devices`` (the emulated device count);
-- the model and data: ``model``, ``hf`` (Hugging Face in and out), ``data``, ``generate``;
+- the model and data: ``models`` (a package: the GPT, Llama with Mistral / Qwen2 / Qwen3, Gemma,
+  Qwen3-MoE), ``hf`` (a package: Hugging Face in and out, one module per family), ``model``
+  (re-exports both), ``data``, ``generate``;
 - the other programs: ``plan``, ``scale``, ``bench`` (a package), ``plot``.
 
 This file imports nothing, so ``python -m train`` installs its Ctrl-C handler before jax loads.

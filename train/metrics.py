@@ -134,6 +134,7 @@ class Metrics:
         del self.recent[:-THROUGHPUT_WINDOW]
         rec = {"step": i, "loss": loss, "grad_norm": grad_norm, "lr": float(self.lrs[i - 1]),
                "tokens_per_s": self.tokens_per_step * len(self.recent) / sum(self.recent), "step_time_s": now - self.t_last}
+        rec.update({k: float(v) for k, v in metrics.get("aux", {}).items()})  # e.g. an MoE's router_aux_loss
         t_cfg = self.run.training
         nonfinite = int(metrics["nonfinite"])  # the same on every device (reduced over the mesh)
         if nonfinite:

@@ -29,7 +29,7 @@ from train.cli import device_count, fail, parse_config
 from train.devices import emulate_devices
 from train.hooks import Checkpoint, Evaluate, Metrics, Sample
 from train.job import Setup, make_optimizer, validate
-from train.model import GPT, cross_entropy_loss, units_with_ends
+from train.model import GPT, loss_for, units_with_ends
 from train.output import PROG, Interrupts, say, write_atomic
 
 __all__ = ["Progress", "Trainer", "start"]
@@ -125,7 +125,8 @@ class Trainer:
             self.state = zshard.init(make_model, tx, setup.mesh, strategy=setup.strategy, mixed_precision=mp,
                                      params=setup.weights, unit=unit)
         self.start = 0 if ckpt is None else ckpt.start
-        self.step = zshard.make_train_step(cross_entropy_loss, grad_accum=t_cfg.grad_accum, clip_norm=run.optimizer.clip_norm,
+        loss_fn, has_aux = loss_for(setup.cfg)  # an MoE adds its router's load-balancing loss (metrics["aux"])
+        self.step = zshard.make_train_step(loss_fn, has_aux=has_aux, grad_accum=t_cfg.grad_accum, clip_norm=run.optimizer.clip_norm,
                                            skip_nonfinite=t_cfg.skip_nonfinite, remat=t_cfg.remat, prefetch=t_cfg.prefetch)
         self.batch = next(self.batches)
 

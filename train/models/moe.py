@@ -1,0 +1,162 @@
+"""Qwen3-MoE: the Qwen3 decoder (q/k RMSNorm, GQA, RoPE) whose MLP is a mixture of experts.
+
+Each token's router logits ``x @ router`` pick its ``top_k`` of ``n_experts`` SwiGLU experts
+by softmax probability; the experts' outputs are summed with those probabilities (renormalised
+to sum to 1 over the chosen experts with ``norm_topk_prob``), as in Qwen3 (arXiv 2505.09388
+section 2) and Hugging Face's ``Qwen3MoeSparseMoeBlock``. Dropless: every token reaches its
+experts, none is dropped for capacity, so the result does not depend on how the batch is
+split over devices. The experts are stored stacked, ``w_gate_up`` ``[E, C, 2F]`` and
+``w_down`` ``[E, F, C]``, and run as grouped matmuls over the tokens sorted by expert
+(``jax.lax.ragged_dot``): each token costs ``top_k`` experts' FLOPs, not ``E``.
+
+The router's auxiliary load-balancing loss (Switch Transformer, Fedus et al. 2021, arXiv
+2101.03961 eq. 4-6; Hugging Face's ``load_balancing_loss_func``) is
+``E * sum_e f_e * P_e``, ``f_e`` the fraction of (layer, token) top-k slots routed to expert
+``e`` and ``P_e`` its mean router probability, both over the layers and tokens of **one
+sequence**; the model's value is the mean over the sequences. Per sequence, so it is the
+same number on any mesh (a per-device batch mean of the batch-pooled form would change with
+the device count); for one sequence it equals Hugging Face's.
+
+``model(tokens)`` -> logits; ``model(tokens, router_aux=True)`` -> ``(logits, aux_loss)``;
+``model(tokens, cache=c, pos=p)`` -> ``(logits, new cache)``. :func:`moe_loss` is the
+training loss, ``(cross_entropy + router_aux_coef * aux_loss, aux)``, for
+``zshard.make_train_step(moe_loss, has_aux=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from train.models.core import ACTIVATIONS, Attention, token_nll
+from train.models.llama import Llama, LlamaConfig
+
+__all__ = ["MoEConfig", "MoE", "MoEBlock", "Qwen3Moe", "moe_loss"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(LlamaConfig):
+    """:class:`LlamaConfig` (``qk_norm`` on, ``family="qwen3_moe"``) plus the experts.
+
+    Attributes:
+      n_experts: experts per MoE layer (Hugging Face ``num_experts``).
+      top_k: experts per token (``num_experts_per_tok``).
+      d_expert: hidden width of each expert's SwiGLU (``moe_intermediate_size``).
+      norm_topk_prob: renormalise the chosen experts' probabilities to sum to 1.
+      router_aux_coef: weight of the load-balancing loss in :func:`moe_loss`
+        (``router_aux_loss_coef``).
+    """
+
+    qk_norm: bool = True
+    family: str = "qwen3_moe"
+    n_experts: int = 8
+    top_k: int = 2
+    d_expert: int = 768
+    norm_topk_prob: bool = True
+    router_aux_coef: float = 0.001
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"MoEConfig: top_k {self.top_k} must lie in [1, n_experts = {self.n_experts}]")
+
+
+class MoE(nnx.Module):
+    """Top-k routed SwiGLU experts: ``x`` (B, T, C) -> ``(y (B, T, C), (counts, probs))``,
+    ``counts`` / ``probs`` (B, E) float32: the top-k slots given to each expert and the sum of
+    its router probabilities over each sequence's tokens (for the load-balancing loss)."""
+
+    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
+        E, C, F = cfg.n_experts, cfg.d_model, cfg.d_expert
+        self.n_experts, self.top_k, self.norm_topk_prob, self.act = E, cfg.top_k, cfg.norm_topk_prob, cfg.act
+        self.router = nnx.Linear(C, E, use_bias=False, rngs=rngs)  # kernel [C, E]
+        init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
+        self.w_gate_up = nnx.Param(init(rngs.params(), (E, C, 2 * F), jnp.float32))  # [E, C, 2F], gate columns first
+        self.w_down = nnx.Param(init(rngs.params(), (E, F, C), jnp.float32))  # [E, F, C]
+
+    def __call__(self, x):
+        B, T, C = x.shape
+        N, E, k = B * T, self.n_experts, self.top_k
+        xf = x.reshape(N, C)  # (B, T, C) -> (N, C)
+        probs = jax.nn.softmax(self.router(xf).astype(jnp.float32), axis=-1)  # (N, E)
+        top_p, top_e = jax.lax.top_k(probs, k)  # (N, k) each
+        if self.norm_topk_prob:
+            top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+        top_p = top_p.astype(x.dtype)
+        flat_e = top_e.reshape(N * k)  # slot s = token * k + j
+        order = jnp.argsort(flat_e, stable=True)  # (N*k,) slots grouped by expert
+        token = order // k  # (N*k,) the token of each sorted slot
+        sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)  # (E,) slots per expert
+        h = jax.lax.ragged_dot(xf[token], self.w_gate_up[...], sizes)  # (N*k, C) x [E, C, 2F] -> (N*k, 2F)
+        gate, up = jnp.split(h, 2, axis=-1)  # 2 x (N*k, F)
+        y = jax.lax.ragged_dot(ACTIVATIONS[self.act](gate) * up, self.w_down[...], sizes)  # (N*k, F) x [E, F, C] -> (N*k, C)
+        y = y * top_p.reshape(N * k)[order][:, None]
+        out = jnp.zeros((N, C), y.dtype).at[token].add(y)  # (N*k, C) summed into (N, C)
+        counts = jax.nn.one_hot(top_e, E, dtype=jnp.float32).sum(axis=1).reshape(B, T, E).sum(axis=1)  # (B, E)
+        return out.reshape(B, T, C), (counts, probs.reshape(B, T, E).sum(axis=1))
+
+
+class MoEBlock(nnx.Module):
+    """``x + attn(attn_norm(x))``, then ``x + moe(mlp_norm(x))``; ``router_aux=True`` also
+    returns the layer's ``(counts, probs)`` (B, E)."""
+
+    def __init__(self, cfg: MoEConfig, *, layer: int = 0, rngs: nnx.Rngs):
+        self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
+        self.attn = Attention(cfg, **cfg.attention(layer), rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
+        self.moe = MoE(cfg, rngs=rngs)
+
+    def __call__(self, x, cache=None, pos=None, *, router_aux=False):
+        a, new = self.attn(self.attn_norm(x), cache, pos)
+        x = x + a
+        y, stats = self.moe(self.mlp_norm(x))
+        out = x + y
+        if router_aux:
+            return out, stats
+        return out if cache is None else (out, new)
+
+
+def load_balancing_loss(counts, probs, tokens: int, n_experts: int):
+    """``E * sum_e f_e P_e`` per sequence, averaged: ``counts`` / ``probs`` (B, E) summed over
+    the layers and ``tokens`` (layers x sequence length) -> scalar."""
+    f, p = counts / tokens, probs / tokens  # (B, E): slot fraction (sums to top_k), mean probability
+    return n_experts * jnp.mean(jnp.sum(f * p, axis=-1))
+
+
+class Qwen3Moe(Llama):
+    """Tokens (B, T) int32 -> logits (B, T, vocab); see the module docstring for ``router_aux``."""
+
+    block = MoEBlock
+
+    def __call__(self, tokens, cache=None, pos=None, *, router_aux=False):
+        if not router_aux:
+            return super().__call__(tokens, cache, pos)
+        cfg = self.cfg
+        x = self.embed_tokens(tokens)  # (B, T, C)
+        if cfg.scan:  # per-layer stats as scan outputs [L, B, E] (no carry to initialise)
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+            def body(x, block):
+                return block(x, router_aux=True)
+
+            x, (counts, probs) = body(x, self.blocks)
+            counts, probs = counts.sum(axis=0), probs.sum(axis=0)  # [L, B, E] -> [B, E]
+        else:
+            stats = []
+            for block in self.blocks:
+                x, s = block(x, router_aux=True)
+                stats.append(s)
+            counts, probs = (sum(parts) for parts in zip(*stats))  # (B, E) each, summed over the layers
+        aux = load_balancing_loss(counts, probs, cfg.n_layers * tokens.shape[1], cfg.n_experts)
+        return self.logits(x), aux
+
+
+def moe_loss(model: Qwen3Moe, batch):
+    """``(cross_entropy + router_aux_coef * aux_loss, {"router_aux_loss", "cross_entropy"})``
+    for ``zshard.make_train_step(moe_loss, has_aux=True)``; ``batch = (inputs, targets)``."""
+    inputs, targets = batch
+    logits, aux = model(inputs, router_aux=True)
+    ce = token_nll(logits.astype(jnp.float32), targets)
+    return ce + model.cfg.router_aux_coef * aux, {"router_aux_loss": aux, "cross_entropy": ce}
