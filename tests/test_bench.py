@@ -44,7 +44,7 @@ def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
     rows = {r["name"]: r for r in res["configs"]["Q"]["rows"]}
     assert list(rows) == ["reference (1 device)", "DDP", "FSDP-compiler", "FSDP-compiler remat=block", "zshard/NO_SHARD",
                           "zshard/FULL_SHARD", "zshard/HYBRID_SHARD", "zshard/FULL_SHARD remat=none",
-                          "zshard/FULL_SHARD prefetch=1"]  # fmt: skip (CPU: the default prefetch is 0)
+                          "zshard/FULL_SHARD prefetch=1", "zshard/FULL_SHARD tensor=2"]  # fmt: skip (CPU: the default prefetch is 0)
     ref = rows["reference (1 device)"]["losses"]
     for name, r in rows.items():
         # every peer trains the same model on the same data: same losses over the first two steps
@@ -55,7 +55,7 @@ def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
         assert set(pd) == {"argument", "output", "temp", "alias"} and pd["argument"] > 0
         if name != "reference (1 device)":
             assert len(r["step_s_all"]) == 3 and all(t > 0 for t in r["step_s_all"])
-            assert {"DDP", "FSDP-compiler", "FSDP-compiler same remat"} == set(r["step_ratio"]), name
+            assert {"DDP", "FSDP-compiler", "FSDP-compiler same remat", "zshard/FULL_SHARD"} == set(r["step_ratio"]), name
     for name in ("zshard/NO_SHARD", "zshard/FULL_SHARD", "zshard/HYBRID_SHARD"):
         assert abs(rows[name]["model_state"]["ratio"] - 1) <= 0.01, name
     # sharding shows in the numbers: 8-way sharded state is 1/8 of the replicated one,
@@ -90,6 +90,13 @@ def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
     assert full["per_device_bytes"]["temp"] < rows["zshard/FULL_SHARD remat=none"]["per_device_bytes"]["temp"]
     assert full["per_device_bytes"]["temp"] <= rows["zshard/FULL_SHARD prefetch=1"]["per_device_bytes"]["temp"]
     assert full["unit_bytes"] == 4 * (12 * 64 * 64 + 10 * 64)  # one gathered GPT block, d_model 64 (no qkv bias; no padding)
+    # tensor parallelism inside FSDP (1x4x2, the GPT's TP plan): the activations' all-reduces land on tensor,
+    # the state is the formula's, the gathered block halves (its four matrices split; norms and the proj bias not)
+    tp = rows["zshard/FULL_SHARD tensor=2"]
+    assert set(tp["comm_bytes"]) == {"shard", "tensor"} and tp["comm_bytes"]["tensor"] > 0, tp["comm_bytes"]
+    assert abs(tp["model_state"]["ratio"] - 1) <= 0.01
+    assert tp["unit_bytes"] == 4 * ((12 * 64 * 64 + 4 * 64) // 2 + 6 * 64)  # split: the matrices and fc.bias; 6 x 64 not
+    assert "| zshard/FULL_SHARD tensor=2 |" in stdout
     assert (out / "bench-peers.png").stat().st_size > 10_000
     assert (out / "bench.md").read_text().strip() in stdout
 

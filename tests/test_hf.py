@@ -27,7 +27,7 @@ from safetensors.numpy import save_file
 import zshard
 from conftest import reference_run, rel_l2
 from train.hf.files import Files
-from train.model import cross_entropy_loss, from_hf, to_hf
+from train.model import cross_entropy_loss, from_hf, tensor_plan, to_hf
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 FAMILIES = ["gpt2", "llama", "llama3", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "qwen3_moe"]
@@ -59,8 +59,9 @@ forward = nnx.jit(lambda model, ids: model(ids))
 
 
 @functools.cache
-def _state(name, strategy, r, s):
-    """The fixture loaded into the shards, and how often each weight was read."""
+def _state(name, strategy, r, s, t=1):
+    """The fixture loaded into the shards (``t``: the tensor axis, the model's TP plan), and
+    how often each weight was read."""
     builder, weights = from_hf(FIXTURES / name)
     calls = {k: 0 for k in weights}
 
@@ -72,8 +73,9 @@ def _state(name, strategy, r, s):
         read.shape = fn.shape
         return read
 
-    state = zshard.init(builder, optax.sgd(0.0), zshard.make_mesh(r, s), strategy=strategy,
-                        params={k: counted(k, fn) for k, fn in weights.items()})
+    state = zshard.init(builder, optax.sgd(0.0), zshard.make_mesh(r, s, tensor=t), strategy=strategy,
+                        params={k: counted(k, fn) for k, fn in weights.items()},
+                        tensor_parallel=tensor_plan(builder.config, t) or None)
     return builder, state, calls
 
 
@@ -114,6 +116,31 @@ def test_to_hf_reproduces_tensors_bit_for_bit(name, tmp_path):
     assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].keys() == want.keys()
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_tensor_parallel_loads_into_pieces_and_writes_back_bitwise(name, tmp_path):
+    """On 1x4x2 with the family's TP plan: every weight read once, straight into its
+    TP-local FSDP shards (a split parameter's device holds ``[1, n_pad/S]`` of its piece, never
+    the whole tensor), the eval loss is transformers', and ``to_hf`` writes every tensor back
+    bit for bit (the grouped q|k|v and stacked gate|up pieces reassembled in order)."""
+    d, ids, _, loss = _fixture(name)
+    builder, state, calls = _state(name, "FULL_SHARD", 1, 4, 2)
+    assert set(calls.values()) == {1}
+    split = {".".join(map(str, l.path)): l for l in state.plan.layouts.values() if l.tp_dim is not None}
+    assert any(k.endswith(("wqkv.kernel", "qkv.kernel")) for k in split), sorted(split)
+    for l in split.values():
+        leaf = state.params
+        for k in l.path:
+            leaf = leaf[k]
+        assert leaf.sharding.spec[-2] == "tensor", (l.path, leaf.sharding)
+        assert leaf.addressable_shards[0].data.shape[-2:] == (1, l.padded // 4), (l.path, leaf.addressable_shards[0].data.shape)
+    got = zshard.make_eval_step(cross_entropy_loss)(state, (ids[:, :-1], ids[:, 1:]))
+    assert rel_l2(got["loss"], loss) < 1e-5, (name, float(got["loss"]), loss)
+    want, back = _tensors(d), _tensors(to_hf(state, tmp_path / name))
+    assert sorted(back) == sorted(want)
+    for k in want:
+        np.testing.assert_array_equal(back[k], want[k], err_msg=k)
+
+
 def test_finetune_step_matches_single_device():
     d, ids, _, _ = _fixture("llama")
     builder, weights = from_hf(d)
@@ -147,7 +174,7 @@ def test_mismatched_weights_named_before_placing():
     with pytest.raises(ValueError) as e:
         zshard.init(builder, optax.sgd(0.1), zshard.make_mesh(1, 8), params=bad)
     msg = str(e.value)
-    assert "blocks.0.attn.qkv.bias: missing, the model's parameter is (96,)" in msg
+    assert "blocks.0.attn.qkv.bias: missing, the model's parameter is (3, 32)" in msg
     assert "blocks.9.extra: extra tensor (32, 32)" in msg
     assert "ln_f.scale: weights give shape (3, 3), the model's parameter is (32,)" in msg
     assert not read, "nothing is read before the check"

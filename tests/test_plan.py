@@ -77,4 +77,17 @@ def test_plan_cli_bad_input():
     assert out.returncode == 2 and "choose one of gpt2-124m" in out.stderr
     out = subprocess.run([sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "2x2", "--batch-size", "6"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "must divide by the 4 devices" in out.stderr
+    assert out.returncode == 2 and "must divide by the 4 data devices" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "1x1x5"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--mesh 1x1x5" in out.stderr and "n_heads" in out.stderr, out.stderr[-1000:]
+
+
+def test_plan_cli_tensor_axis():
+    """``--mesh RxSxT``: the preset's TP plan (train.models.tensor_plan), the batch over the
+    R*S data devices, the tensor row of the report (Megatron-LM's all-reduce count)."""
+    cmd = [sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "1x2x2", "--seq-len", "64"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "FULL_SHARD on 1x2x2 (" in out.stdout and "global batch 2 x 64 tokens" in out.stdout
+    assert "Megatron-LM's count 5" in out.stdout and "| tensor |" in out.stdout

@@ -5,6 +5,12 @@ compiles one train step ahead of time on as many emulated CPU devices as the mes
 and prints :func:`zshard.report` plus a verdict: does the step fit in the device memory?
 
     python -m train.plan --model llama-7b --mesh 8x8 --strategy HYBRID_SHARD --batch-size 64
+    python -m train.plan --model llama-70b --mesh 1x8x8 --seq-len 8192   # FSDP over 8, TP inside each 8
+
+A mesh ``RxSxT`` (or ``--tensor T``) adds the tensor axis: the preset declares its TP plan
+(:func:`train.models.tensor_plan`: fused QKV and gate|up column-parallel, the output
+projections row-parallel, the vocabulary split when ``T`` divides it), the batch splits over
+the ``R*S`` data devices and the ``T`` devices of a tensor group share their sequences.
 
 Peak bytes per device are estimated as ``argument + output - alias + temp`` of the
 compiled step's ``memory_analysis()`` (donated outputs reuse their inputs' buffers).
@@ -30,7 +36,7 @@ from flax import nnx
 
 import zshard
 from train.devices import emulate_devices
-from train.model import PLAN_PRESETS, build_model, cross_entropy_loss, units_with_ends
+from train.model import PLAN_PRESETS, build_model, cross_entropy_loss, tensor_plan, units_with_ends
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
@@ -53,7 +59,8 @@ def _parse(argv):
         "devices and report per-device memory and communication against the ZeRO/FSDP formulas.",
     )
     p.add_argument("--model", required=True, help="preset: gpt2-124m, gpt2-1.5b, llama-1b, llama-7b, llama-70b")
-    p.add_argument("--mesh", required=True, metavar="RxS", help="mesh shape, e.g. 8x8 (R*S emulated devices)")
+    p.add_argument("--mesh", required=True, metavar="RxS[xT]", help="mesh shape, e.g. 8x8 (R*S emulated devices) or 1x8x8 (R*S*T, tensor axis T)")
+    p.add_argument("--tensor", type=int, default=None, metavar="T", help="tensor-parallel size (the same as a mesh RxSxT)")
     p.add_argument("--strategy", default="FULL_SHARD", help="NO_SHARD, SHARD_OPT, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, HYBRID_SHARD_OPT")
     p.add_argument("--unit", default="blocks", choices=["blocks", "ends"],
                    help="wrap policy: blocks = zshard's default (the blocks are units; embedding, final norm and head "
@@ -72,10 +79,17 @@ def _parse(argv):
 def main(argv=None) -> int:
     parser, args = _parse(sys.argv[1:] if argv is None else argv)
     try:
-        replica, shard = zshard.parse_mesh(args.mesh)
+        replica, shard, *rest = zshard.parse_mesh(args.mesh)
     except ValueError as e:
         parser.error(f"--mesh: {e}")
-    world = replica * shard
+    tensor = rest[0] if rest else 1
+    if args.tensor is not None:
+        if args.tensor < 1 or (rest and args.tensor != tensor):
+            parser.error(f"--tensor {args.tensor}: must be positive and agree with --mesh {args.mesh}")
+        tensor = args.tensor
+    data = replica * shard  # the devices the batch splits over
+    world = data * tensor
+    mesh_name = f"{replica}x{shard}" + (f"x{tensor}" if tensor > 1 else "")
     emulate_devices(world, cpu_only=True)  # before jax starts its backend (the check below says when it had)
 
     if args.model not in PLAN_PRESETS:
@@ -85,18 +99,22 @@ def main(argv=None) -> int:
     except ValueError as e:
         parser.error(f"--strategy: {e}")
     if len(jax.devices()) < world:
-        parser.error(f"--mesh {args.mesh} needs {world} devices, JAX sees {len(jax.devices())}")
+        parser.error(f"--mesh {mesh_name} needs {world} devices, JAX sees {len(jax.devices())}")
     cfg = PLAN_PRESETS[args.model]
+    try:
+        tp_plan = tensor_plan(cfg, tensor)  # {} when tensor == 1
+    except ValueError as e:
+        parser.error(f"--mesh {mesh_name}: {e}")
     for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size), ("--device-memory-gb", args.device_memory_gb)):
         if value is not None and not value > 0:
             parser.error(f"{flag} {value}: must be positive")
     seq = cfg.seq_len if args.seq_len is None else args.seq_len
     cfg = dataclasses.replace(cfg, seq_len=seq)
-    batch = world if args.batch_size is None else args.batch_size
-    if batch % world:
-        parser.error(f"--batch-size {batch} must divide by the {world} devices of the {replica}x{shard} mesh")
+    batch = data if args.batch_size is None else args.batch_size
+    if batch % data:
+        parser.error(f"--batch-size {batch} must divide by the {data} data devices of the {mesh_name} mesh")
     dtype = jnp.dtype(args.param_dtype)
-    mesh = zshard.make_mesh(replica, shard, devices=jax.devices()[:world])
+    mesh = zshard.make_mesh(replica, shard, tensor=tensor, devices=jax.devices()[:world])
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     step = zshard.make_train_step(cross_entropy_loss)
 
@@ -109,7 +127,8 @@ def main(argv=None) -> int:
             return model
 
         unit = units_with_ends if args.unit == "ends" else None
-        state = zshard.init(build, optax.adamw(1e-4), mesh, strategy=strategy, abstract=True, unit=unit)
+        state = zshard.init(build, optax.adamw(1e-4), mesh, strategy=strategy, abstract=True, unit=unit,
+                            tensor_parallel=tp_plan or None)
         t0 = time.perf_counter()
         rep = zshard.report(step, state, (tokens, tokens))
         return rep, time.perf_counter() - t0
@@ -146,7 +165,7 @@ def main(argv=None) -> int:
             ax.set_ylim(0, 1.2 * top)
             ax.text(0.01, 0.97, f"device memory {args.device_memory_gb:g} GB (off the scale)", transform=ax.transAxes, va="top", fontsize=8)
         ax.set_ylabel("GB per device")
-        ax.set_title(f"{args.model} on {replica}x{shard}, batch {batch} x {seq}, {args.param_dtype} params, AdamW")
+        ax.set_title(f"{args.model} on {mesh_name}, batch {batch} x {seq}, {args.param_dtype} params, AdamW")
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)

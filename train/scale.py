@@ -2,6 +2,7 @@
 
     python -m train.scale                                   # every model and strategy, 64 and 512 devices
     python -m train.scale --devices 64 --models llama-7b    # one slice of the table
+    python -m train.scale --devices 512 --models llama-70b --tensor 8   # 8x8x8: TP inside each host
     python -m train.bench                                   # runs this as its section 3
 
 GPT-2 1.5B, Llama 7B and 70B shapes (``train.model.PLAN_PRESETS``), seq 2048, one sequence per
@@ -36,16 +37,17 @@ from flax import nnx
 
 import zshard
 from train.devices import emulate_devices
-from train.model import PLAN_PRESETS, GPTConfig, build_model, cross_entropy_loss
+from train.model import PLAN_PRESETS, GPTConfig, build_model, cross_entropy_loss, tensor_plan
 from train.plan import peak_bytes
 
-__all__ = ["activation_bytes", "expected_peak", "live_peak", "memory_formula", "moment_bytes", "run_scale", "scale_table", "scale_worker"]
+__all__ = ["SCALE_TENSOR", "activation_bytes", "expected_peak", "live_peak", "memory_formula", "moment_bytes", "run_scale", "scale_table", "scale_worker"]
 
 GB = 10**9
 DEVICE_GB = (80, 141)  # H100 80 GB, H200 141 GB
 SCALE_MODELS = ("gpt2-1.5b", "llama-7b", "llama-70b")
 SCALE_DEVICES = (64, 512)
 SCALE_STRATEGIES = ("FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_OPT")
+SCALE_TENSOR = (("llama-70b", 512, 8),)  # (model, devices, T): the tensor-parallel rows, FSDP across hosts and TP inside
 SCALE_SEQ = 2048
 HOST_DEVICES = 8  # devices per host: the shard axis of the simulated meshes
 
@@ -81,7 +83,8 @@ def activation_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab
 
 
 def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: int, seq: int, batch: int, glu: bool,
-                 psi_layer: int, psi_mlp_out: int, tied: bool, itemsize: int = 4) -> dict:
+                 psi_layer: int, psi_mlp_out: int, tied: bool, itemsize: int = 4, tensor: int = 1,
+                 vocab_split: bool = False) -> dict:
     """Bytes a zshard step holds beyond its state and gradient shards (:func:`memory_formula`) at
     each instant that can set its peak, with full recomputation per block, scanned blocks,
     per-parameter all-gathers and reduce-scatters, and fp32 (``e = itemsize``).
@@ -115,10 +118,19 @@ def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: in
     reduce-scatter, so it is held through the whole backward loop. An untied head is
     reduce-scattered right after its backward (a ``1/S`` shard, in the gradient term).
 
+    With a tensor axis of ``T`` devices (Megatron-LM's tensor parallelism without sequence
+    parallelism: Korthikanti et al. 2022 section 4.2.1, ``s b h (10 + 24/T + 5 a s/(h T))`` per
+    layer), what is split over the heads or the MLP width is divided by ``T``: the softmax
+    terms (``a/T`` heads per device), the ``s*b*f`` terms, and the vocabulary terms when
+    ``vocab_split``; the ``s*b*h`` terms (the layer inputs, norms, the residual stream: all
+    replicated over ``tensor``) are not. ``psi_layer`` and ``psi_mlp_out`` are then the
+    per-device (TP-local) counts.
+
     Returns:
       ``{"mlp", "attention", "forward", "head"}``, bytes (floats).
     """
-    s, b, h, a, f, L, V = seq, batch, d_model, n_heads, d_ff, n_layers, vocab
+    s, b, h, L = seq, batch, d_model, n_layers
+    a, f, V = n_heads / tensor, d_ff / tensor, vocab / tensor if vocab_split else vocab
     inputs, softmax, sbh, sbf = L * s * b * h, a * s * s * b, s * b * h, s * b * f
     tied_grad = h * V if tied else 0
     elements = {
@@ -237,37 +249,49 @@ def live_peak(dump_dir: str | Path) -> dict:
 # --------------------------------------------------------------------------------------
 
 
-def scale_worker(n_devices: int, models, strategies) -> list[dict]:
+def _tp_local(state, slots) -> int:
+    """Parameters of ``slots`` one device holds, counting a tensor-split one's piece (``1/T``)."""
+    return sum(s.param.piece_size for s in slots)
+
+
+def scale_worker(n_devices: int, models, strategies, tensor: int = 1) -> list[dict]:
     """In a process of ``n_devices`` emulated CPU devices (:func:`train.devices.emulate_devices`):
-    compile every (model, strategy) on a ``n/8 x 8`` mesh with abstract inputs and measure it."""
-    mesh = zshard.make_mesh(n_devices // HOST_DEVICES, HOST_DEVICES, devices=jax.devices()[:n_devices])
-    tokens = jax.ShapeDtypeStruct((n_devices, SCALE_SEQ), jnp.int32)
+    compile every (model, strategy) on a ``n/(8T) x 8 x T`` mesh (``8 x T`` without the unit
+    axis: ``n/8 x 8``) with abstract inputs, one sequence per data device, and measure it."""
+    data = n_devices // tensor
+    mesh = zshard.make_mesh(data // HOST_DEVICES, HOST_DEVICES, tensor=tensor, devices=jax.devices()[:n_devices])
+    tokens = jax.ShapeDtypeStruct((data, SCALE_SEQ), jnp.int32)
     step = zshard.make_train_step(cross_entropy_loss)
     out = []
     for name in models:
         cfg = dataclasses.replace(PLAN_PRESETS[name], seq_len=SCALE_SEQ)
+        plan = tensor_plan(cfg, tensor)
         for strategy in strategies:
-            state = zshard.init(lambda cfg=cfg: build_model(cfg, nnx.Rngs(0)), optax.adamw(1e-4), mesh, strategy=strategy, abstract=True)
+            state = zshard.init(lambda cfg=cfg: build_model(cfg, nnx.Rngs(0)), optax.adamw(1e-4), mesh, strategy=strategy,
+                                abstract=True, tensor_parallel=plan or None)
             with tempfile.TemporaryDirectory() as dump:
                 t0 = time.perf_counter()
                 step.lower(state, (tokens, tokens)).compile({**DUMP_OPTIONS, "xla_dump_to": dump})
                 compile_s = time.perf_counter() - t0
                 live = live_peak(dump)
             rep = zshard.report(step, state, (tokens, tokens))
-            units = rep.units
             psi = rep.num_params
-            psi_layer = max(u["params"] // u["layers"] for u in units if u["layers"] > 1)
+            block = next(u for u in state.plan.units if u.layers)
+            psi_local = sum((u.layers or 1) * _tp_local(state, u.slots) for u in state.plan.units)  # Psi, split ones / T
+            psi_layer = _tp_local(state, block.slots)
             gpt = isinstance(cfg, GPTConfig)
             d_ff = 4 * cfg.d_model if gpt else cfg.d_ff
-            psi_mlp_out = d_ff * cfg.d_model + (cfg.d_model if gpt else 0)  # GPT's mlp.proj has a bias
-            form = memory_formula(psi, state.plan.num_shards, opt_shards=state.plan.opt_shards)
+            # the MLP output projection, row-parallel (split over T) under a TP plan; GPT's has an unsplit bias
+            psi_mlp_out = d_ff * cfg.d_model // tensor + (cfg.d_model if gpt else 0)
+            form = memory_formula(psi_local, state.plan.num_shards, opt_shards=state.plan.opt_shards)
             moments = moment_bytes(cfg.d_model, cfg.n_layers, cfg.n_heads, d_ff, cfg.vocab_size, SCALE_SEQ, 1, glu=not gpt,
-                                   psi_layer=psi_layer, psi_mlp_out=psi_mlp_out, tied=cfg.tie_embeddings)
+                                   psi_layer=psi_layer, psi_mlp_out=psi_mlp_out, tied=cfg.tie_embeddings, tensor=tensor,
+                                   vocab_split=any(k.endswith("embedding") for k in plan))
             expected, moment = expected_peak(form, moments)
             peak = peak_bytes(rep.per_device_bytes)
             out.append({
-                "model": name, "devices": n_devices, "mesh": f"{mesh.shape['replica']}x{mesh.shape['shard']}",
-                "strategy": strategy, "params": psi, "compile_s": compile_s, "per_device_bytes": rep.per_device_bytes,
+                "model": name, "devices": n_devices, "mesh": "x".join(str(n) for n in mesh.shape.values()),
+                "strategy": strategy, "tensor": tensor, "params": psi, "compile_s": compile_s, "per_device_bytes": rep.per_device_bytes,
                 "peak": peak, "live": live["bytes"], "live_op": live["op"], "formula": form, "moments": moments,
                 "moment": moment, "expected": expected,
                 "ratio": peak / expected, "live_ratio": live["bytes"] / expected,
@@ -278,13 +302,14 @@ def scale_worker(n_devices: int, models, strategies) -> list[dict]:
     return out
 
 
-def run_scale(devices, models, strategies, progress, timeout: float) -> list[dict]:
+def run_scale(devices, models, strategies, progress, timeout: float, tensor: int = 1) -> list[dict]:
+    """One :func:`scale_worker` subprocess per device count; its rows (a failed worker's are missing)."""
     rows = []
     for n in devices:
-        progress.set_description(f"scale: {n} devices")
+        progress.set_description(f"scale: {n} devices" + (f", tensor {tensor}" if tensor > 1 else ""))
         env = dict(os.environ, JAX_PLATFORMS="cpu")  # the worker asks for its n devices itself
         cmd = [sys.executable, "-m", "train.scale", "--worker", str(n), "--models", ",".join(models),
-               "--strategies", ",".join(strategies)]
+               "--strategies", ",".join(strategies), "--tensor", str(tensor)]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 cwd=Path(__file__).resolve().parent.parent)
         try:
@@ -354,6 +379,8 @@ def main(argv=None) -> int:
     p.add_argument("--devices", default=",".join(map(str, SCALE_DEVICES)), help="emulated device counts, comma-separated (multiples of 8)")
     p.add_argument("--models", default=",".join(SCALE_MODELS), help="presets, comma-separated")
     p.add_argument("--strategies", default=",".join(SCALE_STRATEGIES), help="strategies, comma-separated")
+    p.add_argument("--tensor", type=int, default=1, metavar="T",
+                   help="tensor-parallel size: meshes n/(8T) x 8 x T, the models' TP plans (train.models.tensor_plan)")
     p.add_argument("--timeout", type=float, default=900.0, metavar="S", help="seconds allowed to each device count's subprocess")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows (every measured and formula term) as JSON")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # one device count, in this process
@@ -362,7 +389,7 @@ def main(argv=None) -> int:
     strategies = _csv(args.strategies, SCALE_STRATEGIES, "--strategies", p)
     if args.worker is not None:
         emulate_devices(args.worker, cpu_only=True)
-        scale_worker(args.worker, models, strategies)
+        scale_worker(args.worker, models, strategies, args.tensor)
         return 0
     try:
         devices = [int(d) for d in args.devices.split(",") if d.strip()]
@@ -371,7 +398,14 @@ def main(argv=None) -> int:
     for d in devices:
         if d < HOST_DEVICES or d % HOST_DEVICES:
             p.error(f"--devices: {d} is not a positive multiple of {HOST_DEVICES} (devices per host)")
-    rows = run_scale(devices, models, strategies, _Progress(), args.timeout)
+        if args.tensor < 1 or d % (HOST_DEVICES * args.tensor):
+            p.error(f"--tensor {args.tensor}: {d} devices do not form an n/(8T) x 8 x T mesh; use a T that divides {d // HOST_DEVICES}")
+    for name in models:
+        try:
+            tensor_plan(PLAN_PRESETS[name], args.tensor)
+        except ValueError as e:
+            p.error(f"--tensor {args.tensor}, model {name}: {e}")
+    rows = run_scale(devices, models, strategies, _Progress(), args.timeout, args.tensor)
     print(scale_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -29,7 +29,7 @@ from train.cli import device_count, fail, parse_config
 from train.devices import emulate_devices
 from train.hooks import Checkpoint, Evaluate, Metrics, Sample
 from train.job import Setup, make_optimizer, validate
-from train.model import GPT, loss_for, units_with_ends
+from train.model import GPT, loss_for, tensor_plan, units_with_ends
 from train.output import PROG, Interrupts, say, write_atomic
 
 __all__ = ["Progress", "Trainer", "start"]
@@ -115,15 +115,19 @@ class Trainer:
                                                  process_index=shard.shard_index, process_count=shard.shard_count)
         self.records = None
         unit = units_with_ends if run.mesh.unit == "ends" else None  # None: zshard's default wrap policy (blocks)
+        try:  # the model's Megatron plan over the tensor axis (train.models.tensor_plan), {} without one
+            plan = tensor_plan(setup.cfg, dict(setup.mesh.shape).get("tensor", 1))
+        except ValueError as e:
+            fail(f"mesh.tensor: {e}")
         if ckpt is not None and ckpt.resuming:  # state, batch position and records of the checkpoint
             try:
                 self.state, self.records = ckpt.restore(make_model, tx, setup.mesh, self.batches, strategy=setup.strategy,
-                                                        mixed_precision=mp, unit=unit)
+                                                        mixed_precision=mp, unit=unit, tensor_parallel=plan)
             except checkpointing.ResumeError as e:
                 fail(str(e))
         else:
             self.state = zshard.init(make_model, tx, setup.mesh, strategy=setup.strategy, mixed_precision=mp,
-                                     params=setup.weights, unit=unit)
+                                     params=setup.weights, unit=unit, tensor_parallel=plan)
         self.start = 0 if ckpt is None else ckpt.start
         loss_fn, has_aux = loss_for(setup.cfg)  # an MoE adds its router's load-balancing loss (metrics["aux"])
         self.step = zshard.make_train_step(loss_fn, has_aux=has_aux, grad_accum=t_cfg.grad_accum, clip_norm=run.optimizer.clip_norm,

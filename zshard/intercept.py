@@ -204,7 +204,7 @@ class UnitBinding:
             value = variables[rel].get_raw_value()
             if isinstance(value, ShardWithSink):  # HYBRID_SHARD_OPT, see materialize
                 value, sink_of[rel] = value.shard, value.sink
-            if unit.layers is not None and value.ndim == 2:
+            if unit.layers is not None and value.ndim == 2 + (s.param.tp_dim is not None):  # [L, (T,) n_pad/N]
                 raise ValueError(
                     f"zshard: the stacked unit {unit.name!r} ({cls.__name__}, {unit.layers} layers) was called with all its "
                     f"layers at once ({name}); run it one layer at a time under nnx.scan (or jax.lax.scan over "

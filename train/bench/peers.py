@@ -168,20 +168,24 @@ def plain_peer(name, init, tx, batches, mesh, mode, remat="none"):
     return peer
 
 
-def zshard_peer(strategy, init, tx, batches, mesh, prefetch=None, remat="block"):
+def zshard_peer(strategy, init, tx, batches, mesh, prefetch=None, remat="block", tensor_parallel=None):
     """zshard in ``strategy``; ``prefetch=None`` and ``remat="block"`` are the step's defaults
-    (the label names only what differs from them)."""
+    (the label names only what differs from them). ``tensor_parallel``: the TP plan on a mesh
+    with a ``tensor`` axis (label ``tensor=T``)."""
     graphdef, host = init
     build = lambda: nnx.merge(graphdef, jax.tree.map(jax.numpy.asarray, host))  # noqa: E731
-    state = zshard.init(build(), tx, mesh, strategy=strategy)
+    state = zshard.init(build(), tx, mesh, strategy=strategy, tensor_parallel=tensor_parallel)
     treedef = jax.tree.structure(state)
 
     def fresh():  # a new init's arrays under the first init's plan (its static pytree data), as compiled
-        return jax.tree.unflatten(treedef, jax.tree.leaves(zshard.init(build(), tx, mesh, strategy=strategy)))
+        return jax.tree.unflatten(treedef, jax.tree.leaves(zshard.init(build(), tx, mesh, strategy=strategy,
+                                                                       tensor_parallel=tensor_parallel)))
 
     step = zshard.make_train_step(cross_entropy_loss, prefetch=prefetch, remat=remat)
     placed = [step.put_batch(state, b) for b in batches]
-    label = f"zshard/{strategy}" + ("" if remat == "block" else f" remat={remat}") + ("" if prefetch is None else f" prefetch={prefetch}")
+    tensor = dict(mesh.shape).get("tensor", 1)
+    label = f"zshard/{strategy}" + ("" if remat == "block" else f" remat={remat}") + ("" if prefetch is None else f" prefetch={prefetch}") + \
+        ("" if tensor == 1 else f" tensor={tensor}")
     peer = Peer(label, "zshard")
     peer.info["remat"], peer.info["prefetch"] = remat, step.prefetch
     # one gathered block unit (bytes; the largest non-root unit, one layer): the unit of the P temp targets

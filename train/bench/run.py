@@ -18,10 +18,11 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
-from train.bench.sections import CONFIGS, DEPTHS, GPU_XLA_FLAGS, NUM_DEVICES, QUICK, STRATEGIES, bench_config, depth_sweep, gpu_section
+from train.bench.sections import (CONFIGS, DEPTHS, GPU_XLA_FLAGS, NUM_DEVICES, QUICK, STRATEGIES, TENSOR_CONFIGS, TENSOR_SIZES,
+                                  bench_config, depth_sweep, gpu_section)
 from train.bench.tables import config_table, depth_table, plots, targets, targets_table
 from train.devices import emulate_devices
-from train.scale import SCALE_DEVICES, SCALE_MODELS, SCALE_STRATEGIES, run_scale, scale_table, scale_worker
+from train.scale import SCALE_DEVICES, SCALE_MODELS, SCALE_STRATEGIES, SCALE_TENSOR, run_scale, scale_table, scale_worker
 
 __all__ = ["PROG", "main"]
 
@@ -69,8 +70,10 @@ def main(argv=None) -> int:
     strategies = ("NO_SHARD", "FULL_SHARD", "HYBRID_SHARD") if args.quick else STRATEGIES
     do_depth, do_scale = not (args.quick or args.no_depth), not (args.quick or args.no_scale)
     scale_strats = SCALE_STRATEGIES
-    total = sum(4 + len(strategies) + 2 * ("FULL_SHARD" in strategies) + (args.repeats or c.repeats) for c in configs.values()) + (2 * len(DEPTHS) if do_depth else 0) + \
-        (len(SCALE_DEVICES) * len(SCALE_MODELS) * len(scale_strats) if do_scale else 0)
+    tp_peers = lambda c: sum(c.n_heads % t == 0 for t in TENSOR_SIZES) if c.name in TENSOR_CONFIGS else 0  # noqa: E731
+    total = sum(4 + len(strategies) + (2 + tp_peers(c)) * ("FULL_SHARD" in strategies) + (args.repeats or c.repeats)
+                for c in configs.values()) + (2 * len(DEPTHS) if do_depth else 0) + \
+        ((len(SCALE_DEVICES) * len(SCALE_MODELS) + len(SCALE_TENSOR)) * len(scale_strats) if do_scale else 0)
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
                f"{platform.system()} {platform.release()}", "jax": jax.__version__, "backend": jax.default_backend(),
                "command": " ".join([PROG] + (sys.argv[1:] if argv is None else list(argv))), "configs": {}}
@@ -83,6 +86,8 @@ def main(argv=None) -> int:
             progress.write(depth_table(results["depth"]) + "\n", file=sys.stderr)
         if do_scale:
             results["scale"] = run_scale(SCALE_DEVICES, SCALE_MODELS, scale_strats, progress, args.scale_timeout)
+            for model, n, tensor in SCALE_TENSOR:  # the tensor-parallel rows (issue 25)
+                results["scale"] += run_scale([n], [model], scale_strats, progress, args.scale_timeout, tensor=tensor)
     if jax.default_backend() == "gpu":
         results["gpu"] = gpu_section(args.repeats or 10)
     results["targets"] = targets(results)

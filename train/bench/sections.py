@@ -25,7 +25,7 @@ from flax import nnx
 
 import zshard
 from train.bench.peers import initial_params, plain_peer, zshard_peer
-from train.model import GPT, GPTConfig, cross_entropy_loss
+from train.model import GPT, GPTConfig, cross_entropy_loss, tensor_plan
 from train.scale import activation_bytes
 
 __all__ = [
@@ -44,6 +44,8 @@ __all__ = [
 
 NUM_DEVICES = 8  # emulated CPU devices of sections 1 and 2
 MESH_8 = (2, 4)  # (replica, shard)
+TENSOR_SIZES = (2, 4)  # FULL_SHARD with a tensor axis: meshes 1x4x2 and 1x2x4
+TENSOR_CONFIGS = ("P", "Q")  # the parameter-heavy config (and the quick one): where TP is the compiler's choice
 LOSS_RTOL = 1e-5
 STRATEGIES = ("NO_SHARD", "SHARD_OPT", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "HYBRID_SHARD_OPT")
 # XLA:GPU scheduling flags (xla/debug_options_flags.cc): the latency-hiding scheduler overlaps
@@ -136,6 +138,11 @@ def bench_config(cfg: BenchConfig, strategies, repeats: int, progress) -> dict:
         # ... and prefetch on the other side of the backend default (what the extra gathered unit costs)
         pf = 1 - min(default_prefetch, 1)  # CPU: 1 (the default is 0); GPU / TPU: 0
         builders.append((f"FULL_SHARD prefetch={pf}", lambda: zshard_peer("FULL_SHARD", init, tx, batches, zmesh, prefetch=pf)))
+        # tensor parallelism inside FSDP (issue 25): 1 x 8/T x T, the reference GPT's TP plan
+        for t in (t for t in TENSOR_SIZES if cfg.n_heads % t == 0 and cfg.name in TENSOR_CONFIGS):
+            tmesh = zshard.make_mesh(1, NUM_DEVICES // t, tensor=t, devices=devices)
+            builders.append((f"FULL_SHARD tensor={t}", lambda t=t, tmesh=tmesh: zshard_peer(
+                "FULL_SHARD", init, tx, batches, tmesh, tensor_parallel=tensor_plan(cfg.gpt(), t))))
     peers = []
     for label, build in builders:
         progress.set_description(f"{cfg.name}: compile, 2 steps {label}")
@@ -167,7 +174,8 @@ def bench_config(cfg: BenchConfig, strategies, repeats: int, progress) -> dict:
         if p.times:
             row["step_s"] = statistics.median(p.times)
             row["step_s_all"] = p.times
-            row["step_ratio"] = {q: median_ratio(p.times, by[q].times) for q in ("DDP", "FSDP-compiler")}
+            row["step_ratio"] = {q: median_ratio(p.times, by[q].times) for q in ("DDP", "FSDP-compiler", "zshard/FULL_SHARD")
+                                 if q in by}
             # like with like: against the compiler peer at the same recomputation policy
             same = "FSDP-compiler" + ("" if p.info.get("remat", "none") == "none" else f" remat={p.info['remat']}")
             if same in by:

@@ -15,7 +15,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from train.bench.sections import COMPILE_REPEATS, DEPTHS, LOSS_RTOL  # noqa: E402
-from train.scale import DEVICE_GB, GB, SCALE_DEVICES, SCALE_MODELS, SCALE_STRATEGIES  # noqa: E402
+from train.scale import DEVICE_GB, GB, SCALE_DEVICES, SCALE_MODELS, SCALE_STRATEGIES, SCALE_TENSOR  # noqa: E402
 
 __all__ = ["config_table", "depth_table", "plots", "targets", "targets_table"]
 
@@ -37,8 +37,9 @@ def config_table(res: dict) -> str:
             "(remat=none) unless the name says otherwise")
     lines = [head, "",
              "| peer | argument MiB | temp MiB | state / formula | shard MiB/step | replica MiB/step | world MiB/step "
-             "| compile s | step ms | / DDP | / FSDP-compiler | / FSDP-compiler, same remat | loss step 1, 2 | rel. err |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "| tensor MiB/step | compile s | step ms | / DDP | / FSDP-compiler | / FSDP-compiler, same remat "
+             "| / zshard FULL_SHARD | loss step 1, 2 | rel. err |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in res["rows"]:
         pd, cb = r["per_device_bytes"], r["comm_bytes"]
         step = r.get("step_s")
@@ -46,8 +47,9 @@ def config_table(res: dict) -> str:
         lines.append(
             f"| {r['name']} | {_mib(pd['argument'])} | {_mib(pd['temp'])} | {r['model_state']['ratio']:.4f} | "
             f"{_mib(cb.get('shard', 0))} | {_mib(cb.get('replica', 0))} | {_mib(cb.get('world', 0))} | "
-            f"{r['compile_s']:.2f} | {_fmt(None if step is None else 1e3 * step, '.1f')} | "
+            f"{_mib(cb.get('tensor', 0))} | {r['compile_s']:.2f} | {_fmt(None if step is None else 1e3 * step, '.1f')} | "
             f"{_fmt(ratios.get('DDP'))} | {_fmt(ratios.get('FSDP-compiler'))} | {_fmt(ratios.get('FSDP-compiler same remat'))} | "
+            f"{_fmt(ratios.get('zshard/FULL_SHARD'))} | "
             f"{r['losses'][0]:.6f}, {r['losses'][1]:.6f} | {r['loss_rel_err']:.1e} |")
     return "\n".join(lines)
 
@@ -91,10 +93,13 @@ def targets(results: dict) -> list[dict]:
     if results.get("depth"):
         add(f"compile time {DEPTHS[-1]} / {DEPTHS[0]} layers (zshard FULL_SHARD)", results["depth"]["zshard/FULL_SHARD ratio"], 1.3)
     if "scale" in results:  # issue 17: every row's peak within 2% of the formula (train.scale.expected_peak)
-        rows = {(r["model"], r["devices"], r["strategy"]): r for r in results["scale"]}
-        for key in itertools.product(SCALE_MODELS, SCALE_DEVICES, SCALE_STRATEGIES):  # a failed worker: n/a, not met
+        rows = {(r["model"], r["devices"], r["strategy"], r.get("tensor", 1)): r for r in results["scale"]}
+        keys = [(*k, 1) for k in itertools.product(SCALE_MODELS, SCALE_DEVICES, SCALE_STRATEGIES)]
+        keys += [(m, n, s, t) for m, n, t in SCALE_TENSOR for s in SCALE_STRATEGIES]
+        for key in keys:  # a failed worker: n/a, not met
             r = rows.get(key)
-            add("scale {} {} devices {}: abs(peak / expected - 1)".format(*key), None if r is None else abs(r["ratio"] - 1),
+            tp = f" tensor {key[3]}" if key[3] > 1 else ""
+            add("scale {} {} devices {}{}: abs(peak / expected - 1)".format(*key[:3], tp), None if r is None else abs(r["ratio"] - 1),
                 0.02, "did not compile (see the scale worker's error above)" if r is None else
                 f"live / expected {r['live_ratio']:.3f}, peak / live (heap packing) {r['peak'] / r['live']:.3f}")
     return out

@@ -82,14 +82,22 @@ class Map:
       transpose: each tensor is a torch ``nn.Linear`` weight ``[..., out, in]``; ours is
         ``[..., in, out]`` (the last two axes swapped).
       experts: ``0``: one group; ``E > 0``: the groups are stacked on a new leading axis ``[E, ...]``.
+      stack: the tensors of a group (transposed first) are stacked on a new axis before their
+        last, ``[..., parts, out]`` (gate, up: :class:`train.models.core.GatedMLP`); a single
+        tensor is split into ``stack`` equal parts of its last axis that way (GPT-2's
+        ``c_attn`` ``[C, 3C]`` -> ``[C, 3, C]``). ``0``: concatenated along the last axis.
+      grouped: ``(n_kv_heads, head_dim)``: q, k, v (transposed first) interleaved per
+        key/value head, ``[..., nkv, rep + 2, hd]`` (:class:`train.models.core.Attention`:
+        each kv head's ``rep`` query heads, its key, its value).
 
-    Within a group the tensors (transposed first) are concatenated along their last axis,
-    in equal parts (k | v, gate | up).
+    Otherwise the tensors of a group are concatenated along their last axis, in equal parts.
     """
 
     names: tuple[str, ...]
     transpose: bool = False
     experts: int = 0
+    stack: int = 0
+    grouped: tuple[int, int] | None = None
 
     def groups(self) -> list[tuple[str, ...]]:
         g = len(self.names) // max(self.experts, 1)
@@ -99,17 +107,48 @@ class Map:
         """The shape each Hugging Face tensor must have for our parameter of shape ``ours``."""
         piece = tuple(ours[1:] if self.experts else ours)
         n = len(self.groups()[0])
-        piece = piece[:-1] + (piece[-1] // n,)
-        hf = piece[:-2] + (piece[-1], piece[-2]) if self.transpose else piece
-        return {name: hf for name in self.names}
+        if self.grouped is not None:  # [..., nkv, rep + 2, hd] -> q [..., nkv rep hd], k, v [..., nkv hd]
+            nkv, hd = self.grouped
+            lead, rep = piece[:-3], piece[-2] - 2
+            outs = [lead + (nkv * rep * hd,), lead + (nkv * hd,), lead + (nkv * hd,)]
+        elif self.stack:  # [..., parts, out] -> parts x [..., out] (or one [..., parts * out])
+            lead, parts, out = piece[:-2], piece[-2], piece[-1]
+            outs = [lead + ((parts * out,) if n == 1 else (out,))] * n
+        else:
+            outs = [piece[:-1] + (piece[-1] // n,)] * n
+        flip = lambda s: s[:-2] + (s[-1], s[-2]) if self.transpose else s  # noqa: E731
+        return {name: flip(outs[i % n]) for i, name in enumerate(self.names)}
 
     def read(self, read: Callable[[str], np.ndarray]) -> np.ndarray:
         """Our parameter from ``read(name)`` of each tensor (each read once)."""
         parts = []
         for group in self.groups():
             arrays = [_t(read(n)) if self.transpose else read(n) for n in group]  # [.., out, in] -> [.., in, out]
-            parts.append(arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=-1))  # [.., sum out]
+            parts.append(self._fuse(arrays))
         return np.stack(parts) if self.experts else parts[0]  # [E, ...] or [...]
+
+    def _fuse(self, arrays: list[np.ndarray]) -> np.ndarray:
+        if self.grouped is not None:
+            nkv, hd = self.grouped
+            q, k, v = (a.reshape(a.shape[:-1] + (nkv, -1, hd)) for a in arrays)  # [.., nkv, rep | 1 | 1, hd]
+            return np.concatenate([q, k, v], axis=-2)  # [.., nkv, rep + 2, hd]
+        if self.stack and len(arrays) == 1:
+            a = arrays[0]
+            return a.reshape(a.shape[:-1] + (self.stack, -1))  # [.., parts * out] -> [.., parts, out]
+        if self.stack:
+            return np.stack(arrays, axis=-2)  # [.., parts, out]
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=-1)  # [.., sum out]
+
+    def _split(self, x: np.ndarray, n: int) -> list[np.ndarray]:
+        if self.grouped is not None:
+            rep = x.shape[-2] - 2
+            flat = lambda a: a.reshape(a.shape[:-3] + (-1,))  # noqa: E731  [.., nkv, j, hd] -> [.., nkv j hd]
+            return [flat(x[..., :rep, :]), flat(x[..., rep : rep + 1, :]), flat(x[..., rep + 1 :, :])]
+        if self.stack and n == 1:
+            return [x.reshape(x.shape[:-2] + (-1,))]
+        if self.stack:
+            return [x[..., i, :] for i in range(x.shape[-2])]
+        return np.split(x, n, axis=-1)  # equal parts of the last axis
 
     def write(self, x: np.ndarray) -> list[tuple[str, np.ndarray]]:
         """The inverse of :meth:`read`: ``[(name, tensor)]`` from our parameter ``x``."""
@@ -117,7 +156,7 @@ class Map:
         parts = list(x) if self.experts else [x]  # [E, ...] -> E x [...]
         out = []
         for group, part in zip(groups, parts):
-            for name, piece in zip(group, np.split(part, len(group), axis=-1)):  # equal parts of the last axis
+            for name, piece in zip(group, self._split(part, len(group))):
                 out.append((name, np.ascontiguousarray(_t(piece) if self.transpose else piece)))
         return out
 

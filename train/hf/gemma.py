@@ -60,7 +60,7 @@ def tensors(mc: GemmaConfig, names=None) -> dict[str, Map]:
                              ("mlp_norm", "pre_feedforward_layernorm"), ("post_mlp_norm", "post_feedforward_layernorm")]:
             out[f"{b}{ours}.scale"] = Map((f"{L}{theirs}.weight",))
         out.update(attention_tensors(mc, i, b + "attn.", L + "self_attn."))
-        out[b + "mlp.w_gate_up.kernel"] = Map((L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"), transpose=True)
+        out[b + "mlp.w_gate_up.kernel"] = Map((L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"), transpose=True, stack=2)
         out[b + "mlp.w_down.kernel"] = Map((L + "mlp.down_proj.weight",), transpose=True)
     return out
 

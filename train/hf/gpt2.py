@@ -6,7 +6,7 @@ GPT-2's ``Conv1D`` already stores ``[in, out]`` as ours)::
     wte.weight [V, C]                            wte.embedding
     wpe.weight [P, C]                            wpe.embedding
     h.i.ln_1.weight / .bias                      blocks.i.ln1.scale / .bias
-    h.i.attn.c_attn.weight [C, 3C] / .bias       blocks.i.attn.qkv.kernel / .bias   (q | k | v columns)
+    h.i.attn.c_attn.weight [C, 3C] / .bias       blocks.i.attn.qkv.kernel [C, 3, C] / .bias [3, C]   (q | k | v)
     h.i.attn.c_proj.weight [C, C] / .bias        blocks.i.attn.proj.kernel / .bias
     h.i.ln_2.*                                   blocks.i.ln2.*
     h.i.mlp.c_fc.weight [C, 4C] / .bias          blocks.i.mlp.fc.kernel / .bias
@@ -50,10 +50,12 @@ def tensors(mc: GPTConfig, names=None) -> dict[str, Map]:
         for ours, theirs in [("ln1", "ln_1"), ("ln2", "ln_2")]:
             out[f"blocks.{i}.{ours}.scale"] = Map((f"{p}h.{i}.{theirs}.weight",))
             out[f"blocks.{i}.{ours}.bias"] = Map((f"{p}h.{i}.{theirs}.bias",))
-        for ours, theirs in [("attn.qkv", "attn.c_attn"), ("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"),
-                             ("mlp.proj", "mlp.c_proj")]:
+        for ours, theirs in [("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")]:
             out[f"blocks.{i}.{ours}.kernel"] = Map((f"{p}h.{i}.{theirs}.weight",))  # Conv1D: [in, out] as ours
             out[f"blocks.{i}.{ours}.bias"] = Map((f"{p}h.{i}.{theirs}.bias",))
+        # c_attn [C, 3C] (q | k | v columns) -> our fused [C, 3, C]; its bias [3C] -> [3, C]
+        out[f"blocks.{i}.attn.qkv.kernel"] = Map((f"{p}h.{i}.attn.c_attn.weight",), stack=3)
+        out[f"blocks.{i}.attn.qkv.bias"] = Map((f"{p}h.{i}.attn.c_attn.bias",), stack=3)
     if not mc.tie_embeddings:
         out["head.kernel"] = Map(("lm_head.weight",), transpose=True)
     return out

@@ -5,13 +5,13 @@ Tensor map (ours <- Hugging Face, ``model.`` prefix; ``.T``: torch ``nn.Linear``
 
     embed_tokens.weight [V, C]                   embed.embedding
     layers.i.input_layernorm.weight              blocks.i.attn_norm.scale
-    layers.i.self_attn.q_proj.weight (.bias)     blocks.i.attn.wq.kernel = .T (.bias: qwen2)
-    layers.i.self_attn.{k,v}_proj.weight         blocks.i.attn.wkv.kernel = concat(k.T, v.T, axis=1)  [C, 2 nkv hd]
-    layers.i.self_attn.{k,v}_proj.bias (qwen2)   blocks.i.attn.wkv.bias = concat(k, v)
+    layers.i.self_attn.{q,k,v}_proj.weight       blocks.i.attn.wqkv.kernel [C, nkv, rep + 2, hd]: per kv head g,
+                                                 its rep query heads, its key, its value (q.T, k.T, v.T)
+    layers.i.self_attn.{q,k,v}_proj.bias (qwen2) blocks.i.attn.wqkv.bias [nkv, rep + 2, hd], the same order
     layers.i.self_attn.{q,k}_norm.weight (qwen3) blocks.i.attn.{q,k}_norm.scale  [hd]
     layers.i.self_attn.o_proj.weight             blocks.i.attn.wo.kernel = .T
     layers.i.post_attention_layernorm.weight     blocks.i.mlp_norm.scale
-    layers.i.mlp.{gate,up}_proj.weight           blocks.i.mlp.w_gate_up.kernel = concat(gate.T, up.T, axis=1)
+    layers.i.mlp.{gate,up}_proj.weight           blocks.i.mlp.w_gate_up.kernel = stack(gate.T, up.T)  [C, 2, F]
     layers.i.mlp.down_proj.weight                blocks.i.mlp.w_down.kernel = .T
     norm.weight                                  norm.scale
     lm_head.weight (untied only, no prefix)      head.kernel = .T
@@ -109,14 +109,14 @@ def config(r: ConfigReader) -> LlamaConfig:
 
 def attention_tensors(mc, i: int, ours: str, hf: str) -> dict[str, Map]:
     """Layer ``i``'s attention: ``ours`` (``blocks.i.attn.``) <- ``hf`` (``model.layers.i.self_attn.``)."""
+    qkv = (hf + "q_proj.weight", hf + "k_proj.weight", hf + "v_proj.weight")
+    grouped = (mc.n_kv_heads, head_size(mc))
     out = {
-        ours + "wq.kernel": Map((hf + "q_proj.weight",), transpose=True),
-        ours + "wkv.kernel": Map((hf + "k_proj.weight", hf + "v_proj.weight"), transpose=True),
+        ours + "wqkv.kernel": Map(qkv, transpose=True, grouped=grouped),
         ours + "wo.kernel": Map((hf + "o_proj.weight",), transpose=True),
     }
     if mc.qkv_bias:
-        out[ours + "wq.bias"] = Map((hf + "q_proj.bias",))
-        out[ours + "wkv.bias"] = Map((hf + "k_proj.bias", hf + "v_proj.bias"))
+        out[ours + "wqkv.bias"] = Map((hf + "q_proj.bias", hf + "k_proj.bias", hf + "v_proj.bias"), grouped=grouped)
     if mc.qk_norm:
         out[ours + "q_norm.scale"] = Map((hf + "q_norm.weight",))
         out[ours + "k_norm.scale"] = Map((hf + "k_norm.weight",))
@@ -138,7 +138,7 @@ def tensors(mc: LlamaConfig, names=None) -> dict[str, Map]:
         out[b + "attn_norm.scale"] = Map((L + "input_layernorm.weight",))
         out.update(attention_tensors(mc, i, b + "attn.", L + "self_attn."))
         out[b + "mlp_norm.scale"] = Map((L + "post_attention_layernorm.weight",))
-        out[b + "mlp.w_gate_up.kernel"] = Map((L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"), transpose=True)
+        out[b + "mlp.w_gate_up.kernel"] = Map((L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"), transpose=True, stack=2)
         out[b + "mlp.w_down.kernel"] = Map((L + "mlp.down_proj.weight",), transpose=True)
     return out
 

@@ -8,6 +8,7 @@ class, no sharding or collective code, one device.
 | ``gemma`` | :class:`GemmaConfig`, :class:`Gemma` | ``gemma2``, ``gemma3_text`` |
 | ``moe`` | :class:`MoEConfig`, :class:`Qwen3Moe` | ``qwen3_moe`` |
 | ``core`` | embedding, RoPE, attention, gated MLP, block runner, KV cache, loss | |
+| ``tp`` | :func:`tensor_plan`: the tensor-parallel plan of each family | |
 
 Every model takes ``model(tokens)`` -> logits ``(B, T, V)`` and ``model(tokens, cache=c,
 pos=p)`` -> ``(logits, new cache)`` with ``c = init_cache(cfg, batch, length)``. Its blocks
@@ -24,11 +25,12 @@ from train.models.gemma import Gemma, GemmaBlock, GemmaConfig
 from train.models.gpt import GPT, MODEL_PRESETS, Block, GPTConfig
 from train.models.llama import Llama, LlamaBlock, LlamaConfig
 from train.models.moe import MoEConfig, MoEBlock, Qwen3Moe, moe_loss
+from train.models.tp import tensor_plan
 
 __all__ = [
     "GPTConfig", "GPT", "Block", "LlamaConfig", "Llama", "LlamaBlock", "GemmaConfig", "Gemma", "GemmaBlock",
     "MoEConfig", "Qwen3Moe", "MoEBlock", "RopeScaling", "Embed", "MODEL_PRESETS", "PLAN_PRESETS", "build_model",
-    "cross_entropy_loss", "moe_loss", "loss_for", "token_nll", "init_cache", "units_with_ends",
+    "cross_entropy_loss", "moe_loss", "loss_for", "token_nll", "init_cache", "units_with_ends", "tensor_plan",
 ]
 
 # Shapes from the papers: GPT-2 (Radford et al. 2019, table 2; vocab 50257, context 1024,

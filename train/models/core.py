@@ -201,13 +201,17 @@ def head_size(cfg) -> int:
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with RoPE: ``wq`` ``[C, nh*hs]``, ``wkv`` ``[C, 2*nkv*hs]``
-    (keys then values), ``wo`` ``[nh*hs, C]``; optional q/k/v biases (Qwen2) and RMSNorms of
-    each query and key head before RoPE (``q_norm`` / ``k_norm`` ``[hs]``: Qwen3, Gemma 3).
+    """Grouped-query self-attention with RoPE: one fused projection ``wqkv`` ``[C, nkv, rep + 2,
+    hs]`` (``rep = nh / nkv``: for each key/value head its ``rep`` query heads, then its key, then
+    its value), ``wo`` ``[nh*hs, C]``; optional q/k/v biases ``[nkv, rep + 2, hs]`` (Qwen2) and
+    RMSNorms of each query and key head before RoPE (``q_norm`` / ``k_norm`` ``[hs]``: Qwen3,
+    Gemma 3).
 
-    The projection lives in one method, :meth:`project`: a fused q/k/v layout (one
-    ``[C, (nh + 2 nkv) hs]`` kernel, e.g. for a tensor-parallel plan) changes that method and
-    the checkpoint map only.
+    The grouped layout is Megatron-LM's for grouped-query attention: split over the tensor
+    axis along ``nkv`` (column-parallel, :func:`train.models.tensor_plan`), each device holds
+    whole key/value groups with their query heads, and one fused projection means one
+    all-reduce of the input's cotangent per block (separate q and k|v projections: two). Query
+    head ``g * rep + r`` reads key/value head ``g`` (Hugging Face's ``repeat_kv`` order).
 
     Args:
       cfg: a ``LlamaConfig`` (or subclass): ``d_model``, ``n_heads``, ``n_kv_heads``,
@@ -224,8 +228,8 @@ class Attention(nnx.Module):
         self.n_heads, self.n_kv_heads, self.hs = cfg.n_heads, cfg.n_kv_heads, hs
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static (hashable); float32 when used
         self.scale, self.window, self.cap = float(scale), window, cap
-        self.wq = nnx.Linear(cfg.d_model, cfg.n_heads * hs, use_bias=cfg.qkv_bias, rngs=rngs)
-        self.wkv = nnx.Linear(cfg.d_model, 2 * cfg.n_kv_heads * hs, use_bias=cfg.qkv_bias, rngs=rngs)
+        self.rep = cfg.n_heads // cfg.n_kv_heads
+        self.wqkv = nnx.LinearGeneral(cfg.d_model, (cfg.n_kv_heads, self.rep + 2, hs), use_bias=cfg.qkv_bias, rngs=rngs)
         self.wo = nnx.Linear(cfg.n_heads * hs, cfg.d_model, use_bias=False, rngs=rngs)
         if cfg.qk_norm:
             self.q_norm = norm(hs, epsilon=cfg.norm_eps, rngs=rngs)
@@ -235,9 +239,9 @@ class Attention(nnx.Module):
     def project(self, h):
         """``h`` (B, T, C) -> ``q`` (B, T, nh, hs), ``k, v`` (B, T, nkv, hs), before norms and RoPE."""
         B, T, _ = h.shape
-        q = self.wq(h).reshape(B, T, self.n_heads, self.hs)  # (B, T, nh, hs)
-        k, v = jnp.split(self.wkv(h).reshape(B, T, 2 * self.n_kv_heads, self.hs), 2, axis=2)  # (B, T, nkv, hs) each
-        return q, k, v
+        qkv = self.wqkv(h)  # (B, T, nkv, rep + 2, hs)
+        q = qkv[..., : self.rep, :].reshape(B, T, self.n_heads, self.hs)  # (B, T, nkv, rep, hs) -> (B, T, nh, hs)
+        return q, qkv[..., self.rep, :], qkv[..., self.rep + 1, :]  # k, v: (B, T, nkv, hs)
 
     def __call__(self, h, cache=None, pos=None):
         """``h`` (B, T, C) -> ``(y (B, T, C), new cache or None)``."""
@@ -258,20 +262,21 @@ ACTIVATIONS = {
 
 
 class GatedMLP(nnx.Module):
-    """``w_down(act(gate) * up)``, ``[gate | up] = w_gate_up(x)``: SwiGLU (``act = silu``,
-    Shazeer 2020, arXiv 2002.05202) or GeGLU (``gelu_tanh``, Gemma). ``w_gate_up`` ``[C, 2F]``
-    (gate columns first), ``w_down`` ``[F, C]``."""
+    """``w_down(act(gate) * up)``, ``(gate, up) = w_gate_up(x)``: SwiGLU (``act = silu``,
+    Shazeer 2020, arXiv 2002.05202) or GeGLU (``gelu_tanh``, Gemma). ``w_gate_up`` ``[C, 2, F]``
+    (gate, then up: split along ``F`` over the tensor axis each device keeps its gate and up
+    columns together), ``w_down`` ``[F, C]``."""
 
     def __init__(self, d_model: int, d_ff: int, act: str, *, rngs: nnx.Rngs):
         if act not in ACTIVATIONS:
             raise ValueError(f"GatedMLP: activation {act!r}; supported: {sorted(ACTIVATIONS)}")
         self.act = act
-        self.w_gate_up = nnx.Linear(d_model, 2 * d_ff, use_bias=False, rngs=rngs)
+        self.w_gate_up = nnx.LinearGeneral(d_model, (2, d_ff), use_bias=False, rngs=rngs)
         self.w_down = nnx.Linear(d_ff, d_model, use_bias=False, rngs=rngs)
 
     def __call__(self, x):
-        gate, up = jnp.split(self.w_gate_up(x), 2, axis=-1)  # 2 x (B, T, F)
-        return self.w_down(ACTIVATIONS[self.act](gate) * up)
+        h = self.w_gate_up(x)  # (B, T, 2, F)
+        return self.w_down(ACTIVATIONS[self.act](h[..., 0, :]) * h[..., 1, :])
 
 
 # ----------------------------------------------------------------------------------------

@@ -63,14 +63,16 @@ class CausalSelfAttention(nnx.Module):
         # No qkv bias: a key bias only shifts each softmax row, so its true gradient is 0 and
         # Adam would amplify rounding noise in it (as in LLaMA, no attention biases).
         # (GPT-2 checkpoints have one: qkv_bias=True.)
-        self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, use_bias=cfg.qkv_bias, rngs=rngs)
+        # Fused q | k | v [C, 3, C]: split over the tensor axis along its last dimension (heads),
+        # each device keeps its heads' q, k and v together (Megatron-LM's column-parallel layout).
+        self.qkv = nnx.LinearGeneral(cfg.d_model, (3, cfg.d_model), use_bias=cfg.qkv_bias, rngs=rngs)
         self.proj = nnx.Linear(cfg.d_model, cfg.d_model, rngs=rngs)
 
     def __call__(self, x, cache=None, pos=None):
         B, T, C = x.shape
         hs = C // self.n_heads
-        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)  # 3 x (B, T, C)
-        q, k, v = (t.reshape(B, T, self.n_heads, hs) for t in (q, k, v))  # (B, T, nh, hs)
+        qkv = self.qkv(x)  # (B, T, 3, C)
+        q, k, v = (qkv[:, :, i].reshape(B, T, self.n_heads, hs) for i in range(3))  # (B, T, nh, hs)
         y, cache = attend(q, k, v, cache, pos, scale=hs**-0.5)  # (B, T, C)
         return self.proj(y) if cache is None else (self.proj(y), cache)
 
