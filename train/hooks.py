@@ -142,8 +142,8 @@ class Checkpoint:
         return self.ckpt.due(step) or stopping == Stop.PREEMPT or (bool(stopping) and bool(self.ckpt.every))
 
     def __call__(self, state, step: int, rec: dict, metrics: Metrics) -> None:
+        self.saved.append(step)  # first: a --preempt-grace deadline during the save removes its folder
         self.ckpt.save(state, step, self.batches, metrics.records)  # `batches` has drawn `step` batches
-        self.saved.append(step)
         say(f"step {step}: saving checkpoint {self.ckpt.directory / str(step)} (in the background)")
 
     def close(self) -> None:

@@ -66,6 +66,7 @@ class StopAgreement:
         agreed = Stop(int(codes.max()))
         if agreed and not self.by:
             self.by = sorted({int(p) for p in self._owner[codes == agreed]})
+            self.stops.agree(agreed)  # a signal to another process: this one's grace starts now
         return agreed
 
 

@@ -19,9 +19,9 @@ importing jax takes seconds.
 How: the C-level signal handler writes the signal number to a ``signal.set_wakeup_fd`` pipe
 at once, and a daemon thread blocked on that pipe does the work; a Python handler would only
 run after the native call the main thread is in (an XLA compile, a step) returns.
-``jax.distributed.initialize`` installs its own SIGTERM handler (its preemption service: the
-process then ignores SIGTERM apart from a log line), so :meth:`Stops.install` runs again
-after it.
+``jax.distributed.initialize`` would install its own SIGTERM handler (its preemption service:
+the process then ignores SIGTERM apart from a log line): ``train.trainer.start`` turns that
+service off (``jax_enable_preemption_service``) and runs :meth:`Stops.install` again after it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from train.output import PROG, say
+from tqdm import tqdm
+
+from train.output import PROG
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_PREEMPTED", "SAME_PRESS_S", "Stop", "Stops"]
 
@@ -42,6 +44,11 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 EXIT_PREEMPTED = 143  # 128 + SIGTERM; also after SIGUSR1 (the run saved its checkpoint and stopped: resume it)
 SAME_PRESS_S = 0.5  # s: a second SIGINT sooner than this after the first is the same Ctrl-C
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+def _tell(message: str) -> None:
+    """One line on stderr above the progress bar, on every process (the one a signal reached may not be rank 0)."""
+    tqdm.write(message, file=sys.stderr)
 
 
 class Stop(enum.IntEnum):
@@ -117,7 +124,7 @@ class Stops:
             self.exit(EXIT_INTERRUPTED, "interrupted again: stopped at once (files written so far are complete)")
         if self.pending < Stop.INTERRUPT:
             self.pending = Stop.INTERRUPT
-            say(f"{PROG}: interrupted: finishing the step in flight, then saving and writing the summary "
+            _tell(f"{PROG}: interrupted: finishing the step in flight, then saving and writing the summary "
                 "(Ctrl-C again to stop at once)")
 
     def _preempt(self, name: str) -> None:
@@ -128,8 +135,18 @@ class Stops:
             return  # a second notice (a scheduler repeating it, the launcher forwarding it): already stopping
         self.pending = Stop.PREEMPT
         within = "" if self._grace is None else f" within --preempt-grace {self._grace:g} s"
-        say(f"{PROG}: {name}: finishing the step in flight, saving a checkpoint and exiting {EXIT_PREEMPTED}{within}")
+        _tell(f"{PROG}: {name}: finishing the step in flight, saving a checkpoint and exiting {EXIT_PREEMPTED}{within}")
         self._start_deadline()
+
+    def agree(self, stop: Stop) -> None:
+        """The stop every process agreed on (``train.preempt.StopAgreement``), which a signal
+        to another process may have started: this process stops too, and its grace runs from now."""
+        if stop > self.pending:
+            if self.t_signal is None:
+                self.t_signal = time.monotonic()
+            self.pending = stop
+            if stop == Stop.PREEMPT:
+                self._start_deadline()
 
     def training(self) -> None:
         """From here on a signal stops the loop after the step in flight instead of exiting."""
@@ -153,17 +170,18 @@ class Stops:
 
     def _deadline(self) -> None:
         time.sleep(max(0.0, self.t_signal + self._grace - time.monotonic()))
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the main thread's errors once the folder is gone are noise: the line below says it
         try:
             message = self._on_deadline() if self._on_deadline is not None else ""
         except Exception as e:  # noqa: BLE001 - the exit below must happen whatever the clean-up met
             message = f"(while cleaning up: {type(e).__name__}: {e})"
-        self.exit(EXIT_PREEMPTED, f"--preempt-grace {self._grace:g} s after {self.signal_name} ran out: {message}")
+        what = self.signal_name or "the stop agreed with the other processes"
+        self.exit(EXIT_PREEMPTED, f"--preempt-grace {self._grace:g} s after {what} ran out: {message}")
 
     @staticmethod
     def exit(code: int, message: str) -> None:
         """One line on stderr (every process), then ``os._exit(code)``: nothing more runs, no file is touched."""
         try:
-            sys.stderr.write(f"\n{PROG}: {message}\n")
-            sys.stderr.flush()
+            os.write(2, f"\n{PROG}: {message}\n".encode())
         finally:
             os._exit(code)

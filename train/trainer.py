@@ -48,10 +48,13 @@ def start(argv: list[str], stops: Stops) -> "Trainer":
     ``stops``: the signal handling installed first (its handlers again after ``jax.distributed``)."""
     run, config_path = parse_config(argv)
     emulate_devices(device_count(run, argv, config_path))  # before jax starts (the launcher's per-process count stands)
+    # jax.distributed's preemption service would take SIGTERM (its handler replaces ours, and
+    # the process then ignores the signal); train/preempt.py agrees on the stop instead
+    jax.config.update("jax_enable_preemption_service", False)
     try:  # before anything touches a device; checks coordinator / num_processes / process_id
         d = run.distributed
         if zshard.distributed.initialize(d.coordinator, d.num_processes, d.process_id):
-            stops.install()  # jax.distributed took SIGTERM for its own preemption service
+            stops.install()  # ours again, should a jax version install a handler all the same
     except (ValueError, RuntimeError, TimeoutError) as e:
         fail(str(e))
     output.WRITES_FILES = jax.process_index() == 0

@@ -139,7 +139,7 @@ class Watchdog:
                     self._cond.wait(left)
                     continue
                 message = (f"error: watchdog: {WHAT.get(kind, kind + ' {step}').format(step=step)} has not finished on "
-                           f"{self.process} after {time.monotonic() - t0:.0f} s (limit {limit:.0f} s: {how}; --watchdog S "
+                           f"{self.process} after {time.monotonic() - t0:.3g} s (limit {limit:.3g} s: {how}; --watchdog S "
                            f"sets the least, 0 turns it off); the main thread waits in {where_main_waits()}. A host that "
                            f"stopped, a collective another process never entered, or a file system that stopped answering; "
                            f"exiting with status {EXIT_HUNG}")

@@ -125,7 +125,7 @@ class _Pump:
 
 
 MEANING = {2: "bad input", 124: "its watchdog: a part of its loop hung", 130: "interrupted",
-           143: "preempted: python -m train saved a checkpoint"}
+           143: "SIGTERM / SIGUSR1: python -m train stopped, with a checkpoint when it was training"}
 """What ``python -m train``'s exit statuses mean (docs/multihost.md, "When something goes wrong")."""
 
 _received: list[int] = []  # signals the launcher got (main()'s handler), forwarded by launch()
