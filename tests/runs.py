@@ -26,8 +26,10 @@ def env() -> dict:
 
 
 def records(out: Path) -> list[dict]:
+    """The whole lines of ``OUT/metrics.jsonl`` (a line being appended as it is read is left out)."""
     path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
 def step_records(out: Path) -> dict[int, dict]:

@@ -63,7 +63,7 @@ def test_two_processes_stop_at_one_step_and_resume_bit_for_bit(tmp_path, corpus)
     print(f"2 processes, SIGTERM to the launcher while compiling: gone {time.monotonic() - t:.2f} s after the signal")
 
     # 3. a host that stops: rank 1 frozen (SIGSTOP) mid-run; rank 0's watchdog names the step and itself
-    c = run(corpus, out, "--resume", "--watchdog", "3", "--ckpt-every", "4", launcher=("--grace", "2"))
+    c = run(corpus, out, "--resume", "--watchdog", "10", launcher=("--grace", "2"))
     c.wait_for(lambda: len(step_records(out)) >= k + 6, f"step {k + 6}")
     t = c.signal(signal.SIGSTOP, c.rank_pid(1))
     assert c.finish() == 124, c.text[-4000:]
