@@ -191,6 +191,36 @@ def test_discard_half_written_removes_only_the_given_steps_in_progress(tmp_path)
     assert latest_complete(d) == 4 and latest_complete(tmp_path / "none") is None
 
 
+def test_discard_half_written_outlasts_writes_in_flight_and_a_save_starting_late(tmp_path):
+    """Orbax's writer threads create the step folder again on their next write (tensorstore makes
+    parent folders), and the main thread may start the save just after the grace ran out."""
+    d = tmp_path / "checkpoints"
+    (d / "6.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+    stop = threading.Event()
+
+    def writer():  # a write every 2 ms into the folder, as until its first failure
+        while not stop.is_set():
+            try:
+                (d / "6.orbax-checkpoint-tmp" / "state" / "d").mkdir(parents=True, exist_ok=True)
+            except OSError:
+                return
+            time.sleep(0.002)
+
+    def late_save():
+        time.sleep(0.02)
+        (d / "8.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=late_save)]
+    for t in threads:
+        t.start()
+    removed = discard_half_written(d, [6, 8])
+    stop.set()
+    for t in threads:
+        t.join()
+    assert sorted(removed) == ["6.orbax-checkpoint-tmp", "8.orbax-checkpoint-tmp"]
+    assert sorted(p.name for p in d.iterdir()) == []
+
+
 def test_bad_preempt_grace_and_watchdog_are_config_errors():
     for argv, needle in ((["--preempt-grace", "0"], "checkpoint.preempt_grace (--preempt-grace): must be > 0"),
                          (["--watchdog", "-1"], "training.watchdog (--watchdog): must be >= 0")):

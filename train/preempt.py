@@ -16,7 +16,9 @@ leaving a half-written checkpoint.
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from pathlib import Path
 
 import jax
@@ -76,26 +78,51 @@ def latest_complete(directory: Path) -> int | None:
     return max(steps, default=None)
 
 
-def discard_half_written(directory: Path, steps) -> list[str]:
+def _in_progress(directory: Path, wanted: set[int]) -> list[Path]:
+    """Orbax's folders being written for the steps in ``wanted`` (not the blockers left by :func:`discard_half_written`)."""
+    found = []
+    for path in sorted(directory.iterdir()) if directory.is_dir() else []:
+        head, _, _ = path.name.partition(ORBAX_TMP)
+        if ORBAX_TMP in path.name and head.isdigit() and int(head) in wanted and path.is_dir():
+            found.append(path)
+    return found
+
+
+def discard_half_written(directory: Path, steps, settle_s: float = 0.05) -> list[str]:
     """Remove the folders Orbax is still writing for ``steps`` in ``directory``; returns their names.
 
     Each is first renamed to a hidden name (atomic: if Orbax completes it first, the rename
-    fails and the complete checkpoint stays), then removed. Call only when the process is about
-    to end (Orbax's writer threads then fail on a folder that is gone).
+    fails and the complete checkpoint stays), an empty file takes its name (the writes still in
+    flight, which would create the folder again, fail on it), and it is removed. Passes repeat
+    until one ``settle_s`` seconds after the last finds nothing new (a save the main thread
+    starts meanwhile is caught too; at most ``100 x settle_s``); the blocking files are removed last. Call only when the
+    process is about to end (Orbax's writer threads then fail on a folder that is gone).
     """
-    removed = []
-    wanted = {int(s) for s in steps}
-    for path in sorted(directory.iterdir()) if directory.is_dir() else []:
-        head, _, _ = path.name.partition(ORBAX_TMP)
-        if ORBAX_TMP not in path.name or not head.isdigit() or int(head) not in wanted:
-            continue
-        aside = path.with_name(f".discarded-{path.name}")
-        try:
-            path.rename(aside)
-        except FileNotFoundError:  # Orbax renamed it to <step> just now: it is complete
-            continue
-        shutil.rmtree(aside, ignore_errors=True)
-        if aside.exists():  # a writer thread created a file meanwhile: once more
+    wanted, removed, blockers = {int(s) for s in steps}, [], []
+    give_up = time.monotonic() + 100 * settle_s  # a writer that keeps creating it: stop trying
+    while time.monotonic() < give_up:
+        found = _in_progress(directory, wanted)
+        if not found:
+            time.sleep(settle_s)  # a write in flight, or a save being started, may still create one
+            found = _in_progress(directory, wanted)
+            if not found:
+                break
+        for path in found:
+            aside = directory / f".discarded-{path.name}-{len(removed)}"
+            try:
+                path.rename(aside)
+            except FileNotFoundError:  # Orbax renamed it to <step> just now: it is complete
+                continue
+            try:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # the blocker
+                blockers.append(path)
+            except FileExistsError:  # created again already: the next pass takes it
+                pass
             shutil.rmtree(aside, ignore_errors=True)
-        removed.append(path.name)
+            if aside.exists():  # a writer thread created a file meanwhile: once more
+                shutil.rmtree(aside, ignore_errors=True)
+            if path.name not in removed:
+                removed.append(path.name)
+    for path in blockers:
+        path.unlink(missing_ok=True)
     return removed
