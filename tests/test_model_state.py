@@ -264,6 +264,55 @@ def test_counters_and_sow_intermediates():
     assert "act" not in state.variables["blocks"][0]  # intermediates are never carried
 
 
+class PmapBlock(nnx.Module):  # code written for pmap: reduces over its axis name itself
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jax.lax.pmean(self.lin(x), "data")
+
+
+def _pmap_error(make, needles):
+    state = zshard.init(make, optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="FULL_SHARD")
+    step = zshard.make_train_step(mse_loss)
+    with pytest.raises(ValueError) as info:  # not jax's bare AssertionError from inside pmean
+        step(state, mlp_batches(1)[0])
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+    with pytest.raises(ValueError, match="does not exist here"):  # lower() explains it too
+        step.lower(state, mlp_batches(1)[0])
+
+
+def test_pmap_axis_names_are_refused_before_compiling_naming_the_module_and_the_fix():
+    fix = "axis_name=('replica', 'shard')"
+    _pmap_error(lambda: BNNet("batch", rngs=nnx.Rngs(0)),
+                ["module 'bn' (nnx.BatchNorm) calls jax.lax.pmean over the axis name 'batch'", fix, "SyncBatchNorm"])
+
+    def blocks():
+        m = BNNet(None, rngs=nnx.Rngs(0))
+        m.blocks[1] = PmapBlock(rngs=nnx.Rngs(1))
+        return m
+
+    _pmap_error(blocks, ["module 'blocks.1' (test_model_state.PmapBlock) calls jax.lax.pmean over the axis name 'data' at ",
+                         "test_model_state.py:", fix])
+
+    import flax.linen as nn  # noqa: PLC0415
+    from flax.nnx import bridge  # noqa: PLC0415
+
+    class LNet(nn.Module):  # flax's ImageNet ResNet: nn.BatchNorm(..., axis_name='batch')
+        @nn.compact
+        def __call__(self, x):
+            x = nn.BatchNorm(use_running_average=False, axis_name="batch", name="bn_init")(nn.Dense(D)(x))
+            return nn.Dense(3)(x)
+
+    def linen():
+        model = bridge.ToNNX(LNet(), rngs=nnx.Rngs(0))
+        bridge.lazy_init(model, jnp.ones((1, 13)))
+        return model
+
+    _pmap_error(linen, ["Linen module 'bn_init' (linen.BatchNorm inside the nnx.bridge model) calls jax.lax.pmean over the axis name 'batch'", fix])
+
+
 # --- Linen through nnx.bridge; sharding annotations --------------------------------------------------------
 
 

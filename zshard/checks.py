@@ -1,7 +1,8 @@
 """Refuse, before compiling, traced steps that would hang or give a silently wrong number.
 
 Both checks read the jaxpr the step traced anyway (no extra trace, no compile), with the
-walker helpers of :mod:`zshard.jaxprs`:
+walker helpers of :mod:`zshard.jaxprs`; :func:`traced` runs that trace and explains the one
+error model code meets while being traced (a pmap-era axis name):
 
 - :func:`check_uniform_collectives`: every device of a shard group must issue the same
   all-gathers and reduce-scatters in the same order. A unit called under ``lax.cond`` (or
@@ -20,19 +21,26 @@ walker helpers of :mod:`zshard.jaxprs`:
   :data:`zshard.jaxprs.LOSS_SCOPE`) any other primitive that uses one outside zshard's own
   scopes is refused, naming the parameter. Outside ``loss_fn`` the step's own code
   (accumulation, the optimizer update of the shards) is not judged.
+- :func:`traced`: model code written for ``pmap`` names its axis (``nnx.BatchNorm(...,
+  axis_name='batch')``, Linen's ``nn.BatchNorm`` in flax's ImageNet ResNet,
+  ``jax.lax.pmean(x, 'data')``); zshard's step is a ``shard_map`` over ``("replica",
+  "shard")``, where JAX fails on the unknown name with a bare ``AssertionError`` (or a
+  ``NameError``). The trace is then repeated with JAX's traceback filtering off, and the
+  collective's frame gives the axis name, the module (its path in the model) and the line.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import jax
-from flax import traverse_util
+from flax import nnx, traverse_util
 
 from zshard.jaxprs import LOSS_SCOPE, is_own, is_var, routes, scope_owner, sub_jaxprs, varying
 from zshard.units import path_str
 
-__all__ = ["block_shard_inputs", "check_shard_reads", "check_traced", "check_uniform_collectives"]
+__all__ = ["block_shard_inputs", "check_shard_reads", "check_traced", "check_uniform_collectives", "traced"]
 
 # --- a unit under device-dependent control flow ----------------------------------------------------------
 
@@ -205,3 +213,107 @@ def check_traced(jaxpr, state, batch, *, collectives: bool = True) -> None:
     if collectives:
         check_uniform_collectives(jaxpr)
     check_shard_reads(jaxpr, state.plan, block_shard_inputs(state.plan, (state, batch)))
+
+
+# --- a collective over an axis name the mesh does not have (pmap-era code) ------------------------------
+
+_PARALLEL = str(Path("jax") / "_src" / "lax" / "parallel.py")
+
+
+def _frames(tb) -> list:
+    frames = []
+    while tb is not None:
+        frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    return frames
+
+
+def _module_path(model, target) -> str | None:
+    """``'blocks.0.bn'``: where ``target`` sits in ``model`` (``nnx.iter_graph``; ``''``: the model), or ``None``."""
+    try:
+        for path, node in nnx.iter_graph(model):
+            if node is target:
+                return ".".join(str(k) for k in path)  # "" for the model itself
+    except Exception:  # noqa: BLE001 - a model graph that cannot be walked mid-trace: no path
+        return None
+    return None
+
+
+def _which_module(frames) -> str:
+    """The innermost module (``self``) of the failing call, with its path in the model when known:
+    ``"module 'blocks.0.bn' (nnx.BatchNorm)"``; a Linen module inside ``nnx.bridge.ToNNX`` adds its scope path."""
+    model = next((f.f_locals["model"] for f, _ in frames if isinstance(f.f_locals.get("model"), nnx.Module)), None)
+    outer = None  # the innermost NNX module holding a Linen one (bridge.ToNNX)
+    for f, _ in frames:
+        obj = f.f_locals.get("self")
+        if isinstance(obj, nnx.Module):
+            outer = obj
+    for f, _ in reversed(frames):
+        obj = f.f_locals.get("self")
+        home = type(obj).__module__
+        kind = f"{home.split('.')[1] if home.startswith('flax.') else home}.{type(obj).__qualname__}"  # nnx.BatchNorm, linen.BatchNorm
+        if isinstance(obj, nnx.Module):
+            path = None if model is None else _module_path(model, obj)
+            return f"module {path!r} ({kind})" if path else f"the model ({kind})" if path == "" else f"module {kind}"
+        scope = getattr(obj, "scope", None)
+        if type(obj).__module__.startswith("flax.linen") or (scope is not None and hasattr(scope, "path") and hasattr(obj, "setup")):
+            inner = "/".join(getattr(scope, "path", ()) or ())
+            bridge = None if model is None or outer is None else _module_path(model, outer)
+            held = "" if bridge is None else (" inside the nnx.bridge model" if bridge == "" else f" inside the nnx.bridge module {bridge!r}")
+            return f"Linen module {inner!r} ({kind}{held})" if inner else f"Linen module {kind}{held}"
+    return "the model"
+
+
+def _unknown_axis_error(trace: Callable[[], Any], mesh) -> ValueError | None:
+    prev = jax.config.jax_traceback_filtering
+    jax.config.update("jax_traceback_filtering", "off")  # the collective's own frame names the axis
+    try:
+        trace()
+        return None
+    except (AssertionError, NameError) as e:
+        frames = _frames(e.__traceback__)
+    finally:
+        jax.config.update("jax_traceback_filtering", prev)
+    first = next((i for i, (f, _) in enumerate(frames) if f.f_code.co_filename.endswith(_PARALLEL) and "axis_name" in f.f_locals), None)
+    if first is None or first == 0:
+        return None
+    axis_name = frames[first][0].f_locals["axis_name"]
+    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    unknown = [a for a in names if a not in mesh.axis_names]
+    if not unknown:
+        return None
+    def at(i: int) -> str:
+        f, line = frames[i]
+        return f"{f.f_code.co_filename}:{line} ({f.f_code.co_name})"
+
+    library = ("site-packages", "dist-packages", str(Path(__file__).parent))
+    user = next((i for i in range(first - 1, -1, -1) if not any(x in frames[i][0].f_code.co_filename for x in library)), None)
+    where = at(first - 1) + ("" if user in (None, first - 1) else f", called from {at(user)}")
+    data = tuple(a for a in mesh.axis_names if a != "tensor")
+    return ValueError(
+        f"zshard: {_which_module(frames[:first])} calls jax.lax.{frames[first][0].f_code.co_name} over the axis name "
+        f"{unknown[0]!r} at {where}, but the step runs in a shard_map over the mesh axes {tuple(mesh.axis_names)}: "
+        f"{unknown[0]!r} is an axis name of pmap-era code (pmap(..., axis_name={unknown[0]!r})) and does not exist here. "
+        f"Name the data axes instead, axis_name={data!r} (for BatchNorm: statistics over every device's rows, equal to "
+        "one device on the global batch, as PyTorch's SyncBatchNorm), or drop axis_name (each device normalises "
+        "its own rows, as DDP without SyncBatchNorm); docs/your-model.md, 'BatchNorm'"
+    )
+
+
+def traced(trace: Callable[[], Any], mesh) -> Any:
+    """``trace()`` (a jitted step's ``.trace(...)``), with one error explained.
+
+    Raises:
+      ValueError: (before compiling) the model calls a collective (``psum``, ``pmean``,
+        ``axis_index``, ...) over an axis name ``mesh`` does not have, as code written for
+        ``pmap(..., axis_name='batch')`` does; the message names the module (its path in the
+        model), the axis name, the line, and the fix (``axis_name=("replica", "shard")``).
+      Anything else ``trace()`` raises, unchanged.
+    """
+    try:
+        return trace()
+    except (AssertionError, NameError):
+        error = _unknown_axis_error(trace, mesh)
+        if error is None:
+            raise
+    raise error
