@@ -27,20 +27,33 @@ error model code meets while being traced (a pmap-era axis name):
   "shard")``, where JAX fails on the unknown name with a bare ``AssertionError`` (or a
   ``NameError``). The trace is then repeated with JAX's traceback filtering off, and the
   collective's frame gives the axis name, the module (its path in the model) and the line.
+- :func:`warn_uniform_keys`: a random draw in ``loss_fn`` (``random_bits``: dropout masks,
+  noise) whose key is the same on every device (made in ``loss_fn``, ``nnx.Rngs(dropout=0)``,
+  ``jax.random.key(step)``: its type does not vary over ``replica`` / ``shard``) and whose bits
+  then meet per-device data element for element (an operation whose result varies over those
+  axes and has the bits' shape: ``select``, ``mul``) gives every device the same mask for its
+  own rows: warned once per call site, naming it and ``zshard.device_key``. The
+  model's own ``nnx.Rngs`` streams are folded per device (zshard/intercept.py) and pass; draws
+  outside ``loss_fn`` (initialisers run in ``zshard.init``; Optax noise, handled by the
+  optimizer) and draws that meet the batch only through a contraction (a random weight in a
+  matmul) or never are not flagged.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import jax
+import numpy as np
 from flax import nnx, traverse_util
 
 from zshard.jaxprs import LOSS_SCOPE, is_own, is_var, routes, scope_owner, sub_jaxprs, varying
 from zshard.units import path_str
 
-__all__ = ["block_shard_inputs", "check_shard_reads", "check_traced", "check_uniform_collectives", "traced"]
+__all__ = ["block_shard_inputs", "check_shard_reads", "check_traced", "check_uniform_collectives", "traced",
+           "warn_uniform_keys"]
 
 # --- a unit under device-dependent control flow ----------------------------------------------------------
 
@@ -209,10 +222,11 @@ def check_shard_reads(jaxpr, plan, paths: Iterable) -> None:
 
 def check_traced(jaxpr, state, batch, *, collectives: bool = True) -> None:
     """Both checks of a traced step whose inputs are ``(state, batch)`` flattened
-    (``collectives=False``: the shard reads only)."""
+    (``collectives=False``: the shard reads only), and the warning of :func:`warn_uniform_keys`."""
     if collectives:
         check_uniform_collectives(jaxpr)
     check_shard_reads(jaxpr, state.plan, block_shard_inputs(state.plan, (state, batch)))
+    warn_uniform_keys(jaxpr, batch)
 
 
 # --- a collective over an axis name the mesh does not have (pmap-era code) ------------------------------
@@ -317,3 +331,104 @@ def traced(trace: Callable[[], Any], mesh) -> Any:
         if error is None:
             raise
     raise error
+
+
+# --- a key that is the same on every device, drawn for per-device rows ------------------------------------
+
+_DATA = frozenset(("replica", "shard"))
+_DRAWS = frozenset(("random_bits", "threefry2x32"))
+_warned: set = set()  # call sites warned about (once per process)
+
+
+class UniformKeyWarning(UserWarning):
+    """A random draw in ``loss_fn`` uses a key that is the same on every device (:func:`warn_uniform_keys`)."""
+
+
+def _call_site(eqn) -> str:
+    try:  # the innermost frame outside the installed libraries, else JAX's own summary
+        from jax._src import source_info_util  # noqa: PLC0415  (private: guarded)
+
+        frames = list(source_info_util.user_frames(eqn.source_info.traceback))
+        mine = [f for f in frames if "site-packages" not in f.file_name and "dist-packages" not in f.file_name]
+        f = (mine or frames)[0]
+        return f"{f.file_name}:{f.start_line} ({f.function_name})"
+    except Exception:  # pragma: no cover - private API moved
+        return "loss_fn"
+
+
+def _key_walk(jaxpr, tainted: dict, in_loss: bool, found: list) -> dict:
+    """Follow the bits of uniform-key draws through ``jaxpr`` (``tainted``: var -> the loss_fn-level
+    equation that drew them); append to ``found`` each such equation whose bits reach a value
+    varying over the data axes. Returns the tainted outputs as ``{output index: eqn}``."""
+    for eqn in jaxpr.eqns:
+        loss = in_loss or LOSS_SCOPE in str(eqn.source_info.name_stack)
+        if not loss:  # the step's own code: only loss_fn inside it is judged
+            for sub in sub_jaxprs(eqn):
+                _key_walk(sub, {}, False, found)
+            continue
+        if eqn.primitive.name in _DRAWS and is_var(eqn.invars[0]) and not varying(eqn.invars[0]) & _DATA:
+            for v in eqn.outvars:
+                tainted[v] = eqn
+            continue
+        used = [tainted[v] for v in eqn.invars if is_var(v) and v in tainted]
+        subs = routes(eqn) or []
+        if not used and not subs:
+            continue
+        if used and not subs:
+            rows = [v for v in eqn.outvars if varying(v) & _DATA]
+            if eqn.primitive.name in _CARRY or not rows:  # still the same bits (a cast, a broadcast, pvary)
+                for v in eqn.outvars:
+                    tainted[v] = used[0]
+            elif any(v in tainted and v.aval.shape == rows[0].aval.shape for v in eqn.invars if is_var(v)):
+                found.append(used[0])  # element for element with per-device values: the same mask on every device's rows
+            continue
+        for sub, ins, outs in subs:  # a call, a loop, a branch: draws inside it, bits carried through it
+            sub_taint = {sub.invars[j]: tainted[eqn.invars[i]] for i, j in ins if is_var(eqn.invars[i]) and eqn.invars[i] in tainted}
+            before = len(found)
+            out = _key_walk(sub, sub_taint, True, found)
+            for k in range(before, len(found)):  # name the draw by the loss_fn-level equation holding it
+                if found[k] not in tainted.values():
+                    found[k] = eqn
+            for k, dest in outs:
+                if k in out and not isinstance(dest, tuple):
+                    tainted[eqn.outvars[dest]] = eqn if out[k] not in tainted.values() else out[k]
+    return {k: tainted[v] for k, v in enumerate(jaxpr.outvars) if is_var(v) and v in tainted}
+
+
+def _same_batch_keys(batch) -> list[str]:
+    """``"batch leaf [i]"`` for each typed key array in ``batch`` (``jax.random.key``, split over
+    the devices with the rows) whose rows are all one key: its type varies over the devices, its
+    value does not. Read from the host only for key leaves, once per trace."""
+    same = []
+    for i, x in enumerate(jax.tree.leaves(batch)):
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) and x.ndim and x.shape[0] > 1:
+            if getattr(x, "is_fully_addressable", True):
+                data = np.asarray(jax.random.key_data(x)).reshape(x.shape[0], -1)  # [B, key words]
+                if (data == data[:1]).all():
+                    same.append(f"batch leaf [{i}] ({x.shape[0]} copies of one key)")
+    return same
+
+
+def warn_uniform_keys(jaxpr, batch=None) -> list[str]:
+    """Warn (:class:`UniformKeyWarning`, once per call site) about each random draw in
+    ``loss_fn`` whose key is the same on every device while its bits meet per-device data,
+    and about a key array in ``batch`` whose rows are all one key; returns what was found
+    (``"file:line (function)"``, ``"batch leaf [i] ..."``)."""
+    found: list = []
+    _key_walk(jaxpr, {}, False, found)
+    sites = list(dict.fromkeys(_call_site(e) for e in found)) + ([] if batch is None else _same_batch_keys(batch))
+    for site in sites:
+        if site in _warned:
+            continue
+        _warned.add(site)
+        what = (f"{site} is the same key on every device" if site.startswith("batch leaf") else
+                f"the random draw at {site} in loss_fn uses a key that is the same on every device (made in loss_fn, "
+                "e.g. nnx.Rngs(dropout=0) or jax.random.key(step), or passed in)")
+        warnings.warn(
+            f"zshard: {what}, so every device draws the same dropout mask / noise for its own rows. Fold the device "
+            "in: key = zshard.device_key(key) inside loss_fn (or keep the stream in the model, nnx.Dropout(rate, "
+            "rngs=rngs), which zshard folds per device); docs/your-model.md, 'RNG streams'",
+            UniformKeyWarning,
+            stacklevel=2,
+        )
+    return sites
