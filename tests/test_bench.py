@@ -26,21 +26,21 @@ ROOT = Path(__file__).resolve().parent.parent
 def quick(tmp_path_factory):
     # In this process (conftest already gave jax 8 CPU devices): saves a second jax start-up.
     out = tmp_path_factory.mktemp("bench")
-    buf = io.StringIO()
+    buf, err = io.StringIO(), io.StringIO()
     saved = os.environ.get("XLA_FLAGS")
     try:
-        with contextlib.redirect_stdout(buf):
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
             assert bench_main(["--quick", "--out", str(out)]) == 0
     finally:  # main() sets XLA_FLAGS for the processes it starts; leave the suite's as it was
         if saved is None:
             os.environ.pop("XLA_FLAGS", None)
         else:
             os.environ["XLA_FLAGS"] = saved
-    return out, buf.getvalue(), json.loads((out / "bench.json").read_text())
+    return out, buf.getvalue(), json.loads((out / "bench.json").read_text()), err.getvalue()
 
 
 def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
-    out, stdout, res = quick
+    out, stdout, res, stderr = quick
     rows = {r["name"]: r for r in res["configs"]["Q"]["rows"]}
     assert list(rows) == ["reference (1 device)", "DDP", "FSDP-compiler", "FSDP-compiler remat=block", "zshard/NO_SHARD",
                           "zshard/FULL_SHARD", "zshard/HYBRID_SHARD", "zshard/FULL_SHARD remat=none",
@@ -99,6 +99,7 @@ def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
     assert "| zshard/FULL_SHARD tensor=2 |" in stdout
     assert (out / "bench-peers.png").stat().st_size > 10_000
     assert (out / "bench.md").read_text().strip() in stdout
+    assert stdout.count("| zshard/FULL_SHARD |") == 1 and "| zshard/FULL_SHARD |" not in stderr  # each table printed once
 
 
 def test_formulas():

@@ -466,3 +466,21 @@ def test_cli_refuses_to_mix_runs(tmp_path, corpus):
     ok = prepare(parse_config(base + ["--resume", "--mesh", "2x4", "--strategy", "HYBRID_SHARD"])[0].resolved(), out)
     assert ok.resuming and ok.start == 4
     assert files(out) == before
+
+
+def test_compile_save_compiles_ahead_so_the_first_save_compiles_nothing(tmp_path):
+    import jax.monitoring
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiles.append(name) if "backend_compile" in name else None)
+    state = zshard.init(make_model, TX, mesh(2, 4))
+    ckpt = zshard.Checkpointer(tmp_path / "ck")
+    ckpt.compile_save(state)
+    assert compiles and not (tmp_path / "ck").exists()  # compiled (unpadding, checksums); nothing written
+    n = len(compiles)
+    ckpt.save(state, step=1)
+    ckpt.close()
+    assert len(compiles) == n  # the first save ran what was compiled ahead
+    restored, _ = zshard.restore(tmp_path / "ck", mesh(2, 4), model=make_model, tx=TX)
+    jax.tree.map(np.testing.assert_array_equal, restored.params, state.params)

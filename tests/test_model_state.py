@@ -9,6 +9,8 @@ from ``fold_in(key, d)``; floating statistics are averaged over devices, counts 
 
 from __future__ import annotations
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -151,6 +153,52 @@ def test_device_key_differs_per_device():
     assert len(set(values.tolist())) == 8
 
 
+class KeyDrop(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(13, D, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)  # no stream of its own: loss_fn passes one
+
+    def __call__(self, x, rngs):
+        return self.drop(self.lin(x), rngs=rngs)
+
+
+def _key_warnings(loss_fn, batch):
+    """What a 1x8 step on 8 rows (one per device) warns before compiling (traced and lowered only)."""
+    state = zshard.init(lambda: KeyDrop(rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(1, 8))
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        zshard.make_train_step(loss_fn).lower(state, batch)
+    return [str(w.message) for w in got if "same on every device" in str(w.message) or "same key" in str(w.message)]
+
+
+def test_a_key_that_is_the_same_on_every_device_is_warned_naming_the_call_site_and_device_key():
+    x = mlp_batches(1, batch=8)[0][0]
+
+    def made_in_loss_fn(model, x):  # the issue's case: every device's row gets the same mask
+        return jnp.mean(model(x, nnx.Rngs(dropout=0)) ** 2)
+
+    (line,) = _key_warnings(made_in_loss_fn, x)
+    assert "test_model_state.py:" in line and "(KeyDrop.__call__)" in line, line
+    assert "key = zshard.device_key(key)" in line and "the same dropout mask" in line
+
+    def folded(model, x):  # the fix: one mask per device, not warned
+        return jnp.mean(model(x, nnx.Rngs(dropout=zshard.device_key(jax.random.key(0)))) ** 2)
+
+    assert _key_warnings(folded, x) == []
+
+    def weight(model, x):  # the same everywhere by design (a random projection), met through a matmul: not warned
+        return jnp.mean((model.lin(x) @ jax.random.normal(jax.random.key(1), (D, D))) ** 2)
+
+    assert _key_warnings(weight, x) == []
+
+    def from_batch(model, batch):  # one key copied into every row of the batch
+        return jnp.mean(model(batch["x"], nnx.Rngs(dropout=batch["key"][0])) ** 2)
+
+    (line,) = _key_warnings(from_batch, {"x": x, "key": jax.random.wrap_key_data(jnp.tile(jax.random.key_data(jax.random.key(0)), (8, 1)))})
+    assert "batch leaf [0] (8 copies of one key) is the same key on every device" in line, line
+    assert _key_warnings(from_batch, {"x": x, "key": jax.random.split(jax.random.key(0), 8)}) == []
+
+
 # --- BatchNorm ---------------------------------------------------------------------------------------------
 
 
@@ -262,6 +310,55 @@ def test_counters_and_sow_intermediates():
     assert int(state.variables["blocks"][0]["calls"]) == 8
     assert int(state.variables["blocks"][1]["calls"]) == 4
     assert "act" not in state.variables["blocks"][0]  # intermediates are never carried
+
+
+class PmapBlock(nnx.Module):  # code written for pmap: reduces over its axis name itself
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jax.lax.pmean(self.lin(x), "data")
+
+
+def _pmap_error(make, needles):
+    state = zshard.init(make, optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="FULL_SHARD")
+    step = zshard.make_train_step(mse_loss)
+    with pytest.raises(ValueError) as info:  # not jax's bare AssertionError from inside pmean
+        step(state, mlp_batches(1)[0])
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+    with pytest.raises(ValueError, match="does not exist here"):  # lower() explains it too
+        step.lower(state, mlp_batches(1)[0])
+
+
+def test_pmap_axis_names_are_refused_before_compiling_naming_the_module_and_the_fix():
+    fix = "axis_name=('replica', 'shard')"
+    _pmap_error(lambda: BNNet("batch", rngs=nnx.Rngs(0)),
+                ["module 'bn' (nnx.BatchNorm) calls jax.lax.pmean over the axis name 'batch'", fix, "SyncBatchNorm"])
+
+    def blocks():
+        m = BNNet(None, rngs=nnx.Rngs(0))
+        m.blocks[1] = PmapBlock(rngs=nnx.Rngs(1))
+        return m
+
+    _pmap_error(blocks, ["module 'blocks.1' (test_model_state.PmapBlock) calls jax.lax.pmean over the axis name 'data' at ",
+                         "test_model_state.py:", fix])
+
+    import flax.linen as nn  # noqa: PLC0415
+    from flax.nnx import bridge  # noqa: PLC0415
+
+    class LNet(nn.Module):  # flax's ImageNet ResNet: nn.BatchNorm(..., axis_name='batch')
+        @nn.compact
+        def __call__(self, x):
+            x = nn.BatchNorm(use_running_average=False, axis_name="batch", name="bn_init")(nn.Dense(D)(x))
+            return nn.Dense(3)(x)
+
+    def linen():
+        model = bridge.ToNNX(LNet(), rngs=nnx.Rngs(0))
+        bridge.lazy_init(model, jnp.ones((1, 13)))
+        return model
+
+    _pmap_error(linen, ["Linen module 'bn_init' (linen.BatchNorm inside the nnx.bridge model) calls jax.lax.pmean over the axis name 'batch'", fix])
 
 
 # --- Linen through nnx.bridge; sharding annotations --------------------------------------------------------

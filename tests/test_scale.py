@@ -9,6 +9,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from train.scale import DUMP_OPTIONS, live_peak
 
@@ -71,3 +72,14 @@ def test_no_dump_is_a_clear_error(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="DUMP_OPTIONS"):
         live_peak(tmp_path)
+
+
+def test_help_lists_the_choices(capsys):
+    from train.scale import SCALE_MODELS, SCALE_STRATEGIES, main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    for name in (*SCALE_MODELS, *SCALE_STRATEGIES, "64,512"):
+        assert name in text, name

@@ -18,10 +18,14 @@ been evaluated once:
 5. ``Trainer.finish``: ``OUT/model.safetensors``, ``OUT/summary.json`` and one line saying
    what was written where (``train/summary.py``).
 
-Exit status: 0; 2 for bad input (one line naming the key, its flag and the fix); 130 after
-Ctrl-C (before training: at once, nothing written; during training: the step in flight is
-finished, saved when checkpointing is on, and the weights and summary are written;
-``train/output.py``). Run folders, ``metrics.jsonl`` and resuming: docs/main-job.md.
+Exit status: 0; 2 for bad input (one line naming the key, its flag and the fix), also for a
+run that cannot fit in the devices' memory (``train/fit.py``); 130 after Ctrl-C (before
+training: at once, nothing written; during training: the step in flight is finished, saved
+when checkpointing is on, and the weights and summary are written); 143 after SIGTERM or
+SIGUSR1 (before training: at once, nothing written; during training: the step in flight is
+finished, a checkpoint saved and the summary written, one line naming the checkpoint)
+(``train/stops.py``); 124 when a part of the loop hangs (``train/watchdog.py``). Run folders,
+``metrics.jsonl``, resuming and preemption: docs/main-job.md.
 """
 
 from __future__ import annotations
@@ -31,19 +35,19 @@ import time
 
 _T_START = time.perf_counter()  # wall time counts from here (includes importing jax)
 
-from train.output import EXIT_INTERRUPTED, Interrupts  # noqa: E402  (no jax: the Ctrl-C handler comes first)
+from train.stops import EXIT_INTERRUPTED, EXIT_PREEMPTED, Stop, Stops  # noqa: E402  (no jax: the signal handlers come first)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m train`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
-    interrupts = Interrupts()  # first: Ctrl-C while importing jax, compiling or evaluating exits 130 at once
-    from train.trainer import start  # noqa: PLC0415  (after the Ctrl-C handler: importing jax takes seconds)
+    stops = Stops()  # first: a signal while importing jax, compiling or evaluating exits at once
+    from train.trainer import start  # noqa: PLC0415  (after the signal handlers: importing jax takes seconds)
 
-    trainer = start(sys.argv[1:] if argv is None else list(argv))
+    trainer = start(sys.argv[1:] if argv is None else list(argv), stops)
     trainer.start_output()
-    progress = trainer.train(interrupts)
+    progress = trainer.train()
     trainer.finish(progress, _T_START)
-    return EXIT_INTERRUPTED if progress.interrupted else 0
+    return {Stop.NONE: 0, Stop.INTERRUPT: EXIT_INTERRUPTED, Stop.PREEMPT: EXIT_PREEMPTED}[progress.stop]
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Checkpoints for ``python -m train``: exact resume, and the batch stream's position.
 
 ``[checkpoint] ckpt_every = N`` (``--ckpt-every N``) saves ``OUT/checkpoints/<step>`` every
-``N`` steps and after the last one (asynchronously, :class:`zshard.Checkpointer`);
+``N`` steps and after the last one (asynchronously, :class:`zshard.Checkpointer`), and a
+SIGTERM / SIGUSR1 saves one whatever ``N`` (``train/stops.py``);
 ``keep = K`` keeps the ``K`` newest; ``resume`` continues from the newest complete
 checkpoint in ``OUT``.
 
@@ -32,7 +33,7 @@ SUBDIR = "checkpoints"
 """Checkpoints live in ``OUT/checkpoints/<step>``."""
 
 MAY_DIFFER_ON_RESUME = ("mesh.", "checkpoint.", "distributed.", "logging.", "data.eval_batches", "training.eval_every",
-                        "training.prefetch")
+                        "training.prefetch", "training.fit_check", "training.watchdog")
 """Settings (``section.field`` or a ``section.`` prefix) a resumed run may change: where and
 how it runs, what it logs, not what it computes."""
 
@@ -132,16 +133,21 @@ class RunCheckpoints:
         extra = {"config": self.settings, "data": batches.position(), "records": records}
         self.ckpt.save(state, step=step, extra=extra)
 
+    def compile_save(self, state) -> None:
+        """Compile what a save computes on the devices now, so that the first save (a preempted
+        run's, within its grace) costs what later ones do (``zshard.Checkpointer.compile_save``)."""
+        self.ckpt.compile_save(state)
+
     def close(self) -> None:
         """Wait for the last save to be complete on disk."""
         self.ckpt.close()
 
 
-def prepare(run: Config, out: Path, fresh: bool = False) -> RunCheckpoints | None:
+def prepare(run: Config, out: Path, fresh: bool = False) -> RunCheckpoints:
     """Check the checkpoint settings against ``OUT`` before anything compiles.
 
-    Returns ``None`` when the run neither saves nor resumes. ``fresh``: the run replaces
-    OUT (``--overwrite``), so its old checkpoints do not count.
+    Returns the run's checkpoints (also with ``ckpt_every = 0``: a preempted run saves one).
+    ``fresh``: the run replaces OUT (``--overwrite``), so its old checkpoints do not count.
 
     Raises:
       ResumeError: (nothing written) ``OUT`` holds checkpoints and ``resume`` is not set (a
@@ -159,7 +165,7 @@ def prepare(run: Config, out: Path, fresh: bool = False) -> RunCheckpoints | Non
                 f"--out {str(out)!r} holds checkpoints (latest: step {latest}); pass --resume to continue that run, "
                 f"or give a new --out (nothing is overwritten)"
             )
-        return RunCheckpoints(run, out) if run.checkpoint.ckpt_every else None
+        return RunCheckpoints(run, out)  # ckpt_every 0: no periodic saves, but a preempted run still saves
     if latest is None:
         print(f"--resume: no complete checkpoint in {str(where)!r}; starting from step 0", file=sys.stderr)
         return RunCheckpoints(run, out)

@@ -189,6 +189,7 @@ class Config:
             at_least("training.prefetch", t.prefetch, 0)
         at_least("training.seed", t.seed, 0)
         at_least("training.eval_every", t.eval_every, 0)
+        at_least("training.watchdog", t.watchdog, 0)
         data = n // tensor  # the batch is split over the data axes (replica x shard), not over tensor
         unit = data * t.grad_accum  # the global batch splits over data devices x micro-batches
         if t.batch_size % unit:
@@ -203,6 +204,8 @@ class Config:
         at_least("checkpoint.ckpt_every", c.ckpt_every, 0)
         if c.keep is not None:
             at_least("checkpoint.keep", c.keep, 1)
+        if c.preempt_grace is not None:
+            at_least("checkpoint.preempt_grace", c.preempt_grace, 0, strict=True)
         # [distributed]: types checked here; zshard.distributed.initialize checks the values.
         if lg.out is not None and not lg.out:
             raise ConfigError(key_of("logging.out"), "is empty; give a directory path, or leave it unset for a new runs/<date-time>")

@@ -6,11 +6,15 @@ due every step, are ``train/metrics.py``).
 - :class:`Sample`: text every ``logging.sample_every`` steps and after the last
   (``train.generate``, sharded), to the terminal and ``OUT/samples.txt``.
 - :class:`Checkpoint`: ``OUT/checkpoints/<step>`` every ``checkpoint.ckpt_every`` steps, after
-  the last, and when Ctrl-C stops the run (``train/checkpointing.py``, asynchronous).
+  the last, when Ctrl-C stops the run (if checkpointing is on) and when SIGTERM / SIGUSR1 does
+  (always) (``train/checkpointing.py``, asynchronous).
 
-A hook has ``due(step, stopping)`` and ``hook(state, step, record, metrics)``; ``apart`` hooks
-(evaluation, samples) are timed apart from training throughput. ``train.trainer.Trainer``
-runs them in this order, so a checkpoint's records hold the step's evaluation.
+A hook has ``due(step, stopping)`` (``stopping``: the :class:`train.stops.Stop` every process
+acts on after this step) and ``hook(state, step, record, metrics)``; ``apart`` hooks
+(evaluation, samples) are timed apart from training throughput; ``kind`` names the part for
+the watchdog (``train/watchdog.py``). ``train.trainer.Trainer`` runs them in this order, so a
+checkpoint's records hold the step's evaluation. A stopped run skips the evaluation and the
+sample of its last step (a preempted run has little time).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from train.generate import generate
 from train.metrics import Metrics
 from train.model import cross_entropy_loss
 from train.output import say
+from train.stops import Stop
 
 __all__ = ["Checkpoint", "Evaluate", "Sample", "every"]
 
@@ -49,7 +54,7 @@ class Evaluate:
       prefetch: units gathered ahead (``training.prefetch``, as the train step).
     """
 
-    apart = True
+    apart, kind = True, "evaluation"
 
     def __init__(self, state, batches: list, every: int, steps: int, prefetch: int | None = None):
         i, procs = jax.process_index(), jax.process_count()
@@ -61,7 +66,7 @@ class Evaluate:
     def loss(self, state) -> float:
         return float(np.mean([float(self.step(state, b)["loss"]) for b in self.batches]))
 
-    def due(self, step: int, stopping: bool = False) -> bool:
+    def due(self, step: int, stopping: Stop = Stop.NONE) -> bool:
         return not stopping and every(self.every, self.steps, step)
 
     def __call__(self, state, step: int, rec: dict, metrics: Metrics) -> None:
@@ -82,7 +87,7 @@ class Sample:
     ``training.seed + step`` (and the chunk).
     """
 
-    apart = True
+    apart, kind = True, "sample"
 
     def __init__(self, setup):
         run = setup.run
@@ -110,7 +115,7 @@ class Sample:
             chunk += 1
         return new  # ids; train.output.format_sample prints bytes as text, other tokens as ids
 
-    def due(self, step: int, stopping: bool = False) -> bool:
+    def due(self, step: int, stopping: Stop = Stop.NONE) -> bool:
         return not stopping and every(self.every, self.steps, step)
 
     def __call__(self, state, step: int, rec: dict, metrics: Metrics) -> None:
@@ -124,20 +129,21 @@ class Sample:
 
 class Checkpoint:
     """Save ``OUT/checkpoints/<step>`` (``train.checkpointing.RunCheckpoints``, in the background)
-    every ``checkpoint.ckpt_every`` steps, after the last, and at a Ctrl-C stop; the state, the
-    batch stream's position and the records so far. ``saved``: the steps saved."""
+    every ``checkpoint.ckpt_every`` steps, after the last, at a Ctrl-C stop when checkpointing
+    is on and at every SIGTERM / SIGUSR1 stop; the state, the batch stream's position and the
+    records so far. ``saved``: the steps saved (begun)."""
 
-    apart = False  # the save is asynchronous: its time is the loop's
+    apart, kind = False, "checkpoint"  # the save is asynchronous: its time is the loop's
 
     def __init__(self, ckpt, batches):
         self.ckpt, self.batches, self.saved = ckpt, batches, []
 
-    def due(self, step: int, stopping: bool = False) -> bool:
-        return self.ckpt.due(step) or (stopping and bool(self.ckpt.every))
+    def due(self, step: int, stopping: Stop = Stop.NONE) -> bool:
+        return self.ckpt.due(step) or stopping == Stop.PREEMPT or (bool(stopping) and bool(self.ckpt.every))
 
     def __call__(self, state, step: int, rec: dict, metrics: Metrics) -> None:
+        self.saved.append(step)  # first: a --preempt-grace deadline during the save removes its folder
         self.ckpt.save(state, step, self.batches, metrics.records)  # `batches` has drawn `step` batches
-        self.saved.append(step)
         say(f"step {step}: saving checkpoint {self.ckpt.directory / str(step)} (in the background)")
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
-"""What ``python -m train`` writes and prints: run folders, atomic files, one-line messages,
-samples, and Ctrl-C at any moment (docs/main-job.md). The metrics files are ``train/metrics.py``.
+"""What ``python -m train`` writes and prints: run folders, atomic files, one-line messages and
+samples (docs/main-job.md). The metrics files are ``train/metrics.py``; Ctrl-C and preemption
+``train/stops.py``.
 
 Only rank 0 of a multi-process run writes files and prints progress (:data:`WRITES_FILES`).
 """
@@ -8,15 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from tqdm import tqdm
 
 PROG = "python -m train"
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 RUNS = Path("runs")  # default parent of run folders; RUNS / "latest" links to the newest
 OUTPUTS = ("metrics.jsonl", "summary.json", "config.toml", "samples.txt", "tb", "checkpoints", "model.safetensors",
            "loss.png", "tokens_per_s.png", "memory.png")
@@ -33,62 +31,6 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-class Interrupts:
-    """Ctrl-C (SIGINT) at any moment: exit 130 with one line, nothing half-written.
-
-    Before training (:meth:`training` not yet called) a Ctrl-C exits at once, even while XLA
-    compiles: a thread waits on ``signal.set_wakeup_fd``, which the C-level handler writes
-    to even when the main thread is inside a long native call (where a Python handler
-    would only run after it). Nothing has been written then. During training the first
-    Ctrl-C sets :attr:`pending` (the loop finishes the step in flight, saves and writes
-    the summary); a second one exits at once.
-    """
-
-    def __init__(self):
-        self.count, self.in_training, self.pending = 0, False, False
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        self._read = r
-        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        signal.signal(signal.SIGINT, self._handler)
-        threading.Thread(target=self._watch, daemon=True, name="ctrl-c").start()
-
-    def _handler(self, signum, frame) -> None:  # main thread, between bytecodes
-        self.pending = True
-        if self.in_training and self.count < 2:
-            say(f"{PROG}: interrupted: finishing the step in flight, then saving and writing the summary "
-                "(Ctrl-C again to stop at once)")
-
-    def _watch(self) -> None:  # its own thread: runs even while the main thread compiles
-        while True:
-            try:
-                data = os.read(self._read, 64)
-            except OSError:
-                return
-            for signum in data:
-                if signum != signal.SIGINT:
-                    continue
-                self.count += 1
-                if not self.in_training:
-                    self.exit("interrupted before training started; nothing was written")
-                if self.count >= 2:
-                    self.exit("interrupted again: stopped at once (files written so far are complete)")
-
-    def training(self) -> None:
-        """From here on the first Ctrl-C finishes the step in flight."""
-        self.in_training = True
-        if self.count:  # arrived between the last check and now
-            self.exit("interrupted before training started; nothing was written")
-
-    @staticmethod
-    def exit(message: str) -> None:
-        try:
-            sys.stderr.write(f"\n{PROG}: {message}\n")
-            sys.stderr.flush()
-        finally:
-            os._exit(EXIT_INTERRUPTED)
 
 
 def format_sample(step: int, prompt: list[int], new: list[int], temperature: float, byte_level: bool) -> str:

@@ -376,9 +376,12 @@ def _csv(value: str, allowed, flag: str, parser) -> list:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.scale", allow_abbrev=False, description=__doc__.split("\n\n")[0])
-    p.add_argument("--devices", default=",".join(map(str, SCALE_DEVICES)), help="emulated device counts, comma-separated (multiples of 8)")
-    p.add_argument("--models", default=",".join(SCALE_MODELS), help="presets, comma-separated")
-    p.add_argument("--strategies", default=",".join(SCALE_STRATEGIES), help="strategies, comma-separated")
+    p.add_argument("--devices", default=",".join(map(str, SCALE_DEVICES)), metavar="N,...",
+                   help=f"emulated device counts, comma-separated, multiples of {HOST_DEVICES} (default: %(default)s)")
+    p.add_argument("--models", default=",".join(SCALE_MODELS), metavar="NAME,...",
+                   help=f"model shapes, comma-separated, from: {', '.join(SCALE_MODELS)} (default: all)")
+    p.add_argument("--strategies", default=",".join(SCALE_STRATEGIES), metavar="NAME,...",
+                   help=f"strategies, comma-separated, from: {', '.join(SCALE_STRATEGIES)} (default: all)")
     p.add_argument("--tensor", type=int, default=1, metavar="T",
                    help="tensor-parallel size: meshes n/(8T) x 8 x T, the models' TP plans (train.models.tensor_plan)")
     p.add_argument("--timeout", type=float, default=900.0, metavar="S", help="seconds allowed to each device count's subprocess")

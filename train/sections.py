@@ -113,6 +113,10 @@ class TrainingConfig:
     """seed of the initial weights, of the batches and of sampling"""
     eval_every: int = 100
     """steps between held-out evaluations (0: only before the first and after the last step)"""
+    fit_check: bool = True
+    """before the first step, refuse (exit 2) a run whose compiled step needs more memory per device than a device has (GPU: memory_stats bytes_limit; CPU: the host's available memory), naming the numbers and the fixes"""
+    watchdog: float = 60.0
+    """seconds: the least time a part of the loop (a step, an evaluation, a sample, a checkpoint save) may take before the run stops with an error naming the step and the process (exit 124); each may take 10 x the median of its earlier durations (the first: 10 x the compile time); 0: no watchdog"""
 
 
 @dataclasses.dataclass
@@ -125,6 +129,8 @@ class CheckpointConfig:
     """checkpoints kept, the newest (unset: all)"""
     resume: bool = False
     """continue from the newest complete checkpoint in OUT/checkpoints (same batches, same losses)"""
+    preempt_grace: float | None = None
+    """seconds from a SIGTERM / SIGUSR1 within which the step in flight must finish and its checkpoint be complete; past it the run removes the half-written checkpoint and exits 143 (the previous one stays the latest); unset: no limit (the scheduler's kill ends it)"""
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""The end of a ``python -m train`` run: the weights, ``OUT/summary.json`` and the last line.
+"""The end of a ``python -m train`` run: the weights, ``OUT/summary.json`` and the last line
+(a preempted run: no weights, and the line names its checkpoint).
 
 ``summary.json`` holds what ran (strategy, mesh, devices, model, data, the resolved
 configuration), what it measured (losses, per-device bytes of the compiled train and eval
@@ -21,8 +22,9 @@ import numpy as np
 import zshard
 from train import output
 from train.output import PROG, write_atomic
+from train.stops import Stop
 
-__all__ = ["finish", "summary_line"]
+__all__ = ["finish", "preempted_line", "summary_line"]
 
 
 def finish(b, p, t_start: float) -> dict:
@@ -39,9 +41,11 @@ def finish(b, p, t_start: float) -> dict:
     setup = b.setup
     run, out = setup.run, setup.out
     t_cfg = run.training
-    weights = out / "model.safetensors"
+    preempted = p.stop == Stop.PREEMPT  # the checkpoint holds everything; the grace is short: no weights
+    weights = None if preempted else out / "model.safetensors"
     eval_mem = b.evaluate.compiled.memory_analysis()
-    zshard.export(p.state, weights)  # every process gathers; process 0 writes
+    if weights is not None:
+        zshard.export(p.state, weights)  # every process gathers; process 0 writes
     losses = [r["loss"] for r in p.records if "loss" in r]
     evals = [r for r in p.records if "eval_loss" in r]
     tokens_per_step = t_cfg.batch_size * run.model.seq_len
@@ -57,7 +61,11 @@ def finish(b, p, t_start: float) -> dict:
         "steps": t_cfg.steps,
         "steps_done": p.last,  # the last step trained (== steps unless interrupted)
         "resumed_from": b.start,  # 0: a fresh run
-        "interrupted": p.interrupted,
+        "interrupted": p.interrupted,  # stopped early: Ctrl-C, or preempted
+        "preempted": preempted,  # SIGTERM / SIGUSR1: a checkpoint of steps_done, no weights
+        "signal": b.stops.signal_name,  # the stopping signal this process received (None: none, or another process's)
+        "fit_check_s": b.fit_check_s,  # the fit check before the first step
+        "save_compile_s": b.save_compile_s,  # the save compiled ahead (--preempt-grace)
         "batch_size": t_cfg.batch_size,  # global, sequences
         "seq_len": run.model.seq_len,  # tokens
         "tokens_per_step": tokens_per_step,
@@ -93,7 +101,7 @@ def finish(b, p, t_start: float) -> dict:
         "train_s": p.train_s,  # the training loop, evaluations included
         "eval_s": p.eval_s,  # evaluations and samples inside the loop
         "tokens_per_s": tokens_per_step * steps_done / max(p.train_s - p.eval_s, 1e-9),
-        "weights": str(weights),  # safetensors, logical shapes (zshard.export)
+        "weights": None if weights is None else str(weights),  # safetensors, logical shapes (zshard.export)
         # the saved checkpoints still on disk (checkpoint.keep deletes the oldest)
         "checkpoints": [str(setup.ckpt.directory / str(s)) for s in p.saved
                         if (setup.ckpt.directory / str(s)).is_dir()] if setup.ckpt is not None else [],
@@ -101,8 +109,22 @@ def finish(b, p, t_start: float) -> dict:
         "config": setup.resolved.to_dict(),
     }
     write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-    print(summary_line(summary, b, out), file=sys.stderr, flush=True)  # every rank: what it trained and evaluated
+    line = preempted_line(summary, b, p, out) if preempted else summary_line(summary, b, out)
+    print(line, file=sys.stderr, flush=True)  # every rank: what it trained and evaluated
     return summary
+
+
+def preempted_line(summary: dict, b, p, out: Path) -> str:
+    """The last line of a preempted run: where its checkpoint is and how to continue."""
+    step, where = p.last, b.setup.ckpt.directory / str(p.last)
+    stops, by = b.stops, b.agreement.by
+    if stops.signal_name in ("SIGTERM", "SIGUSR1"):
+        what = f"{stops.signal_name}"
+        took = f", {time.monotonic() - stops.t_signal:.1f} s after the signal"
+    else:
+        what, took = f"a signal on process {', '.join(map(str, by))}", ""
+    return (f"{PROG}: preempted by {what} after step {step} of {summary['steps']}: checkpoint {where} is complete{took}; "
+            f"continue with the same flags and --resume{'' if b.setup.run.logging.out else f' --out {out}'}")
 
 
 def summary_line(summary: dict, b, out: Path) -> str:

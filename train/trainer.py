@@ -1,21 +1,25 @@
 """The :class:`Trainer` of ``python -m train``: from a validated :class:`train.job.Setup` to a
 trained, saved, summarised run.
 
-    trainer = start(argv)           # flags -> devices -> jax.distributed -> validate -> Trainer(setup):
+    trainer = start(argv, stops)    # flags -> devices -> jax.distributed -> validate -> Trainer(setup):
                                     # model, optimizer, sharded state (or the checkpoint), step
-                                    # compiled ahead of time, evaluated once; nothing written yet
+                                    # compiled ahead of time, fit-checked, evaluated once; nothing written yet
     trainer.start_output()          # OUT, runs/latest, OUT/config.toml
-    progress = trainer.train(interrupts)
+    progress = trainer.train()
     summary = trainer.finish(progress)   # OUT/model.safetensors, OUT/summary.json, one line
 
 The loop runs the step and asks each of its parts whether it is due (``train/hooks.py``):
-metrics every step, evaluation, samples and checkpoints at their own cadence. Ctrl-C during
-training finishes the step in flight, saves it when checkpointing is on, and ends the loop.
+metrics every step, evaluation, samples and checkpoints at their own cadence; a watchdog
+times each part (``train/watchdog.py``). A stop (``train/stops.py``: Ctrl-C, SIGTERM,
+SIGUSR1), agreed by every process (``train/preempt.py``), finishes the step in flight, saves
+it (always after SIGTERM / SIGUSR1, with checkpointing on after Ctrl-C) and ends the loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 import sys
 import time
 
@@ -24,36 +28,47 @@ import jax
 from flax import nnx
 
 import zshard
-from train import checkpointing, config, data, output, summary
+from train import checkpointing, config, data, fit, output, summary
 from train.cli import device_count, fail, parse_config
 from train.devices import emulate_devices
 from train.hooks import Checkpoint, Evaluate, Metrics, Sample
 from train.job import Setup, make_optimizer, validate
 from train.model import GPT, loss_for, tensor_plan, units_with_ends
-from train.output import PROG, Interrupts, say, write_atomic
+from train.output import PROG, say, write_atomic
+from train.preempt import StopAgreement, discard_half_written, latest_complete
+from train.stops import Stop, Stops
+from train.watchdog import Watchdog
 
 __all__ = ["Progress", "Trainer", "start"]
 
 
-def start(argv: list[str]) -> "Trainer":
+def start(argv: list[str], stops: Stops) -> "Trainer":
     """Steps 1-3 of a run (``train/__main__.py``): the flags, the emulated devices, ``jax.distributed``,
-    the checks (:func:`train.job.validate`) and the compiled :class:`Trainer`, each said in one line."""
+    the checks (:func:`train.job.validate`) and the compiled :class:`Trainer`, each said in one line.
+    ``stops``: the signal handling installed first (its handlers again after ``jax.distributed``)."""
     run, config_path = parse_config(argv)
     emulate_devices(device_count(run, argv, config_path))  # before jax starts (the launcher's per-process count stands)
+    # jax.distributed's preemption service would take SIGTERM (its handler replaces ours, and
+    # the process then ignores the signal); train/preempt.py agrees on the stop instead
+    jax.config.update("jax_enable_preemption_service", False)
     try:  # before anything touches a device; checks coordinator / num_processes / process_id
         d = run.distributed
-        zshard.distributed.initialize(d.coordinator, d.num_processes, d.process_id)
+        if zshard.distributed.initialize(d.coordinator, d.num_processes, d.process_id):
+            stops.install()  # ours again, should a jax version install a handler all the same
     except (ValueError, RuntimeError, TimeoutError) as e:
         fail(str(e))
     output.WRITES_FILES = jax.process_index() == 0
     setup = validate(run)
+    if setup.ckpt.resuming:
+        stops.before_training = (f"nothing was written; {setup.ckpt.directory / str(setup.ckpt.start)} stays the latest "
+                                 f"checkpoint (--resume continues from it)")
     what = "bytes" if run.data.vocab_size is None else f"tokens (vocabulary {run.data.vocab_size})"
     shape = "x".join(str(v) for v in dict(setup.mesh.shape).values())
     axes = " x ".join(setup.mesh.axis_names)
     say(f"{PROG}: {run.model.init_from or run.model.preset + ' GPT'}, {setup.strategy} on a {shape} "
         f"({axes}) mesh of {len(setup.devices)} {setup.devices[0].platform} devices; data: {setup.source}: "
         f"{len(setup.train_data):,} train / {len(setup.eval_data):,} held-out {what}; output: {setup.out}")
-    t = Trainer(setup)
+    t = Trainer(setup, stops)
     if t.report is not None and output.WRITES_FILES:
         print(t.report.table(), file=sys.stderr)
     n = t.state.plan.num_params()
@@ -72,10 +87,14 @@ class Progress:
     state: object
     records: list
     last: int
-    interrupted: bool
+    stop: Stop  # why the loop ended early (agreed by every process), Stop.NONE when it ran every step
     train_s: float
     eval_s: float
     saved: list
+
+    @property
+    def interrupted(self) -> bool:
+        return bool(self.stop)
 
 
 class Trainer:
@@ -99,10 +118,14 @@ class Trainer:
       checkpoint: the :class:`train.hooks.Checkpoint`, or ``None`` (neither saving nor resuming).
       eval_loss0: the held-out loss this run starts from (measured, or the checkpoint's last).
       eval_step0: the step of ``eval_loss0``.
+      fit_check_s: seconds the fit check took (``train/fit.py``; 0 with ``--no-fit-check``).
+      save_compile_s: seconds compiling the save ahead (``--preempt-grace`` set; else 0).
+      stops: the :class:`train.stops.Stops`; agreement: the :class:`train.preempt.StopAgreement`.
+      saved_at: ``time.monotonic()`` when the stop's checkpoint was complete, else ``None``.
     """
 
-    def __init__(self, setup: Setup):
-        self.setup = setup
+    def __init__(self, setup: Setup, stops: Stops):
+        self.setup, self.stops, self.saved_at = setup, stops, None
         run, ckpt = setup.run, setup.ckpt
         t_cfg = run.training
         tx, self.warmup, self.schedule = make_optimizer(run)
@@ -143,23 +166,53 @@ class Trainer:
         self.per_device_bytes = None
         if mem is not None:
             self.per_device_bytes = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
-        self.report = zshard.report(self.step, self.state, self.batch) if run.logging.report else None
-
         eval_set = data.eval_batches(setup.eval_data, t_cfg.batch_size, run.model.seq_len, run.data.eval_batches)
         self.evaluate = Evaluate(self.state, eval_set, t_cfg.eval_every, t_cfg.steps, t_cfg.prefetch)
+        self.fit_check_s = 0.0
+        if t_cfg.fit_check:  # before the first evaluation and the first step: a run that cannot fit stops here
+            t0 = time.perf_counter()
+            eval_mem = self.evaluate.compiled.memory_analysis()
+            eval_bytes = None if eval_mem is None else {k: int(getattr(eval_mem, f"{k}_size_in_bytes"))
+                                                        for k in ("argument", "output", "temp", "alias")}
+            refusal = fit.check(run, setup.strategy, self.per_device_bytes, eval_bytes, setup.devices)
+            self.fit_check_s = time.perf_counter() - t0
+            if refusal is not None:
+                fail(refusal)
+        self.report = zshard.report(self.step, self.state, self.batch) if run.logging.report else None
         self.sample = Sample(setup)
         self.checkpoint = None if ckpt is None else Checkpoint(ckpt, self.batches)
+        self.agreement = StopAgreement(stops)  # several processes: compiles its all-gather here
+        self.save_compile_s = 0.0
+        if run.checkpoint.preempt_grace is not None:  # a grace to keep: the first save must not compile
+            t0 = time.perf_counter()
+            ckpt.compile_save(self.state)
+            self.save_compile_s = time.perf_counter() - t0
+        stops.set_deadline(run.checkpoint.preempt_grace, self._deadline)
         if self.start:  # the checkpointed run's last evaluation
             last = [r for r in self.records if "eval_loss" in r][-1]
             self.eval_loss0, self.eval_step0 = last["eval_loss"], last["step"]
         else:
             self.eval_loss0, self.eval_step0 = self.evaluate.loss(self.state), 0
 
+    def _deadline(self) -> str:
+        """``--preempt-grace`` ran out (the deadline thread; the process ends after): remove what
+        is half-written (process 0), and say which checkpoint a ``--resume`` continues from."""
+        where = self.setup.ckpt.directory
+        if self.saved_at is not None:
+            return f"checkpoint {where / str(self.checkpoint.saved[-1])} is complete; stopped before the summary was written"
+        removed = discard_half_written(where, self.checkpoint.saved) if jax.process_index() == 0 and self.checkpoint else []
+        latest = latest_complete(where)
+        gone = f"removed the half-written {', '.join(str(where / n) for n in removed)}; " if removed else "no new checkpoint; "
+        if latest is None:
+            return gone + "there is no complete checkpoint: the run starts again from step 0"
+        return gone + f"the latest complete checkpoint is {where / str(latest)} (--resume continues from it)"
+
     def start_output(self) -> None:
         """Create OUT (``--overwrite``: remove the earlier run's files first), point ``runs/latest``
-        at it, write ``config.toml``; rank 0 only."""
+        at it, write ``config.toml``; rank 0 only. From here on a signal stops the loop after a step."""
         setup = self.setup
         out = setup.out
+        self.stops.training()
         if not output.WRITES_FILES:
             return
         if setup.run.logging.overwrite and not self.start:
@@ -174,28 +227,33 @@ class Trainer:
         again.logging.out, again.logging.overwrite, again.checkpoint.resume = None, False, False  # where, not what
         write_atomic(out / "config.toml", config.dumps_toml(again, header))
 
-    def train(self, interrupts: Interrupts) -> Progress:
+    def train(self) -> Progress:
         """Train from step ``start + 1`` to ``training.steps``; each part of the loop runs when due."""
         steps = self.setup.run.training.steps
         metrics = Metrics(self)
         hooks = [h for h in (self.evaluate, self.sample, self.checkpoint) if h is not None]  # this order (module docstring)
-        state, batch = self.state, self.batch
-        interrupts.training()
+        state, batch, stopping = self.state, self.batch, Stop.NONE
+        process = f"process {jax.process_index()} of {jax.process_count()} ({socket.gethostname()}, pid {os.getpid()})"
+        watchdog = Watchdog(self.setup.run.training.watchdog, self.compile_s, process)
         try:
             for i in range(self.start + 1, steps + 1):
+                watchdog.enter("step", i)
                 state, step_metrics = self.step(state, batch)  # donates the old `state`
                 metrics.dispatched(i, step_metrics)  # reads step i-1's metrics: no per-step sync
-                stopping = interrupts.pending
+                stopping = self.agreement.poll()  # the same on every process
                 due = [h for h in hooks if h.due(i, stopping)]
                 apart = [h for h in due if h.apart]
                 if apart or stopping:
                     rec = metrics.read()
                     with metrics.apart():  # evaluation and sampling time is not training throughput
                         for hook in apart:
+                            watchdog.enter(hook.kind, i)
                             hook(state, i, rec, metrics)
                 for hook in due:
                     if not hook.apart:
+                        watchdog.enter(hook.kind, i)
                         hook(state, i, metrics.read(), metrics)  # after the evaluation: the records hold step i whole
+                watchdog.enter("step", i, timed=False)  # the rest of iteration i
                 metrics.write()  # the records read so far, appended and flushed
                 if stopping:
                     break
@@ -205,10 +263,14 @@ class Trainer:
             metrics.write()
         finally:
             if self.checkpoint is not None:
-                self.checkpoint.close()  # wait for the last checkpoint to be complete on disk
+                watchdog.enter("checkpoint wait", metrics.last)
+                self.checkpoint.close()  # wait for the last checkpoint to be complete on disk (every process)
+                if stopping:
+                    self.saved_at = time.monotonic()
+            watchdog.close()
             metrics.close()
         saved = [] if self.checkpoint is None else self.checkpoint.saved
-        return Progress(state, metrics.records, metrics.last, bool(interrupts.pending), time.perf_counter() - metrics.t_train,
+        return Progress(state, metrics.records, metrics.last, stopping, time.perf_counter() - metrics.t_train,
                         metrics.eval_s, saved)
 
     def finish(self, progress: Progress, t_start: float) -> dict:

@@ -29,7 +29,7 @@ from flax import nnx, traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.checks import check_traced
+from zshard.checks import check_traced, traced
 from zshard.collectives import gather_params
 from zshard.intercept import materialize
 from zshard.jaxprs import LOSS_SCOPE
@@ -152,7 +152,7 @@ class EvalStep:
         batch = self.put_batch(state, batch)
         key = trace_key(state, batch)
         if key not in self._checked:  # trace (no compile) once: a block's raw shard used as a value, divergent collectives
-            check_traced(self._jitted.trace(state, batch).jaxpr.jaxpr, state, batch)
+            check_traced(traced(lambda: self._jitted.trace(state, batch), state.plan.mesh).jaxpr.jaxpr, state, batch)
             self._checked.add(key)
         return self._jitted(state, batch)
 

@@ -19,7 +19,11 @@ printed at the end. Progress bars (text ended by ``\r``, as tqdm redraws) are sh
 most every :data:`PROGRESS_EVERY_S` seconds per rank, each as its own line.
 If a process exits with a non-zero status (or a signal), the launcher stops the others
 (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with that status
-(``128 + signal`` for a signal); it exits 0 when every process does. Ctrl-C stops all.
+(``128 + signal`` for a signal); it exits 0 when every process does. A SIGTERM, SIGUSR1 or
+Ctrl-C (SIGINT) to the launcher is forwarded to every process, which for ``python -m train``
+means: finish the step in flight, save, exit (143 after SIGTERM / SIGUSR1, 130 after Ctrl-C);
+the same signal again (or Ctrl-C after any) stops them at once. Statuses of ``python -m
+train`` are named in the launcher's line (:data:`MEANING`).
 
 It emulates hosts on one machine; on real hosts, start one process per host with
 ``--coordinator/--num-processes/--process-id`` or through SLURM (docs/multihost.md).
@@ -120,13 +124,33 @@ class _Pump:
                 self.out.flush()
 
 
+MEANING = {2: "bad input", 124: "its watchdog: a part of its loop hung", 130: "interrupted",
+           143: "SIGTERM / SIGUSR1: python -m train stopped, with a checkpoint when it was training"}
+"""What ``python -m train``'s exit statuses mean (docs/multihost.md, "When something goes wrong")."""
+
+_received: list[int] = []  # signals the launcher got (main()'s handler), forwarded by launch()
+
+
+def _note_signal(signum, frame) -> None:
+    _received.append(signum)
+
+
 def _describe(code: int) -> str:
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"was killed by signal {-code}"
-    return f"exited with status {code}"
+    return f"exited with status {code}" + (f" ({MEANING[code]})" if code in MEANING else "")
+
+
+def _forward(procs: list, signum: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signum)
+            except ProcessLookupError:
+                pass
 
 
 def _stop(procs: list, grace: float) -> None:
@@ -147,6 +171,11 @@ def _stop(procs: list, grace: float) -> None:
             except ProcessLookupError:
                 pass
             p.wait()
+
+
+class _Stopped(Exception):
+    def __init__(self, status: int):
+        self.status = status
 
 
 def launch(
@@ -197,8 +226,19 @@ def launch(
             t = threading.Thread(target=pump.run, args=(p.stdout,), daemon=True)
             t.start()
             pumps.append((t, pump))
-        status = 0
+        status, forwarded = 0, set()
         while True:
+            while _received:  # SIGTERM / SIGUSR1 / SIGINT to the launcher: once forwarded, twice stops all
+                signum = _received.pop(0)
+                name = signal.Signals(signum).name
+                if signum in forwarded or (signum == signal.SIGINT and forwarded):
+                    say(f"{name} again: stopping every process")
+                    _stop(procs, grace)
+                    raise _Stopped(128 + signum)
+                forwarded.add(signum)
+                _forward(procs, signum)
+                say(f"{name}: forwarded to every process (python -m train finishes the step, saves and exits; "
+                    f"{name} again stops them at once)")
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
@@ -211,7 +251,9 @@ def launch(
             if all(c == 0 for c in codes):
                 break
             time.sleep(0.1)
-    except KeyboardInterrupt:
+    except _Stopped as e:
+        status = e.status
+    except KeyboardInterrupt:  # launch() called without main()'s handlers
         say("interrupted; stopping every process")
         _stop(procs, grace)
         status = 130
@@ -264,10 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--devices-per-proc {args.devices_per_proc}: must be >= 1")
     if args.port is not None and not 1 <= args.port <= 65535:
         parser.error(f"--port {args.port}: must be in 1..65535")
-    def terminated(signum, frame):  # SIGTERM to the launcher (scheduler, timeout): stop the processes too
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, terminated)
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # forwarded to the processes (launch())
+        signal.signal(signum, _note_signal)
     if command[0] == "python":
         command = [sys.executable, *command[1:]]  # the interpreter running the launcher (its venv)
     return launch(

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx, traverse_util
 from jax.sharding import PartitionSpec as P
 
-from zshard.checks import check_traced
+from zshard.checks import check_traced, traced
 from zshard.collectives import vary
 from zshard.intercept import materialize, read_variables
 from zshard.jaxprs import LOSS_SCOPE
@@ -337,15 +337,15 @@ class TrainStep:
         ``loss_fn`` (:func:`zshard.checks.check_traced`)."""
         key = trace_key(state, batch)
         if key not in self._checked:
-            check_traced(self._jit_for(state).trace(state, batch).jaxpr.jaxpr, state, batch)
+            check_traced(traced(lambda: self._jit_for(state).trace(state, batch), state.plan.mesh).jaxpr.jaxpr, state, batch)
             self._checked.add(key)
 
     def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
         """The lowered step (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
         batch = self.put_batch(state, batch)
-        traced = self._jit_for(state).trace(state, batch)
-        check_traced(traced.jaxpr.jaxpr, state, batch)
-        return traced.lower()
+        t = traced(lambda: self._jit_for(state).trace(state, batch), state.plan.mesh)
+        check_traced(t.jaxpr.jaxpr, state, batch)
+        return t.lower()
 
 
 def make_train_step(

@@ -77,38 +77,38 @@ def main(argv=None) -> int:
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
                f"{platform.system()} {platform.release()}", "jax": jax.__version__, "backend": jax.default_backend(),
                "command": " ".join([PROG] + (sys.argv[1:] if argv is None else list(argv))), "configs": {}}
+    md = []  # the report (OUT/bench.md): each part printed once, to stdout, as soon as it is measured
+
+    def report(part: str, progress=None) -> None:
+        md.append(part)
+        (progress.write if progress is not None else print)(part, file=sys.stdout)
+
     with tqdm(total=total, desc="bench", file=sys.stderr, dynamic_ncols=True) as progress:
+        report(f"## zshard benchmarks ({results['date']}; {results['machine']}; jax {results['jax']})", progress)
+        report("", progress)
         for name, cfg in configs.items():
             results["configs"][name] = bench_config(cfg, strategies, args.repeats or cfg.repeats, progress)
-            progress.write(config_table(results["configs"][name]) + "\n", file=sys.stderr)  # early view; full report below
+            report(config_table(results["configs"][name]) + "\n", progress)
         if do_depth:
             results["depth"] = depth_sweep(DEPTHS, CONFIGS["S"], progress)
-            progress.write(depth_table(results["depth"]) + "\n", file=sys.stderr)
+            report(depth_table(results["depth"]) + "\n", progress)
         if do_scale:
             results["scale"] = run_scale(SCALE_DEVICES, SCALE_MODELS, scale_strats, progress, args.scale_timeout)
             for model, n, tensor in SCALE_TENSOR:  # the tensor-parallel rows (issue 25)
                 results["scale"] += run_scale([n], [model], scale_strats, progress, args.scale_timeout, tensor=tensor)
+            report(scale_table(results["scale"]) + "\n", progress)
     if jax.default_backend() == "gpu":
         results["gpu"] = gpu_section(args.repeats or 10)
-    results["targets"] = targets(results)
-    results["wall_s"] = time.perf_counter() - t_start
-
-    md = [f"## zshard benchmarks ({results['date']}; {results['machine']}; jax {results['jax']})", ""]
-    md += [config_table(r) + "\n" for r in results["configs"].values()]
-    if do_depth:
-        md.append(depth_table(results["depth"]) + "\n")
-    if do_scale:
-        md.append(scale_table(results["scale"]) + "\n")
-    if "gpu" in results:
         g = results["gpu"]
         mfu = "n/a (unknown peak)" if g["mfu_zshard"] is None else f"{g['mfu_zshard']:.1%} (plain jit {g['mfu_plain']:.1%})"
-        md.append(f"### GPU ({g['device']})\n\nzshard FULL_SHARD 1x1 / plain jit step time: {g['overhead']:.3f}; "
-                  f"MFU {mfu}, FLOPs = 6*N*T + 12*L*h*s*T (Kaplan 2020 s2.1, PaLM app. B); XLA_FLAGS {' '.join(g['xla_flags'])}\n")
+        report(f"### GPU ({g['device']})\n\nzshard FULL_SHARD 1x1 / plain jit step time: {g['overhead']:.3f}; "
+               f"MFU {mfu}, FLOPs = 6*N*T + 12*L*h*s*T (Kaplan 2020 s2.1, PaLM app. B); XLA_FLAGS {' '.join(g['xla_flags'])}\n")
     else:
-        md.append(f"GPU section skipped: jax.default_backend() is {jax.default_backend()!r}, not 'gpu'.\n")
-    md.append(targets_table(results["targets"]))
+        report(f"GPU section skipped: jax.default_backend() is {jax.default_backend()!r}, not 'gpu'.\n")
+    results["targets"] = targets(results)
+    results["wall_s"] = time.perf_counter() - t_start
+    report(targets_table(results["targets"]))
     text = "\n".join(md)
-    print(text)
     out.mkdir(parents=True, exist_ok=True)
     written = plots(results, out)
     for name, content in (("bench.json", json.dumps(results, indent=1)), ("bench.md", text + "\n")):

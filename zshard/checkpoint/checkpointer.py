@@ -30,6 +30,7 @@ from zshard.checkpoint.layout import (
     Entry,
     auto_axes,
     checksums,
+    compile_save,
     differences,
     logical_layout,
     logical_spec,
@@ -213,6 +214,12 @@ class Checkpointer:
         if not mngr.save(step, args=args, force=True):  # pragma: no cover - force=True always saves
             raise RuntimeError(f"orbax did not save step {step} in {self.directory}")
         return step
+
+    def compile_save(self, state: ShardedState) -> None:
+        """Compile, without running, what :meth:`save` computes on the devices for ``state``'s
+        plan (the logical layout and its checksums), so that the first save costs what later
+        ones do: a save started by a preemption signal has a grace period. Nothing is written."""
+        compile_save(state)
 
     def wait_until_finished(self) -> None:
         """Block until every started save is complete on disk."""

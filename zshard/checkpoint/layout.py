@@ -233,15 +233,35 @@ def short_error(e: Exception) -> str:
 _TO_LOGICAL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def to_logical_fn(state: ShardedState):
+def _unpad_program(state: ShardedState):
+    """``(jitted unpad, logical shardings)`` of ``state``'s plan (built once per plan)."""
     plan = state.plan
     if plan not in _TO_LOGICAL:
         entries, _ = logical_layout(state)
         auto = auto_axes(plan.mesh)
         shardings = [NamedSharding(auto, logical_spec(auto, e.shape, e.axes)) for e in entries]
         unpad = jax.jit(lambda leaves: [_unpad(x, e) for x, e in zip(leaves, entries)], out_shardings=shardings)
-        _TO_LOGICAL[plan] = lambda leaves: unpad([relabel(auto, x) for x in leaves])
+        _TO_LOGICAL[plan] = (unpad, shardings)
     return _TO_LOGICAL[plan]
+
+
+def to_logical_fn(state: ShardedState):
+    unpad, _ = _unpad_program(state)
+    auto = auto_axes(state.plan.mesh)
+    return lambda leaves: unpad([relabel(auto, x) for x in leaves])
+
+
+def compile_save(state: ShardedState) -> None:
+    """Compile what a save runs on the devices (the unpadding into the logical layout, the
+    checksums) for ``state``'s plan, ahead and without running it: JAX keeps the executables,
+    so the first save costs what the later ones do."""
+    unpad, shardings = _unpad_program(state)
+    auto = auto_axes(state.plan.mesh)
+    leaves = jax.tree.leaves(state_tree(state))
+    ins = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(auto, x.sharding.spec)) for x in leaves]
+    outs = [jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s) for o, s in zip(jax.eval_shape(unpad, ins), shardings)]
+    unpad.lower(ins).compile()
+    _checksums_jit.lower(outs).compile()
 
 
 def nested(entries: list[Entry], values: list) -> dict:

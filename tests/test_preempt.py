@@ -1,0 +1,230 @@
+"""``python -m train`` on a cluster, one process: SIGTERM at several moments saves and resumes bit
+for bit, a run that cannot fit is refused before its first step, a ``--preempt-grace`` too
+short leaves nothing half-written; the watchdog, the fit check's numbers and the removal of
+half-written checkpoints as units. Multi-process: tests/test_preempt_mp.py."""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from runs import NANO, Run, step_records, train_cmd
+
+import zshard
+from train import fit
+from train.cli import parse_config
+from train.config import ConfigError
+from train.preempt import discard_half_written, latest_complete
+from train.watchdog import Watchdog
+
+STEPS = 100
+SIGNAL_AFTER = 3  # steps in metrics.jsonl before the signal goes
+
+
+def run_args(corpus: Path, out: Path, *extra: str) -> list[str]:
+    return train_cmd(*NANO, "--steps", str(STEPS), "--data", str(corpus), "--out", str(out), *extra)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus):
+    """The uninterrupted run: ``{step: record}``."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    r = Run(run_args(corpus, out))
+    assert r.finish() == 0, r.text[-3000:]
+    return step_records(out)
+
+
+def _same_numbers(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for k in want:  # bit for bit: floats read back from JSON exactly
+        for key in ("loss", "grad_norm", "lr", "eval_loss"):
+            assert got[k].get(key) == want[k].get(key), (k, key, got[k].get(key), want[k].get(key))
+
+
+def _complete(out: Path) -> list[int]:
+    return zshard.Checkpointer(out / "checkpoints").all_steps()
+
+
+def test_sigterm_mid_step_while_compiling_and_during_a_save_then_resume_is_bit_for_bit(tmp_path, corpus, reference):
+    out = tmp_path / "run"
+    # 1. mid-step: the step in flight finishes, a checkpoint is saved (no --ckpt-every), exit 143, one line
+    a = Run(run_args(corpus, out))
+    a.wait_for(lambda: len(step_records(out)) >= SIGNAL_AFTER, f"{SIGNAL_AFTER} steps")
+    t = a.signal(signal.SIGTERM)
+    assert a.finish() == 143, a.text[-3000:]
+    exit_s = time.monotonic() - t
+    k = max(step_records(out))
+    last = a.lines[-1]
+    assert last.startswith(f"python -m train: preempted by SIGTERM after step {k} of {STEPS}: checkpoint "
+                           f"{out / 'checkpoints' / str(k)} is complete"), a.text[-3000:]
+    assert "continue with the same flags and --resume" in last and "Traceback" not in a.text
+    assert _complete(out) == [k] and sorted(step_records(out)) == list(range(1, k + 1))
+    summary = (out / "summary.json").read_text()
+    assert '"preempted": true' in summary and '"weights": null' in summary
+    assert not (out / "model.safetensors").exists()  # the checkpoint holds everything; the grace is short
+    print(f"SIGTERM mid-step: checkpoint {k} complete; process gone {exit_s:.2f} s after the signal")
+
+    # 2. while compiling the resumed run: exit 143 at once, nothing written, the checkpoint stays the latest
+    before = (out / "metrics.jsonl").read_bytes()
+    b = Run(run_args(corpus, out, "--resume"))
+    b.wait_line("python -m train: nano GPT")  # printed after validation, before the state is built and compiled
+    t = b.signal(signal.SIGTERM)
+    assert b.finish() == 143, b.text[-3000:]
+    assert f"--resume: continuing from step {k} " in b.text
+    assert b.lines[-1] == (f"python -m train: SIGTERM before training started; nothing was written; "
+                           f"{out / 'checkpoints' / str(k)} stays the latest checkpoint (--resume continues from it)"), b.text[-3000:]
+    assert (out / "metrics.jsonl").read_bytes() == before and _complete(out) == [k]
+    print(f"SIGTERM while compiling: gone {time.monotonic() - t:.2f} s after the signal")
+
+    # 3. during a checkpoint save: the signal (SIGUSR1, as SLURM's --signal=USR1@...) right after a periodic save started
+    c = Run(run_args(corpus, out, "--resume", "--ckpt-every", "3"))
+    c.wait_line(": saving checkpoint ")
+    c.signal(signal.SIGUSR1)
+    assert c.finish() == 143, c.text[-3000:]
+    k2 = max(step_records(out))
+    assert k2 > k and "preempted by SIGUSR1 after step" in c.lines[-1]
+    assert _complete(out)[-1] == k2 and not [p for p in (out / "checkpoints").iterdir() if not p.name.isdigit()]
+
+    # 4. resumed to the end: the uninterrupted run's numbers, bit for bit
+    d = Run(run_args(corpus, out, "--resume"))
+    assert d.finish() == 0, d.text[-3000:]
+    assert f"--resume: continuing from step {k2} " in d.text
+    _same_numbers(step_records(out), reference)
+    assert (out / "model.safetensors").exists()
+
+
+def test_preempt_grace_too_short_leaves_nothing_half_written(tmp_path, corpus):
+    out = tmp_path / "run"
+    r = Run(run_args(corpus, out, "--ckpt-every", "2", "--preempt-grace", "0.05"))
+    r.wait_line(": saving checkpoint ")
+    r.wait_for(lambda: len(step_records(out)) >= 6, "6 steps")
+    r.signal(signal.SIGTERM)
+    assert r.finish() == 143, r.text[-3000:]
+    last = r.lines[-1]
+    assert last.startswith("python -m train: --preempt-grace 0.05 s after SIGTERM ran out: "), r.text[-3000:]
+    steps = _complete(out)
+    assert steps and f"the latest complete checkpoint is {out / 'checkpoints' / str(steps[-1])}" in last
+    left = [p.name for p in (out / "checkpoints").iterdir() if not p.name.isdigit()]
+    assert not left, left  # Orbax's temporary folders removed; the complete ones stay
+    print(f"deadline line: {last}")
+
+
+def test_fit_check_refuses_a_too_long_sequence_before_any_step(tmp_path):
+    corpus = tmp_path / "corpus.txt"  # one window of seq_len + 1 in the held-out 10%
+    corpus.write_bytes(((Path(__file__).parent.parent / "README.md").read_bytes() * 200)[:1_200_000])
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    r = Run(train_cmd("--model", "nano", "--seq-len", "100000", "--data", str(corpus), "--out", str(out)))
+    assert r.finish() == 2, r.text[-3000:]
+    wall = time.monotonic() - t0
+    last = r.lines[-1]
+    assert last.startswith("python -m train: error: the run does not fit: the compiled step needs "), r.text[-3000:]
+    for needle in ("GiB per device", "argument", "temp", "cpu devices", "available", "temp (activations) is the largest part",
+                   "--grad-accum 2", "--seq-len 50000", "--no-fit-check"):
+        assert needle in last, (needle, last)
+    assert "compiled in" not in r.text and not out.exists()  # before the first evaluation and step: nothing written
+    print(f"fit check refusal {wall:.1f} s after start: {last}")
+
+
+def test_fit_check_names_gpu_limits_and_the_state_fixes():
+    class Gpu:
+        platform, process_index = "gpu", 0
+
+        def memory_stats(self):
+            return {"bytes_limit": 80 * 2**30, "bytes_in_use": 1}
+
+    run = parse_config(["--strategy", "NO_SHARD", "--batch-size", "16"])[0]
+    mem = {"argument": 70 * 2**30, "output": 70 * 2**30, "alias": 70 * 2**30, "temp": 20 * 2**30}
+    line = fit.check(run, "NO_SHARD", mem, None, [Gpu()] * 8)
+    assert line.startswith("the run does not fit: the compiled step needs 90.00 GiB per device"), line
+    assert "each gpu device has 80.00 GiB (memory_stats()['bytes_limit'])" in line
+    assert "argument (the model state) is the largest part: try --strategy FULL_SHARD" in line
+    assert fit.check(run, "NO_SHARD", dict(mem, argument=50 * 2**30), None, [Gpu()] * 8) is None  # 70 GiB: fits
+    mem2 = dict(mem, argument=1 * 2**30, temp=100 * 2**30)
+    hybrid = fit.fixes(parse_config(["--remat", "none"])[0], "HYBRID_SHARD", mem2, 8)
+    assert hybrid[0] == "--remat block (recompute each block in backward)" and hybrid[-1] == "more devices"
+    assert any("HYBRID_SHARD_OPT" in f for f in hybrid)
+    assert fit.host_available_bytes() > 0
+
+
+def test_watchdog_names_the_part_the_step_and_the_process():
+    fired = []
+    done = threading.Event()
+
+    def on_hang(message):
+        fired.append(message)
+        done.set()
+
+    dog = Watchdog(0.3, first_s=0.001, process="process 3 of 4 (host-b, pid 42)", on_hang=on_hang)
+    for i in range(1, 6):  # normal steps: 10 ms each, far under the 0.3 s floor
+        dog.enter("step", i)
+        time.sleep(0.01)
+    assert dog.limit("step")[0] == pytest.approx(0.3)
+    dog.enter("evaluation", 5)
+    time.sleep(0.01)
+    dog.enter("step", 6)
+    assert done.wait(10), "the watchdog did not fire on a stalled step"
+    (message,) = fired
+    assert message.startswith("error: watchdog: step 6 has not finished on process 3 of 4 (host-b, pid 42) after "), message
+    assert "(limit 0.3 s: 10 x the median step time " in message and "at least 0.3 s;" in message, message
+    assert "the main thread waits in" in message and "exiting with status 124" in message
+    dog.close()
+    dog2 = Watchdog(1.0, first_s=0.001, on_hang=fired.append)
+    dog2.durations["step"] = [0.5, 0.4, 0.6]
+    assert dog2.limit("step") == (5.0, "10 x the median step time 0.5 s, at least 1 s")
+    dog2.close()
+    assert len(fired) == 1
+    assert Watchdog(0, first_s=1.0).limit("step")[0] == 10.0  # 0: no thread, limits still defined
+
+
+def test_discard_half_written_removes_only_the_given_steps_in_progress(tmp_path):
+    d = tmp_path / "checkpoints"
+    for name in ("4", "6.orbax-checkpoint-tmp-1796000000", "9.orbax-checkpoint-tmp-1796000001"):
+        (d / name / "state").mkdir(parents=True)
+        (d / name / "state" / "data").write_bytes(b"x" * 100)
+    assert discard_half_written(d, [6, 8]) == ["6.orbax-checkpoint-tmp-1796000000"]
+    assert sorted(p.name for p in d.iterdir()) == ["4", "9.orbax-checkpoint-tmp-1796000001"]
+    assert latest_complete(d) == 4 and latest_complete(tmp_path / "none") is None
+
+
+def test_discard_half_written_outlasts_writes_in_flight_and_a_save_starting_late(tmp_path):
+    """Orbax's writer threads create the step folder again on their next write (tensorstore makes
+    parent folders), and the main thread may start the save just after the grace ran out."""
+    d = tmp_path / "checkpoints"
+    (d / "6.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+    stop = threading.Event()
+
+    def writer():  # a write every 2 ms into the folder, as until its first failure
+        while not stop.is_set():
+            try:
+                (d / "6.orbax-checkpoint-tmp" / "state" / "d").mkdir(parents=True, exist_ok=True)
+            except OSError:
+                return
+            time.sleep(0.002)
+
+    def late_save():
+        time.sleep(0.02)
+        (d / "8.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=late_save)]
+    for t in threads:
+        t.start()
+    removed = discard_half_written(d, [6, 8])
+    stop.set()
+    for t in threads:
+        t.join()
+    assert sorted(removed) == ["6.orbax-checkpoint-tmp", "8.orbax-checkpoint-tmp"]
+    assert sorted(p.name for p in d.iterdir()) == []
+
+
+def test_bad_preempt_grace_and_watchdog_are_config_errors():
+    for argv, needle in ((["--preempt-grace", "0"], "checkpoint.preempt_grace (--preempt-grace): must be > 0"),
+                         (["--watchdog", "-1"], "training.watchdog (--watchdog): must be >= 0")):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            parse_config(argv)[0].validate()
+    run = parse_config(["--no-fit-check", "--watchdog", "0", "--preempt-grace", "90"])[0].validate()
+    assert (run.training.fit_check, run.training.watchdog, run.checkpoint.preempt_grace) == (False, 0.0, 90.0)
