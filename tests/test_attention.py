@@ -25,8 +25,18 @@ SEG = np.sort(RNG.integers(0, 4, (B, L)), axis=1).astype(np.int32)  # packed doc
 W = np.cos(np.arange(L) * 0.3).astype(np.float32)  # a weight per position: the loss depends on the order
 
 
-def reference(q, k, v, causal, segments, window):
+def reference(q, k, v, causal, segments, window, cap=None):
     mask = (SEG[:, :, None] == SEG[:, None, :])[:, None] if segments else None
+    if cap is not None:  # Gemma 2's soft-capped logits, written out: jax.nn.dot_product_attention has no soft-cap
+        rep = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)  # [B, L, KV, hd] -> [B, L, H, hd]
+        s = cap * jnp.tanh(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]) / cap)  # [B, H, L, L]
+        i, j = np.arange(q.shape[1])[:, None], np.arange(q.shape[1])[None, :]
+        keep = np.ones((q.shape[1],) * 2, bool) if not causal else j <= i
+        if window is not None:
+            keep = keep & (abs(i - j) < window)
+        keep = keep[None, None] if mask is None else keep[None, None] & mask
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(keep, s, -1e30), axis=-1), v)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
                                         local_window_size=None if window is None else (window - 1, window - 1))
 
@@ -48,7 +58,7 @@ def test_outside_a_split_it_is_jax_dot_product_attention(causal, segments, windo
 
 
 @functools.cache
-def _split_program(C, impl, causal, segments, window):
+def _split_program(C, impl, causal, segments, window, cap=None):
     """``(value, grads)`` of ``sum(W * attention**2)`` on a ``1 x 2 x C`` mesh, inputs placed in
     the head-tail order, as one jitted program (compiled once per case)."""
     mesh = zshard.make_mesh(1, 2, context=C, devices=jax.devices()[: 2 * C])
@@ -58,7 +68,8 @@ def _split_program(C, impl, causal, segments, window):
 
     def local(q, k, v, seg, w):
         with tracing(SequenceSplit(C, L)):
-            o = zshard.attention(q, k, v, causal=causal, segment_ids=seg if segments else None, sliding_window=window, impl=impl)
+            o = zshard.attention(q, k, v, causal=causal, segment_ids=seg if segments else None, sliding_window=window,
+                                 softcap=cap, impl=impl)
         return jax.lax.psum(jnp.sum(w[None, :, None, None] * o.astype(jnp.float32) ** 2), ("replica", "shard", "context")), o
 
     f = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4 + (P("context"),), out_specs=(P(), spec))
@@ -84,6 +95,18 @@ def test_on_a_split_sequence_forward_and_gradients_equal_one_device(C, impl, cau
     want_grads = jax.grad(loss, argnums=(0, 1, 2))(Q, K, VV)
     got, grads = _split_program(C, impl, causal, segments, window)
     assert rel(got, reference(Q, K, VV, causal, segments, window)) <= 1e-6
+    for name, g, w in zip("qkv", grads, want_grads):
+        assert rel(g, w) <= 1e-6, (name, rel(g, w))
+
+
+def test_softcap_equals_the_written_out_formula_on_one_device_and_on_a_split():
+    want = reference(Q, K, VV, True, True, 12, cap=2.0)
+    assert rel(zshard.attention(Q, K, VV, segment_ids=SEG, sliding_window=12, softcap=2.0), want) <= 1e-6
+    assert rel(zshard.attention(Q, K, VV, segment_ids=SEG, sliding_window=12), want) > 1e-3  # the cap matters here
+    got, grads = _split_program(2, "ring", True, True, 12, 2.0)
+    assert rel(got, want) <= 1e-6
+    want_grads = jax.grad(lambda q, k, v: jnp.sum(W[None, :, None, None] * reference(q, k, v, True, True, 12, 2.0) ** 2),
+                          argnums=(0, 1, 2))(Q, K, VV)
     for name, g, w in zip("qkv", grads, want_grads):
         assert rel(g, w) <= 1e-6, (name, rel(g, w))
 
@@ -154,6 +177,8 @@ def test_bad_inputs_are_named():
         zshard.attention(Q, K, VV, segment_ids=SEG[:, 1:])
     with pytest.raises(ValueError, match=r"sliding_window=0 must be a positive int"):
         zshard.attention(Q, K, VV, sliding_window=0)
+    with pytest.raises(ValueError, match=r"softcap=-1.0 must be a positive finite number"):
+        zshard.attention(Q, K, VV, softcap=-1.0)
     with pytest.raises(ValueError, match=r"impl='flash'; choose one of 'allgather', 'ring'"):
         zshard.attention(Q, K, VV, impl="flash")
     with tracing(SequenceSplit(4, 4 * L)), pytest.raises(ValueError, match=r"must hold this device's 64 tokens"):

@@ -295,3 +295,32 @@ def test_a_model_that_never_asks_for_positions_is_warned():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the model that asks is not warned
         zshard.make_train_step(loss_fn, sequence_axis=1).lower(zshard.init(make(), optax.adamw(1e-3), mesh(1, 4, 2), abstract=True), b)
+
+
+# --- the reference GPT and the Llama of train/models on a context mesh -------------------------------------
+
+
+def _train_models():
+    from train.models import GPT, GPTConfig, Llama as TrainLlama, LlamaConfig, cross_entropy_loss
+
+    gpt = GPTConfig(vocab_size=V, seq_len=L, d_model=D, n_layers=2, n_heads=2)  # learned positions
+    llama = LlamaConfig(vocab_size=V, seq_len=L, d_model=D, n_layers=2, n_heads=H, n_kv_heads=KV, d_ff=2 * D,
+                        sliding_window=24, layer_types=("sliding", "full"))  # RoPE, GQA, a sliding layer
+    return {"gpt": lambda: GPT(gpt, rngs=nnx.Rngs(0)), "llama": lambda: TrainLlama(llama, rngs=nnx.Rngs(0))}, cross_entropy_loss
+
+
+@pytest.mark.parametrize("name,strategy,shape", [("gpt", "HYBRID_SHARD", (2, 2, 2)), ("llama", "FULL_SHARD", (1, 4, 2))])
+def test_train_models_equal_one_device(name, strategy, shape):
+    models, ce = _train_models()
+    data = [(b["tokens"], b["targets"]) for b in batches()]
+    want = reference_run(models[name], optax.adamw(1e-3), ce, data)
+    state = zshard.init(models[name], optax.adamw(1e-3), mesh(*shape), strategy=strategy)
+    step = zshard.make_train_step(ce, sequence_axis=1, prefetch=1)
+    losses = []
+    for b in data:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, want.losses, rtol=1e-5)
+    flat = dict(nnx.to_flat_state(nnx.state(zshard.unshard(state), nnx.Param)))
+    for path, ref in want.params.items():
+        assert rel_l2(np.asarray(flat[path].get_value()), ref) <= 1e-5, path

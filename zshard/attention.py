@@ -74,11 +74,13 @@ def _kind(i, j, causal: bool):
 _NEG = float(-0.7 * np.finfo(np.float32).max)  # jax.nn.dot_product_attention's masked logit
 
 
-def _block(q, k, v, qpos, kpos, qseg, kseg, *, causal, window, scale):
+def _block(q, k, v, qpos, kpos, qseg, kseg, *, causal, window, scale, cap=None):
     """Partial attention of queries ``q [B, Lq, n_kv, G, D]`` on keys / values ``[B, Lk, n_kv, D]``:
     ``(o [B, Lq, n_kv, G, Dv] unnormalised, m [B, Lq, n_kv, G] row max, l [B, Lq, n_kv, G] row sum)``,
     float32; a row with no visible key has ``o = l = 0`` and ``m`` the masked logit."""
     s = jnp.einsum("bqhgd,bkhd->bqhgk", q, k, preferred_element_type=jnp.float32) * scale  # [B, Lq, n_kv, G, Lk]
+    if cap is not None:  # Gemma 2's soft-cap of the logits: cap * tanh(s / cap)
+        s = cap * jnp.tanh(s / cap)
     mask = jnp.ones((qpos.shape[0], kpos.shape[0]), bool)
     dist = qpos[:, None] - kpos[None, :]  # [Lq, Lk]: query position - key position
     if causal:
@@ -133,7 +135,7 @@ def _step(kind, q, k, v, qpos, kpos, qseg, kseg, *, c, opts):
     return jax.lax.switch(kind, branches, *args)
 
 
-def _check(q, k, v, causal, segment_ids, sliding_window, scale, impl) -> None:
+def _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap=None) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if jnp.ndim(x) != 4 or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
             raise ValueError(f"zshard.attention: {name} has shape {jnp.shape(x)} ({jnp.result_type(x)}); q, k and v are "
@@ -156,6 +158,8 @@ def _check(q, k, v, causal, segment_ids, sliding_window, scale, impl) -> None:
                          "that many positions, the query's own included)")
     if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale)):
         raise ValueError(f"zshard.attention: scale={scale!r} must be a finite number (default 1/sqrt(head_dim))")
+    if softcap is not None and not (isinstance(softcap, numbers.Real) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"zshard.attention: softcap={softcap!r} must be a positive finite number (Gemma 2: 50.0)")
     if impl not in IMPLS:
         raise ValueError(f"zshard.attention: impl={impl!r}; choose one of {', '.join(map(repr, IMPLS))}")
     if not isinstance(causal, bool):
@@ -163,7 +167,7 @@ def _check(q, k, v, causal, segment_ids, sliding_window, scale, impl) -> None:
 
 
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window: int | None = None,
-              scale: float | None = None, impl: str = "allgather") -> jax.Array:
+              scale: float | None = None, softcap: float | None = None, impl: str = "allgather") -> jax.Array:
     """Scaled dot-product attention, exact on a sequence split over the ``context`` axis.
 
     Args:
@@ -178,6 +182,10 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
         ``p' < p + W`` when not causal): ``W`` keys including its own under a causal mask
         (Mistral's ``sliding_window``; ``jax.nn.dot_product_attention(local_window_size=(W-1, W-1))``).
       scale: the logits' factor, default ``1 / sqrt(D)``.
+      softcap: ``cap``: logits ``cap * tanh(s / cap)`` before the mask and softmax (Gemma 2,
+        arXiv 2408.00118 section 2); ``None``: none. ``jax.nn.dot_product_attention`` has no such
+        option: with a soft-cap the one-device path is this module's own block (the same math
+        as on a split sequence, one block of ``L x L``).
       impl: ``"allgather"`` (keys and values all-gathered over ``context``) or ``"ring"``
         (passed around the ring with ``ppermute``); equal in numbers, equal in bytes.
 
@@ -188,9 +196,16 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
       ValueError: shapes, dtypes or options as named above; inside a split step, ``q`` not holding
         this device's ``L_global / C`` tokens of each sequence (a model that slices its input first).
     """
-    _check(q, k, v, causal, segment_ids, sliding_window, scale, impl)
+    _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap)
     record = active()
     split = None if record is None else record.split
+    if (split is None or split.context == 1) and softcap is not None:
+        B, L, H, D = q.shape
+        pos = jnp.arange(L, dtype=jnp.int32)
+        o, _, l = _block(q.reshape(B, L, k.shape[2], H // k.shape[2], D), k, v, pos, pos, segment_ids, segment_ids,
+                         causal=causal, window=sliding_window, scale=float(1 / math.sqrt(D) if scale is None else scale),
+                         cap=float(softcap))  # [B, L, n_kv, G, Dv] unnormalised, l [B, L, n_kv, G]
+        return (o / l[..., None]).astype(q.dtype).reshape(B, L, H, v.shape[3])  # -> [B, L, H, Dv]
     if split is None or split.context == 1:
         mask = None
         if segment_ids is not None:
@@ -205,11 +220,11 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
     record.record(AttentionCall(q.shape[0], split.length, k.shape[2], k.shape[3], v.shape[3], jnp.dtype(k.dtype).itemsize,
                                 segment_ids is not None, impl))
     return context_attention(q, k, v, split, jax.lax.axis_index(CONTEXT), causal=causal, segment_ids=segment_ids,
-                             sliding_window=sliding_window, scale=scale, impl=impl)
+                             sliding_window=sliding_window, scale=scale, softcap=softcap, impl=impl)
 
 
 def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segment_ids=None, sliding_window=None,
-                      scale=None, impl="allgather", gathered=None):
+                      scale=None, softcap=None, impl="allgather", gathered=None):
     """Inside ``shard_map`` (manual over ``context``): attention of context device ``index`` (traced,
     or a Python int for one device's program) on the split sequence (see :func:`attention`).
 
@@ -218,7 +233,8 @@ def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segm
     its FLOPs (``cost_analysis``)."""
     B, L2, H, D = q.shape
     n_kv, C, c = k.shape[2], split.context, split.chunk
-    opts = dict(causal=causal, window=sliding_window, scale=float(1 / math.sqrt(D) if scale is None else scale))
+    opts = dict(causal=causal, window=sliding_window, scale=float(1 / math.sqrt(D) if scale is None else scale),
+                cap=None if softcap is None else float(softcap))
     qg = q.reshape(B, L2, n_kv, H // n_kv, D)  # [B, 2c, H, D] -> [B, 2c, n_kv, G, D]
     qpos = split.chunk_positions(index)
 
