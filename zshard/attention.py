@@ -1,7 +1,9 @@
 """``zshard.attention``: scaled dot-product attention that works on a sequence split over ``context``.
 
 Outside a step whose sequence is split (one device, ``C = 1``, an eval or forward without a
-sequence axis, plain JAX) it is ``jax.nn.dot_product_attention``. Inside one (docs/long-sequences.md),
+sequence axis, plain JAX) it is ``jax.nn.dot_product_attention`` (the mask passed as an additive
+bias, GQA's keys and values repeated to the query heads: the same numbers, less memory in a
+scanned block; :func:`_bias`). Inside one (docs/long-sequences.md),
 each context device holds its queries, keys and values of ``2c = L / C`` tokens in the head-tail
 order (:mod:`zshard.sequence`), and every query must meet every key of the sequence:
 
@@ -135,6 +137,30 @@ def _step(kind, q, k, v, qpos, kpos, qseg, kseg, *, c, opts):
     return jax.lax.switch(kind, branches, *args)
 
 
+def _bias(lq: int, lk: int, causal: bool, window, segment_ids):
+    """The mask of the one-device path as an additive float32 bias, ``[1, 1, Lq, Lk]`` (``[B, 1,
+    Lq, Lk]`` with segment ids), or ``None``: 0 where a query sees a key, the masked logit elsewhere.
+
+    Exactly ``jax.nn.dot_product_attention``'s ``mask=`` / ``is_causal=`` / ``local_window_size=``
+    (a masked logit's ``exp`` is 0 either way), without their ``jnp.where`` over a boolean of the
+    scores' full shape: XLA hoists that ``[B, H, Lq, Lk]`` boolean out of a scanned block and keeps it
+    through the forward loop (one scores-sized buffer more per step; an additive ``[Lq, Lk]`` bias
+    stays small, train/models/core.py's note)."""
+    keep = None
+    dist = np.arange(lq)[:, None] - np.arange(lk)[None, :]  # [Lq, Lk]: query position - key position
+    if causal:
+        keep = dist >= 0
+    if window is not None:
+        near = (dist < window) & (dist > -window)
+        keep = near if keep is None else keep & near
+    bias = None if keep is None else jnp.asarray(np.where(keep, 0.0, _NEG).astype(np.float32))[None, None]  # [1, 1, Lq, Lk]
+    if segment_ids is not None:
+        same = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, Lq, Lk]
+        seg = jnp.where(same, 0.0, _NEG).astype(jnp.float32)
+        bias = seg if bias is None else jnp.minimum(bias, seg)
+    return bias
+
+
 def _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap=None) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if jnp.ndim(x) != 4 or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
@@ -207,11 +233,13 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
                          cap=float(softcap))  # [B, L, n_kv, G, Dv] unnormalised, l [B, L, n_kv, G]
         return (o / l[..., None]).astype(q.dtype).reshape(B, L, H, v.shape[3])  # -> [B, L, H, Dv]
     if split is None or split.context == 1:
-        mask = None
-        if segment_ids is not None:
-            mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, L, L]
-        window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal, local_window_size=window)
+        # GQA: K/V repeated to the query heads, [B, S, n_kv, D] -> [B, S, H, D]: jax.nn's grouped
+        # [B, n_kv, G, L, S] scores cost one scores-sized copy more in a scanned block (measured:
+        # a 4-layer scanned Llama at T = 1024, temp 904 -> 847 MB, the same as without GQA)
+        rep = q.shape[2] // k.shape[2]
+        k, v = (k, v) if rep == 1 else (jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2))
+        return jax.nn.dot_product_attention(q, k, v, bias=_bias(q.shape[1], k.shape[1], causal, sliding_window, segment_ids),
+                                            scale=scale)
     if q.shape[1] != split.local or k.shape[1] != split.local:
         raise ValueError(
             f"zshard.attention: q {q.shape} and k {k.shape} must hold this device's {split.local} tokens of each sequence "
