@@ -324,3 +324,22 @@ def test_train_models_equal_one_device(name, strategy, shape):
     flat = dict(nnx.to_flat_state(nnx.state(zshard.unshard(state), nnx.Param)))
     for path, ref in want.params.items():
         assert rel_l2(np.asarray(flat[path].get_value()), ref) <= 1e-5, path
+
+
+def test_plan_cli_with_a_context_axis():
+    """``python -m train.plan --context C``: the scanned GPT-2 preset's step on 1 x 2 x 2 emulated devices; its
+    ``context`` row measured = formula (calls in a scanned unit counted once per layer, not again when the scan is
+    differentiated); a sequence that does not split into 2C chunks refused before compiling."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    base = [sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "1x2", "--context", "2", "--batch-size", "2"]
+    out = subprocess.run(base + ["--seq-len", "64"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = re.search(r"^\| context \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", out.stdout, re.M)
+    assert row and float(row.group(1)) > 0 and row.group(3) == "1.0000", out.stdout[-2500:]
+    assert "each sequence split over context 2 (32 tokens per device)" in out.stdout and "FITS" in out.stdout
+    bad = subprocess.run(base + ["--seq-len", "62"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--seq-len 62 must divide by 2 x --context = 4" in bad.stderr, bad.stderr[-500:]

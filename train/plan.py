@@ -5,6 +5,11 @@ compiles one train step ahead of time on as many emulated CPU devices as the mes
 and prints :func:`zshard.report` plus a verdict: does the step fit in the device memory?
 
     python -m train.plan --model llama-7b --mesh 8x8 --strategy HYBRID_SHARD --batch-size 64
+    python -m train.plan --model llama-7b --mesh 1x4 --context 2 --seq-len 32768 --batch-size 4
+
+With ``--context C`` the mesh is ``R x S x C`` (``zshard.make_mesh(R, S, context=C)``, R*S*C
+emulated devices): each sequence is split over ``context`` in the head-tail order
+(``make_train_step(..., sequence_axis=1)``, docs/long-sequences.md) and the batch over ``R x S``.
 
 Peak bytes per device are estimated as ``argument + output - alias + temp`` of the
 compiled step's ``memory_analysis()`` (donated outputs reuse their inputs' buffers).
@@ -54,6 +59,9 @@ def _parse(argv):
     )
     p.add_argument("--model", required=True, help="preset: gpt2-124m, gpt2-1.5b, llama-1b, llama-7b, llama-70b")
     p.add_argument("--mesh", required=True, metavar="RxS", help="mesh shape, e.g. 8x8 (R*S emulated devices)")
+    p.add_argument("--context", type=int, default=1, metavar="C",
+                   help="context parallelism: each sequence split over C devices (R*S*C emulated devices; the sequence "
+                   "length must divide by 2C; default 1: none)")
     p.add_argument("--strategy", default="FULL_SHARD", help="NO_SHARD, SHARD_OPT, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, HYBRID_SHARD_OPT")
     p.add_argument("--unit", default="blocks", choices=["blocks", "ends"],
                    help="wrap policy: blocks = zshard's default (the blocks are units; embedding, final norm and head "
@@ -75,7 +83,11 @@ def main(argv=None) -> int:
         replica, shard = zshard.parse_mesh(args.mesh)
     except ValueError as e:
         parser.error(f"--mesh: {e}")
-    world = replica * shard
+    if args.context < 1:
+        parser.error(f"--context {args.context}: must be a positive number of devices")
+    context = args.context
+    data = replica * shard  # the batch's rows split over replica x shard; each sequence over context
+    world = data * context
     emulate_devices(world, cpu_only=True)  # before jax starts its backend (the check below says when it had)
 
     if args.model not in PLAN_PRESETS:
@@ -92,13 +104,17 @@ def main(argv=None) -> int:
             parser.error(f"{flag} {value}: must be positive")
     seq = cfg.seq_len if args.seq_len is None else args.seq_len
     cfg = dataclasses.replace(cfg, seq_len=seq)
-    batch = world if args.batch_size is None else args.batch_size
-    if batch % world:
-        parser.error(f"--batch-size {batch} must divide by the {world} devices of the {replica}x{shard} mesh")
+    if seq % (2 * context):
+        parser.error(f"--seq-len {seq} must divide by 2 x --context = {2 * context} (the head-tail order cuts each "
+                     f"sequence into 2C chunks), e.g. {seq // (2 * context) * 2 * context or 2 * context}")
+    batch = data if args.batch_size is None else args.batch_size
+    if batch % data:
+        parser.error(f"--batch-size {batch} must divide by the {data} devices of the {replica}x{shard} mesh"
+                     + (f" (replica x shard: each sequence is split over context {context})" if context > 1 else ""))
     dtype = jnp.dtype(args.param_dtype)
-    mesh = zshard.make_mesh(replica, shard, devices=jax.devices()[:world])
+    mesh = zshard.make_mesh(replica, shard, context=context, devices=jax.devices()[:world])
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    step = zshard.make_train_step(cross_entropy_loss)
+    step = zshard.make_train_step(cross_entropy_loss, sequence_axis=1 if context > 1 else None)
 
     def plan_one(strategy):
         def build():
@@ -119,7 +135,9 @@ def main(argv=None) -> int:
     budget = args.device_memory_gb * GB
     print(rep.table())
     print()
-    print(f"global batch {batch} x {seq} tokens, parameters {args.param_dtype}, AdamW, --unit {args.unit}; compiled in {seconds:.0f} s on {world} emulated devices")
+    split = f", each sequence split over context {context} ({seq // context} tokens per device)" if context > 1 else ""
+    print(f"global batch {batch} x {seq} tokens{split}, parameters {args.param_dtype}, AdamW, --unit {args.unit}; "
+          f"compiled in {seconds:.0f} s on {world} emulated devices")
     verdict = "FITS" if peak <= budget else "DOES NOT FIT"
     print(
         f"peak per device (argument + output - alias + temp) = {peak / GB:.2f} GB of {args.device_memory_gb:g} GB: "

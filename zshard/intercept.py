@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +110,18 @@ def _intercepting_class(cls: type) -> type:
 # --- one unit call --------------------------------------------------------------------------------------
 
 
+def _in_unit(apply: Callable, name: str, layers: int | None) -> Callable:
+    """``apply`` that records its ``zshard.attention`` calls as unit ``name``'s whenever it is traced:
+    inside a scanned unit JAX traces the custom VJP's forward again when it differentiates the scan,
+    after the unit call has returned (its ``in_unit`` context gone)."""
+
+    def traced(*args):
+        with in_unit(name, layers):
+            return apply(*args)
+
+    return traced
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ShardWithSink:
@@ -175,7 +187,7 @@ class UnitBinding:
         tied_rel = [r for r, _ in unit.shared]
         other_rel = [p for p, v in variables.items() if not _is_param(v) and p not in shared]
         call_args = _CallArgs.of(args, kwargs)
-        apply = self._apply(module, cls, name, variables, call_args, tied_rel, other_rel)
+        apply = _in_unit(self._apply(module, cls, name, variables, call_args, tied_rel, other_rel), unit.name, unit.layers)
         link = PrefetchLink(trace=_trace())
         tied = [variables[r].get_raw_value() for r in tied_rel]
         others = [variables[p].get_raw_value() for p in other_rel]
