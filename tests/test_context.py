@@ -343,3 +343,48 @@ def test_plan_cli_with_a_context_axis():
     assert "each sequence split over context 2 (32 tokens per device)" in out.stdout and "FITS" in out.stdout
     bad = subprocess.run(base + ["--seq-len", "62"], cwd=root, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--seq-len 62 must divide by 2 x --context = 4" in bad.stderr, bad.stderr[-500:]
+
+
+# --- python -m train --context C ------------------------------------------------------------------------
+
+
+def test_main_job_with_a_context_axis_equals_the_1x8_run(tmp_path):
+    """``python -m train --mesh 1x4 --context 2``: the same losses and eval losses as ``--mesh 1x8`` (the nano GPT,
+    same batches and weights; each sequence split over context, the rows over replica x shard)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"".join(p.read_bytes() for p in sorted((root / "zshard").glob("*.py"))))
+    runs = {}
+    for name, flags in (("context", ["--mesh", "1x4", "--context", "2"]), ("rows", ["--mesh", "1x8"])):
+        out = tmp_path / name
+        res = subprocess.run([sys.executable, "-m", "train", "--model", "nano", "--steps", "4", "--seq-len", "32", "--batch-size", "8",
+                              "--data", str(corpus), "--eval-every", "2", "--out", str(out), *flags],
+                             cwd=root, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert json.loads((tmp_path / "context" / "summary.json").read_text())["mesh"] == {"replica": 1, "shard": 4, "context": 2}
+    for key in ("loss", "eval_loss"):
+        got, want = ([r[key] for r in runs[n] if key in r] for n in ("context", "rows"))
+        assert len(got) == len(want) >= 3
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_main_job_context_errors_name_the_key():
+    from train.cli import build_parser
+    from train.flags import ConfigError
+
+    def error(argv):
+        with pytest.raises(ConfigError) as e:
+            build_parser().parse_args(["--model", "nano", *argv]).run.validate(8)
+        return str(e.value)
+
+    assert "model.seq_len (--seq-len)" in (m := error(["--context", "2", "--seq-len", "30"])) and "2 x mesh.context = 4" in m, m
+    m = error(["--context", "2", "--mesh", "2x2", "--batch-size", "6"])
+    assert "training.batch_size (--batch-size)" in m and "4 row devices (replica x shard)" in m, m
+    m = error(["--context", "2", "--mesh", "2x4"])
+    assert "is 2x4 x context 2 = 16 devices, but there are 8" in m and "1x4, 2x2, 4x1" in m, m
