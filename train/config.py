@@ -159,18 +159,31 @@ class Config:
         at_least("mesh.devices", me.devices, 1)
         if me.tensor is not None:
             at_least("mesh.tensor", me.tensor, 1)
+        if me.context is not None:
+            at_least("mesh.context", me.context, 1)
         self.strategy()  # a known name / stage, and not two that disagree
         replica, shard, tensor = self.mesh_shape(n, processes)
-        if replica * shard * tensor != n:
-            shapes = ", ".join(f"{r}x{n // (r * tensor)}" + (f"x{tensor}" if tensor > 1 else "")
-                               for r in range(1, n + 1) if n % (r * tensor) == 0)
+        context = self.context()
+        if replica * shard * context * tensor != n:
+            inner = context * tensor  # devices of one (replica, shard) position
+            shapes = ", ".join(f"{r}x{n // (r * inner)}" + (f"x{tensor}" if tensor > 1 else "")
+                               for r in range(1, n + 1) if n % (r * inner) == 0)
+            ctx = f" x context {context}" if context > 1 else ""
             raise ConfigError(
-                key_of("mesh.shape" if me.shape is not None else "mesh.tensor"),
-                f"{me.shape or f'tensor = {tensor}'!r} is {replica}x{shard}{f'x{tensor}' if tensor > 1 else ''} = "
-                f"{replica * shard * tensor} devices, but there are {n} (mesh.devices = {me.devices}); use a mesh of "
-                f"{n} devices ({shapes or f'a tensor size dividing {n}'})"
-                + (f" or --devices {replica * shard * tensor}" if n == me.devices else ""),
+                key_of("mesh.shape" if me.shape is not None else "mesh.context" if context > 1 else "mesh.tensor"),
+                f"{me.shape or f'tensor = {tensor}'!r} is {replica}x{shard}{f'x{tensor}' if tensor > 1 else ''}{ctx} = "
+                f"{replica * shard * context * tensor} devices, but there are {n} (mesh.devices = {me.devices}); use a mesh of "
+                f"{n} devices ({shapes or f'a context x tensor size dividing {n}'}{ctx})"
+                + (f" or --devices {replica * shard * context * tensor}" if n == me.devices else ""),
             )
+        if context > 1:
+            if m.seq_len % (2 * context):
+                lo = max(m.seq_len // (2 * context), 1) * 2 * context
+                raise ConfigError(key_of("model.seq_len"), f"{m.seq_len} does not divide by 2 x mesh.context = {2 * context} "
+                                  f"(the head-tail order cuts each sequence into 2 x context chunks); use e.g. {lo}")
+            if processes > 1:
+                raise ConfigError(key_of("mesh.context"), f"{context}: context parallelism in the main job runs in one "
+                                  "process (each process reads whole rows of the batch); use one process, or unset it")
         at_least("optimizer.lr", o.lr, 0, strict=True)
         if o.warmup is not None:
             at_least("optimizer.warmup", o.warmup, 0)
@@ -190,12 +203,14 @@ class Config:
         at_least("training.seed", t.seed, 0)
         at_least("training.eval_every", t.eval_every, 0)
         at_least("training.watchdog", t.watchdog, 0)
-        data = n // tensor  # the batch is split over the data axes (replica x shard), not over tensor
+        data = n // (tensor * context)  # the rows are split over replica x shard, not over tensor (nor context: sequences)
         unit = data * t.grad_accum  # the global batch splits over data devices x micro-batches
         if t.batch_size % unit:
             lo = max(unit, t.batch_size // unit * unit)
             accum = f" x training.grad_accum {t.grad_accum}" if t.grad_accum > 1 else ""
-            where = f"{data} data devices of the {replica}x{shard}x{tensor}" if tensor > 1 else f"{n} devices of the {replica}x{shard}"
+            where = (f"{data} data devices of the {replica}x{shard}x{tensor}" if tensor > 1 and context == 1
+                     else f"{data} row devices (replica x shard) of the {replica}x{shard} x context {context}" if context > 1
+                     else f"{n} devices of the {replica}x{shard}")
             raise ConfigError(
                 key_of("training.batch_size"),
                 f"{t.batch_size} does not divide by the {where} mesh{accum} "
@@ -234,9 +249,14 @@ class Config:
             key = "mesh.zero_stage" if me.zero_stage is not None else "mesh.strategy"
             raise ConfigError(key_of(key), str(e)) from None
 
+    def context(self) -> int:
+        """``mesh.context`` (1 when unset): devices each sequence is split over."""
+        return self.mesh.context or 1
+
     def mesh_shape(self, n_devices: int | None = None, processes: int = 1) -> tuple[int, int, int]:
         """``(replica, shard, tensor)``: ``mesh.shape`` parsed (``RxS`` takes ``mesh.tensor``), or
-        ``(processes, n_devices / (processes * tensor), tensor)`` when unset.
+        ``(processes, n_devices / (processes * context * tensor), tensor)`` when unset (the context
+        axis: :meth:`context`).
 
         Raises:
           ConfigError: an unknown shape, or ``RxSxT`` disagreeing with ``mesh.tensor``.
@@ -244,7 +264,7 @@ class Config:
         n = self.mesh.devices if n_devices is None else n_devices
         tensor = self.mesh.tensor or 1
         if self.mesh.shape is None:
-            return processes, max(n // (processes * tensor), 1), tensor
+            return processes, max(n // (processes * self.context() * tensor), 1), tensor
         try:
             shape = zshard.parse_mesh(self.mesh.shape)
         except ValueError as e:
@@ -271,6 +291,7 @@ class Config:
         replica, shard, tensor = self.mesh_shape(n, processes)
         r.mesh.devices, r.mesh.shape = n // processes, f"{replica}x{shard}" + (f"x{tensor}" if tensor > 1 else "")  # devices: per process
         r.mesh.tensor = tensor if tensor > 1 else None
+        r.mesh.context = self.context() if self.context() > 1 else None
         r.mesh.strategy, r.mesh.zero_stage = self.strategy(), None
         if r.model.scan is None:
             r.model.scan = MODEL_PRESETS[r.model.preset].scan

@@ -52,15 +52,17 @@ class Evaluate:
       every: ``training.eval_every`` (0: only before the first and after the last step).
       steps: ``training.steps``.
       prefetch: units gathered ahead (``training.prefetch``, as the train step).
+      sequence_axis: ``1`` on a ``context`` mesh: each sequence split over it, as the train step
+        (``zshard.make_eval_step(..., sequence_axis=1)``); ``None``: rows only.
     """
 
     apart, kind = True, "evaluation"
 
-    def __init__(self, state, batches: list, every: int, steps: int, prefetch: int | None = None):
+    def __init__(self, state, batches: list, every: int, steps: int, prefetch: int | None = None, sequence_axis=None):
         i, procs = jax.process_index(), jax.process_count()
         self.batches = [tuple(x[i * (len(x) // procs):(i + 1) * (len(x) // procs)] for x in b) for b in batches]
         self.every, self.steps = every, steps
-        self.step = zshard.make_eval_step(cross_entropy_loss, prefetch=prefetch)
+        self.step = zshard.make_eval_step(cross_entropy_loss, prefetch=prefetch, sequence_axis=sequence_axis)
         self.compiled = self.step.lower(state, self.batches[0]).compile()
 
     def loss(self, state) -> float:

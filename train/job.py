@@ -41,8 +41,8 @@ class Setup:
       devices: the devices of the mesh.
       replica: size of the mesh's ``replica`` axis.
       shard: size of the mesh's ``shard`` axis.
-      mesh: ``jax.sharding.Mesh`` of shape ``(replica, shard)``, or ``(replica, shard, tensor)``
-        with ``mesh.tensor > 1``.
+      mesh: ``jax.sharding.Mesh`` of shape ``(replica, shard)``, with ``context`` (``mesh.context >
+        1``) and ``tensor`` (``mesh.tensor > 1``) axes after them.
       out: the output directory (not created yet).
       link: ``runs/latest``, to point at ``out`` once it is written (``None``: no link).
       strategy: the strategy's name (``zshard.Strategy`` value).
@@ -118,7 +118,8 @@ def validate(run) -> Setup:
             mesh = zshard.make_mesh()
         else:
             mesh = zshard.make_mesh(None if procs > 1 and run.mesh.shape is None else replica,
-                                    None if procs > 1 and run.mesh.shape is None else shard, tensor, devices=devices)
+                                    None if procs > 1 and run.mesh.shape is None else shard, tensor, context=run.context(),
+                                    devices=devices)
     except ValueError as e:
         fail(f"mesh.shape (--mesh) {run.mesh.shape!r}: {e}")
     try:

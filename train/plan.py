@@ -6,11 +6,16 @@ and prints :func:`zshard.report` plus a verdict: does the step fit in the device
 
     python -m train.plan --model llama-7b --mesh 8x8 --strategy HYBRID_SHARD --batch-size 64
     python -m train.plan --model llama-70b --mesh 1x8x8 --seq-len 8192   # FSDP over 8, TP inside each 8
+    python -m train.plan --model llama-7b --mesh 1x4 --context 2 --seq-len 32768 --batch-size 4
 
 A mesh ``RxSxT`` (or ``--tensor T``) adds the tensor axis: the preset declares its TP plan
 (:func:`train.models.tensor_plan`: fused QKV and gate|up column-parallel, the output
 projections row-parallel, the vocabulary split when ``T`` divides it), the batch splits over
 the ``R*S`` data devices and the ``T`` devices of a tensor group share their sequences.
+
+With ``--context C`` the mesh is ``R x S x C (x T)`` (``zshard.make_mesh(R, S, T, context=C)``,
+R*S*C*T emulated devices): each sequence is split over ``context`` in the head-tail order
+(``make_train_step(..., sequence_axis=1)``, docs/long-sequences.md) and the batch over ``R x S``.
 
 Peak bytes per device are estimated as ``argument + output - alias + temp`` of the
 compiled step's ``memory_analysis()`` (donated outputs reuse their inputs' buffers).
@@ -61,6 +66,9 @@ def _parse(argv):
     p.add_argument("--model", required=True, help="preset: gpt2-124m, gpt2-1.5b, llama-1b, llama-7b, llama-70b")
     p.add_argument("--mesh", required=True, metavar="RxS[xT]", help="mesh shape, e.g. 8x8 (R*S emulated devices) or 1x8x8 (R*S*T, tensor axis T)")
     p.add_argument("--tensor", type=int, default=None, metavar="T", help="tensor-parallel size (the same as a mesh RxSxT)")
+    p.add_argument("--context", type=int, default=1, metavar="C",
+                   help="context parallelism: each sequence split over C devices (R*S*C emulated devices; the sequence "
+                   "length must divide by 2C; default 1: none)")
     p.add_argument("--strategy", default="FULL_SHARD", help="NO_SHARD, SHARD_OPT, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, HYBRID_SHARD_OPT")
     p.add_argument("--unit", default="blocks", choices=["blocks", "ends"],
                    help="wrap policy: blocks = zshard's default (the blocks are units; embedding, final norm and head "
@@ -87,9 +95,12 @@ def main(argv=None) -> int:
         if args.tensor < 1 or (rest and args.tensor != tensor):
             parser.error(f"--tensor {args.tensor}: must be positive and agree with --mesh {args.mesh}")
         tensor = args.tensor
-    data = replica * shard  # the devices the batch splits over
-    world = data * tensor
-    mesh_name = f"{replica}x{shard}" + (f"x{tensor}" if tensor > 1 else "")
+    if args.context < 1:
+        parser.error(f"--context {args.context}: must be a positive number of devices")
+    context = args.context
+    data = replica * shard  # the batch's rows split over replica x shard; each sequence over context, shared by tensor
+    world = data * context * tensor
+    mesh_name = f"{replica}x{shard}" + (f"x{tensor}" if tensor > 1 else "") + (f", context {context}" if context > 1 else "")
     emulate_devices(world, cpu_only=True)  # before jax starts its backend (the check below says when it had)
 
     if args.model not in PLAN_PRESETS:
@@ -110,13 +121,16 @@ def main(argv=None) -> int:
             parser.error(f"{flag} {value}: must be positive")
     seq = cfg.seq_len if args.seq_len is None else args.seq_len
     cfg = dataclasses.replace(cfg, seq_len=seq)
+    if seq % (2 * context):
+        parser.error(f"--seq-len {seq} must divide by 2 x --context = {2 * context} (the head-tail order cuts each "
+                     f"sequence into 2C chunks), e.g. {seq // (2 * context) * 2 * context or 2 * context}")
     batch = data if args.batch_size is None else args.batch_size
     if batch % data:
         parser.error(f"--batch-size {batch} must divide by the {data} data devices of the {mesh_name} mesh")
     dtype = jnp.dtype(args.param_dtype)
-    mesh = zshard.make_mesh(replica, shard, tensor=tensor, devices=jax.devices()[:world])
+    mesh = zshard.make_mesh(replica, shard, tensor=tensor, context=context, devices=jax.devices()[:world])
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    step = zshard.make_train_step(cross_entropy_loss)
+    step = zshard.make_train_step(cross_entropy_loss, sequence_axis=1 if context > 1 else None)
 
     def plan_one(strategy):
         def build():
@@ -138,7 +152,9 @@ def main(argv=None) -> int:
     budget = args.device_memory_gb * GB
     print(rep.table())
     print()
-    print(f"global batch {batch} x {seq} tokens, parameters {args.param_dtype}, AdamW, --unit {args.unit}; compiled in {seconds:.0f} s on {world} emulated devices")
+    split = f", each sequence split over context {context} ({seq // context} tokens per device)" if context > 1 else ""
+    print(f"global batch {batch} x {seq} tokens{split}, parameters {args.param_dtype}, AdamW, --unit {args.unit}; "
+          f"compiled in {seconds:.0f} s on {world} emulated devices")
     verdict = "FITS" if peak <= budget else "DOES NOT FIT"
     print(
         f"peak per device (argument + output - alias + temp) = {peak / GB:.2f} GB of {args.device_memory_gb:g} GB: "

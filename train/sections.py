@@ -59,7 +59,7 @@ class DataConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-    """``[mesh]``: devices, the ``(replica, shard[, tensor])`` mesh and the sharding strategy."""
+    """``[mesh]``: devices, the ``(replica, shard[, context][, tensor])`` mesh and the sharding strategy."""
 
     devices: int = 8
     """devices per process: N emulated CPU devices; on an accelerator, the first N (at most) of its devices"""
@@ -67,6 +67,8 @@ class MeshConfig:
     """REPLICAxSHARD (e.g. 2x4), REPLICAxSHARDxTENSOR (e.g. 1x4x2) or a preset of meshes/*.toml (e.g. cpu-2x4); unset: 1xN (N devices on shard, or N/tensor), or processes x devices per process"""
     tensor: int | None = None
     """devices of the tensor axis (tensor parallelism, innermost: the model's plan splits its layers over them: column- and row-parallel projections, the vocabulary); unset or 1: none; --mesh RxSxT sets it too"""
+    context: int | None = None
+    """devices of the context axis (context parallelism, between shard and tensor: each sequence is split over them in the head-tail order, the rows over replica x shard; model.seq_len must divide by 2 x context; docs/long-sequences.md); unset or 1: none"""
     strategy: str | None = None
     """sharding strategy (FSDP names; file alias: sharding_strategy): NO_SHARD, SHARD_OPT, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, HYBRID_SHARD_OPT; unset: FULL_SHARD, or zero_stage's"""
     zero_stage: int | None = None

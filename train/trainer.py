@@ -153,8 +153,11 @@ class Trainer:
                                      params=setup.weights, unit=unit, tensor_parallel=plan)
         self.start = 0 if ckpt is None else ckpt.start
         loss_fn, has_aux = loss_for(setup.cfg)  # an MoE adds its router's load-balancing loss (metrics["aux"])
+        # mesh.context > 1: each (inputs, targets) sequence split over context (docs/long-sequences.md)
+        sequence_axis = 1 if run.context() > 1 else None
         self.step = zshard.make_train_step(loss_fn, has_aux=has_aux, grad_accum=t_cfg.grad_accum, clip_norm=run.optimizer.clip_norm,
-                                           skip_nonfinite=t_cfg.skip_nonfinite, remat=t_cfg.remat, prefetch=t_cfg.prefetch)
+                                           skip_nonfinite=t_cfg.skip_nonfinite, remat=t_cfg.remat, prefetch=t_cfg.prefetch,
+                                           sequence_axis=sequence_axis)
         self.batch = next(self.batches)
 
         t0 = time.perf_counter()
@@ -167,7 +170,7 @@ class Trainer:
         if mem is not None:
             self.per_device_bytes = {k: int(getattr(mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
         eval_set = data.eval_batches(setup.eval_data, t_cfg.batch_size, run.model.seq_len, run.data.eval_batches)
-        self.evaluate = Evaluate(self.state, eval_set, t_cfg.eval_every, t_cfg.steps, t_cfg.prefetch)
+        self.evaluate = Evaluate(self.state, eval_set, t_cfg.eval_every, t_cfg.steps, t_cfg.prefetch, sequence_axis)
         self.fit_check_s = 0.0
         if t_cfg.fit_check:  # before the first evaluation and the first step: a run that cannot fit stops here
             t0 = time.perf_counter()

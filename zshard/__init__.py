@@ -11,15 +11,19 @@ Also public, for applications built on zshard (the ``train/`` package uses nothi
 (one logical parameter at a time on the host), ``parse_collectives`` (the collectives of a
 compiled program's HLO, by mesh axis), ``parse_mesh`` (``"RxS"`` or a preset name),
 ``path_str`` (the dotted parameter path of ``init(params=...)``) and the submodule
-``zshard.distributed`` (``initialize``: ``jax.distributed`` start-up).
+``zshard.distributed`` (``initialize``: ``jax.distributed`` start-up). For long sequences
+(docs/long-sequences.md): ``attention`` (exact on a sequence split over the ``context`` axis)
+and ``positions`` (each local token's global position).
 """
 
 from zshard import distributed
+from zshard.attention import attention
 from zshard.checkpoint import Checkpointer, export, load_params, restore, save
 from zshard.evaluate import EvalStep, make_eval_step, make_forward
 from zshard.mesh import make_mesh, parse_mesh
 from zshard.precision import MixedPrecision
 from zshard.report import Report, parse_collectives, report
+from zshard.sequence import positions
 from zshard.state import Plan, ShardedState, init, unshard
 from zshard.intercept import device_key
 from zshard.step import TokenMean, TrainStep, make_train_step
@@ -36,6 +40,7 @@ __all__ = [
     "Strategy",
     "TokenMean",
     "TrainStep",
+    "attention",
     "device_key",
     "distributed",
     "EvalStep",
@@ -50,6 +55,7 @@ __all__ = [
     "parse_collectives",
     "parse_mesh",
     "path_str",
+    "positions",
     "report",
     "restore",
     "save",

@@ -33,15 +33,16 @@ from zshard.checks import check_traced, traced
 from zshard.collectives import gather_params
 from zshard.intercept import materialize
 from zshard.jaxprs import LOSS_SCOPE
-from zshard.mesh import AXES, sharded_map
+from zshard.mesh import sharded_map
+from zshard.sequence import tracing
 from zshard.state import ShardedState
-from zshard.step import TokenMean
-from zshard.step_config import StepConfig, put_batch, trace_key
+from zshard.step import TokenMean, warn_positions
+from zshard.step_config import StepConfig, batch_specs, put_batch, sequence_split, trace_key
 
 __all__ = ["EvalStep", "Forward", "forward", "make_eval_step", "make_forward"]
 
 
-def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *args, prefetch: int | None = None):
+def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *args, prefetch: int | None = None, split=None):
     """Inside ``shard_map``: ``fn(model, *args)`` on the model materialised from the local shards.
 
     Args:
@@ -53,6 +54,8 @@ def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *a
       args: pytrees of this device's arrays.
       prefetch: units gathered ahead; ``None``: :func:`zshard.step_config.default_prefetch`
         (0 on CPU, 1 on GPU/TPU).
+      split: the :class:`~zshard.sequence.SequenceSplit` of the arguments' sequences over
+        ``context`` (``zshard.positions``, ``zshard.attention``), or ``None``.
 
     Returns:
       ``fn``'s value. Each block unit is gathered once, just before it runs (forced by data
@@ -77,26 +80,29 @@ def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *a
         with jax.named_scope(LOSS_SCOPE):  # where zshard.checks judges uses of raw shards
             return fn(model, *args)
 
-    out, _ = jax.vjp(run, floats)
+    with tracing(split, plan.data_axes) as record:
+        out, _ = jax.vjp(run, floats)
+    warn_positions(split, record)
     return out
 
 
 def _reduce(plan, out) -> dict:
     """``fn``'s value -> the global result over all devices (``psum`` over the mesh)."""
+    axes = plan.data_axes
     if isinstance(out, TokenMean):
         # token-weighted: global sum / global count
-        total, count = (jax.lax.psum(jnp.asarray(x, jnp.float32), AXES) for x in (out.total, out.count))
+        total, count = (jax.lax.psum(jnp.asarray(x, jnp.float32), axes) for x in (out.total, out.count))
         return {"loss": total / count, "tokens": count}
     if isinstance(out, dict):
         if "loss" not in out:
             raise ValueError(f"eval fn returned a dict without 'loss' (keys {sorted(out)}); add the loss under 'loss'")
-        return {k: jax.lax.psum(jnp.asarray(v, jnp.float32), AXES) / plan.world for k, v in out.items()}
+        return {k: jax.lax.psum(jnp.asarray(v, jnp.float32), axes) / plan.world for k, v in out.items()}
     if isinstance(out, (tuple, list)) or jnp.shape(out) != ():
         raise TypeError(
             f"eval fn returned {type(out).__name__} of shape {jnp.shape(out) if not isinstance(out, (tuple, list)) else len(out)}; "
             "return a scalar mean, zshard.TokenMean(sum, count), or a dict of scalars with 'loss'"
         )
-    return {"loss": jax.lax.psum(plan.mp.cast_loss(out).astype(jnp.float32), AXES) / plan.world}
+    return {"loss": jax.lax.psum(plan.mp.cast_loss(out).astype(jnp.float32), axes) / plan.world}
 
 
 class EvalStep:
@@ -133,18 +139,18 @@ class EvalStep:
 
     def _eval(self, state: ShardedState, batch):
         plan, config = state.plan, self.config
+        split = sequence_split(plan, batch, config.sequence_axis)
 
         def local(params, variables, batch):
-            return _reduce(plan, forward(state, params, variables, config.fn, batch, prefetch=config.prefetch))
+            return _reduce(plan, forward(state, params, variables, config.fn, batch, prefetch=config.prefetch, split=split))
 
         specs = state.specs()
-        return sharded_map(local, plan.mesh, in_specs=(specs.params, specs.variables, P(AXES)), out_specs=P())(
-            state.params, state.variables, batch
-        )
+        in_specs = (specs.params, specs.variables, batch_specs(plan, batch, config.sequence_axis))
+        return sharded_map(local, plan.mesh, in_specs=in_specs, out_specs=P())(state.params, state.variables, batch)
 
     def put_batch(self, state: ShardedState, batch):
-        """:func:`zshard.step_config.put_batch` (one micro-batch)."""
-        return put_batch(state.plan, batch)
+        """:func:`zshard.step_config.put_batch` (one micro-batch, this step's sequence axes)."""
+        return put_batch(state.plan, batch, sequence_axis=self.config.sequence_axis)
 
     def __call__(self, state: ShardedState, batch) -> dict:
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state.params)):
@@ -161,7 +167,7 @@ class EvalStep:
         return self._jitted.lower(state, self.put_batch(state, batch))
 
 
-def make_eval_step(fn: Callable[[nnx.Module, Any], Any], *, prefetch: int | None = None) -> EvalStep:
+def make_eval_step(fn: Callable[[nnx.Module, Any], Any], *, prefetch: int | None = None, sequence_axis=None) -> EvalStep:
     """Build the sharded, forward-only evaluation of ``fn(model, batch)``.
 
     Args:
@@ -179,6 +185,9 @@ def make_eval_step(fn: Callable[[nnx.Module, Any], Any], *, prefetch: int | None
         all-gather output ``[N, L/N]`` and as its parameters; a prefetched one only as the
         all-gather output until it is needed): measured 3.39 blocks with ``1``, 2.4 with ``0``
         (8 blocks of 1.05 MB, FULL_SHARD 1x8, tests/test_evaluate.py).
+      sequence_axis: as for :func:`zshard.make_train_step`: each sequence split over ``context``
+        in the head-tail order (``zshard.positions``, ``zshard.attention``); the loss is the
+        single-device loss of the whole batch.
 
     Returns:
       :class:`EvalStep`; ``eval(state, batch)["loss"]`` is the global loss (float32).
@@ -190,7 +199,7 @@ def make_eval_step(fn: Callable[[nnx.Module, Any], Any], *, prefetch: int | None
     """
     if not callable(fn):
         raise TypeError(f"make_eval_step: fn must be a callable fn(model, batch), got {type(fn).__name__}")
-    return EvalStep(StepConfig(fn, prefetch=prefetch))
+    return EvalStep(StepConfig(fn, prefetch=prefetch, sequence_axis=sequence_axis))
 
 
 def _gathered_model(plan, params: dict, variables: dict, comm) -> nnx.Module:
@@ -218,14 +227,16 @@ class Forward:
 
     def _run(self, state: ShardedState, args):
         plan, config, gather_once = state.plan, self.config, self.gather_once
-        arg_specs = jax.tree.map(lambda x: P(AXES) if np.ndim(x) else P(), args)
+        rows = P(plan.data_axes)  # on a context mesh the rows are split over context too: whole sequences per device
+        arg_specs = jax.tree.map(lambda x: rows if np.ndim(x) else P(), args)
 
         def local(params, variables, args):
             if gather_once:
-                model = _gathered_model(plan, params, variables, config.comm(plan, differentiated=False))
-                model.eval()
-                with jax.named_scope(LOSS_SCOPE):
-                    out = config.fn(model, *args)
+                with tracing(None, plan.data_axes):
+                    model = _gathered_model(plan, params, variables, config.comm(plan, differentiated=False))
+                    model.eval()
+                    with jax.named_scope(LOSS_SCOPE):
+                        out = config.fn(model, *args)
             else:
                 out = forward(state, params, variables, config.fn, *args, prefetch=config.prefetch)
             for path, leaf in jax.tree_util.tree_leaves_with_path(out):
@@ -238,7 +249,7 @@ class Forward:
             return out
 
         specs = state.specs()
-        return sharded_map(local, plan.mesh, in_specs=(specs.params, specs.variables, arg_specs), out_specs=P(AXES))(
+        return sharded_map(local, plan.mesh, in_specs=(specs.params, specs.variables, arg_specs), out_specs=rows)(
             state.params, state.variables, args
         )
 
@@ -274,8 +285,11 @@ def make_forward(fn: Callable, *, gather_once: bool = False, prefetch: int | Non
       fn: ``fn(model, *args) -> pytree of arrays``, written for one device and an ordinary
         model (in evaluation mode, ``model.eval()``). It gets this device's slice of every
         argument: array arguments of rank >= 1 are split along their leading dimension over
-        the data axes ``("replica", "shard")`` (``PartitionSpec(("replica", "shard"))``; the
-        leading dimension must divide by ``R*S``), 0-d arguments are replicated. Every output
+        the data axes ``("replica", "shard"[, "context"])`` (``PartitionSpec(("replica",
+        "shard"))``; the leading dimension must divide by ``R*S*C``), 0-d arguments are
+        replicated. On a ``context`` mesh the rows are split over the context devices too and
+        each device runs whole sequences (no sequence split: ``zshard.attention`` is plain
+        attention there; docs/long-sequences.md, "Evaluation and generation"). Every output
         leaf must have a leading row dimension: the results come back as global arrays split
         the same way (this device's rows joined over devices).
       gather_once: ``False`` (default): each unit is all-gathered just before it runs and

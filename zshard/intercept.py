@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,7 @@ from zshard.collectives import UnitComm, gather, gather_param
 from zshard.flat import ParamLayout
 from zshard.jaxprs import ROOT_GATHER_SCOPE, read_scope, unit_scope
 from zshard.mesh import AXES
+from zshard.sequence import active, in_unit
 from zshard.unit_call import PrefetchLink, run_unit
 from zshard.units import path_str
 
@@ -46,9 +47,12 @@ __all__ = ["materialize", "device_index", "device_key", "read_variables", "unit_
 
 
 def device_index() -> jax.Array:
-    """Inside the step: this device's linear index over ``("replica", "shard")``, int32 in
-    ``[0, R*S)`` (row-major: ``replica * S + shard``)."""
-    return jax.lax.axis_index(AXES)
+    """Inside the step: this device's linear index over the data axes ``("replica", "shard"[,
+    "context"])``, int32 in ``[0, R*S*C)`` (row-major: ``(replica * S + shard) * C + context``;
+    without a ``context`` axis ``replica * S + shard``). Not over ``tensor``: a tensor group is one
+    device of the data."""
+    record = active()
+    return jax.lax.axis_index(AXES if record is None else record.data_axes)
 
 
 def device_key(key: jax.Array) -> jax.Array:
@@ -104,6 +108,18 @@ def _intercepting_class(cls: type) -> type:
 
 
 # --- one unit call --------------------------------------------------------------------------------------
+
+
+def _in_unit(apply: Callable, name: str, layers: int | None) -> Callable:
+    """``apply`` that records its ``zshard.attention`` calls as unit ``name``'s whenever it is traced:
+    inside a scanned unit JAX traces the custom VJP's forward again when it differentiates the scan,
+    after the unit call has returned (its ``in_unit`` context gone)."""
+
+    def traced(*args):
+        with in_unit(name, layers):
+            return apply(*args)
+
+    return traced
 
 
 @jax.tree_util.register_dataclass
@@ -171,11 +187,11 @@ class UnitBinding:
         tied_rel = [r for r, _ in unit.shared]
         other_rel = [p for p, v in variables.items() if not _is_param(v) and p not in shared]
         call_args = _CallArgs.of(args, kwargs)
-        apply = self._apply(module, cls, name, variables, call_args, tied_rel, other_rel)
+        apply = _in_unit(self._apply(module, cls, name, variables, call_args, tied_rel, other_rel), unit.name, unit.layers)
         link = PrefetchLink(trace=_trace())
         tied = [variables[r].get_raw_value() for r in tied_rel]
         others = [variables[p].get_raw_value() for p in other_rel]
-        with jax.named_scope(unit_scope(unit.name, name)):
+        with jax.named_scope(unit_scope(unit.name, name)), in_unit(unit.name, unit.layers):
             out, new_others, created = run_unit(
                 apply, unit.flats, bufs, call_args.inputs + tied + others, self.comm,
                 after=self._after(link), link=link, name=unit.name, sinks=sinks,

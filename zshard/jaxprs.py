@@ -15,7 +15,8 @@ Scope names (``jax.named_scope``) mark zshard's own code in jaxprs and in the co
   ``zshard.unit.root.gather``: the root unit's gather;
 - ``zshard.read.<path>``: a unit parameter all-gathered where it is read outside its unit;
 - ``zshard.loss_fn``: the user's ``loss_fn`` (or eval ``fn``);
-- ``zshard.optimizer``: the global-view optimizer's collectives (:mod:`zshard.optim_global`).
+- ``zshard.optimizer``: the global-view optimizer's collectives (:mod:`zshard.optim_global`);
+- ``zshard.context``: ``zshard.attention``'s collectives over ``context`` (:mod:`zshard.attention`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import jax
 import jax.extend as jex
 
 __all__ = [
+    "CONTEXT_SCOPE",
     "LOSS_SCOPE",
     "OPTIMIZER_SCOPE",
     "ROOT_GATHER_SCOPE",
@@ -44,6 +46,7 @@ __all__ = [
 
 LOSS_SCOPE = "zshard.loss_fn"
 OPTIMIZER_SCOPE = "zshard.optimizer"
+CONTEXT_SCOPE = "zshard.context"
 _UNIT, _READ = "zshard.unit.", "zshard.read."
 ROOT_GATHER_SCOPE = _UNIT + "root.gather"
 _OWNER = re.compile(r"zshard\.(unit|read)\.([^/]+)")

@@ -1,4 +1,4 @@
-"""Hardware -> the ``("replica", "shard"[, "tensor"])`` device mesh, and the topology presets.
+"""Hardware -> the ``("replica", "shard"[, "context"][, "tensor"])`` device mesh, and the topology presets.
 
 The presets are the repository's top-level ``meshes/*.toml``, installed as the package data
 ``zshard.meshes`` (``pyproject.toml`` maps the package onto that folder).
@@ -10,6 +10,10 @@ the slow axis (hosts, InfiniBand): HYBRID_SHARD only all-reduces gradient shards
 the batch is not split over it, parameters that the model's TP plan splits are cut along one
 dimension over it, and the compiler moves the activations (an ``Auto`` axis, while
 ``replica`` and ``shard`` are ``Explicit`` and manual inside zshard's ``shard_map``).
+``context`` (context parallelism, docs/long-sequences.md) sits between ``shard`` and ``tensor``:
+each sequence is split over it, parameters are FSDP-sharded over ``shard x context`` (its devices
+are data-parallel for the parameters), and ``zshard.attention`` gathers keys and values over it.
+It is ``Explicit`` and manual inside zshard's ``shard_map``, as the data axes are.
 """
 
 from __future__ import annotations
@@ -28,14 +32,15 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
-    "AXES", "REPLICA", "SHARD", "TENSOR", "MeshPreset", "make_mesh", "manual_axes", "manual_specs", "mesh_preset",
-    "mesh_presets", "parse_mesh", "sharded_map", "tensor_size", "tensor_specs",
+    "AXES", "CONTEXT", "REPLICA", "SHARD", "TENSOR", "MeshPreset", "context_size", "data_axes", "make_mesh", "manual_axes",
+    "manual_specs", "mesh_preset", "mesh_presets", "parse_mesh", "sharded_map", "tensor_size", "tensor_specs",
 ]  # fmt: skip
 
 REPLICA = "replica"
 SHARD = "shard"
+CONTEXT = "context"
 TENSOR = "tensor"
-AXES = (REPLICA, SHARD)  # the data axes: the batch is split over them, zshard's shard_map is manual over them
+AXES = (REPLICA, SHARD)  # the batch axes: the batch dimension is split over them (and over context without a sequence axis)
 
 
 def preset_dir() -> Traversable:
@@ -73,9 +78,11 @@ def _hybrid_grid(devices: list) -> np.ndarray:
     return mesh_utils.create_hybrid_device_mesh((1, local), (len(per), 1), devices, process_is_granule=True)
 
 
-def make_mesh(replica: int | None = None, shard: int | None = None, tensor: int = 1, *, devices=None) -> Mesh:
-    """Build the ``(replica, shard)`` mesh with explicit axis types (``(replica, shard, tensor)``
-    with ``tensor > 1``).
+def make_mesh(
+    replica: int | None = None, shard: int | None = None, tensor: int = 1, *, context: int = 1, devices=None
+) -> Mesh:
+    """Build the ``(replica, shard)`` mesh with explicit axis types (``(replica, shard[, context][,
+    tensor])`` with ``context > 1`` / ``tensor > 1``).
 
     Args:
       replica: size of the ``replica`` axis (hosts; data-parallel groups of HYBRID_SHARD).
@@ -85,6 +92,10 @@ def make_mesh(replica: int | None = None, shard: int | None = None, tensor: int 
         multi-process run, the grid comes from ``jax.experimental.mesh_utils.
         create_hybrid_device_mesh`` with each process as a granule: row ``r`` holds exactly
         the devices of process ``r``.
+      context: size of the ``context`` axis (context parallelism: each sequence split over it;
+        default 1: no such axis). Between ``shard`` and ``tensor``: each group of ``context *
+        tensor`` consecutive devices holds one ``(replica, shard)`` position. Axis type
+        ``AxisType.Explicit`` (manual inside zshard's ``shard_map``, as ``replica`` and ``shard``).
       tensor: size of the ``tensor`` axis (tensor parallelism; default 1: no such axis, the
         mesh is exactly the 2D one). Innermost: each group of ``tensor`` consecutive devices
         of one process is a tensor group, so tensor-parallel all-reduces stay inside a host.
@@ -96,20 +107,21 @@ def make_mesh(replica: int | None = None, shard: int | None = None, tensor: int 
       ``jax.sharding.Mesh`` of shape ``(replica, shard)``, axis names ``("replica", "shard")``,
       axis types ``(AxisType.Explicit, AxisType.Explicit)``; with ``tensor > 1`` of shape
       ``(replica, shard, tensor)``, axis names ``("replica", "shard", "tensor")``, types
-      ``(Explicit, Explicit, Auto)``.
+      ``(Explicit, Explicit, Auto)``; with ``context > 1`` the axis ``"context"`` (Explicit) comes
+      after ``"shard"``: ``("replica", "shard", "context"[, "tensor"])``.
 
     Raises:
-      ValueError: a size is not positive, or ``replica * shard * tensor`` is not the device
+      ValueError: a size is not positive, or ``replica * shard * context * tensor`` is not the device
         count (the message lists every factorization of the device count), or (no sizes, many
         processes) the processes hold different numbers of devices, or a tensor group would
         span two processes.
     """
     devices = _ordered_devices(jax.devices() if devices is None else list(devices))
-    for name, size in ((REPLICA, replica), (SHARD, shard), (TENSOR, tensor)):
+    for name, size in ((REPLICA, replica), (SHARD, shard), (CONTEXT, context), (TENSOR, tensor)):
         if size is not None and (isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1):
             raise ValueError(f"make_mesh: {name}={size!r} must be a positive integer")
-    if tensor > 1:
-        return _tensor_mesh(devices, replica, shard, int(tensor))
+    if tensor > 1 or context > 1:
+        return _inner_mesh(devices, replica, shard, int(context), int(tensor))
     n = len(devices)
     if replica is None and shard is None and len({d.process_index for d in devices}) > 1:
         # One row per process (host): replica = processes, shard = that process's devices,
@@ -137,13 +149,16 @@ def make_mesh(replica: int | None = None, shard: int | None = None, tensor: int 
     return Mesh(grid, AXES, axis_types=(AxisType.Explicit, AxisType.Explicit))
 
 
-def _tensor_mesh(devices: list, replica, shard, tensor: int) -> Mesh:
-    """The ``(replica, shard, tensor)`` mesh: ``tensor`` consecutive devices (one process's) per group."""
-    n = len(devices)
-    if n % tensor:
-        raise ValueError(f"make_mesh: tensor={tensor} does not divide the {n} devices; valid tensor sizes: "
+def _inner_mesh(devices: list, replica, shard, context: int, tensor: int) -> Mesh:
+    """The ``(replica, shard[, context][, tensor])`` mesh: ``context * tensor`` consecutive devices
+    per ``(replica, shard)`` position, ``tensor`` consecutive ones (one process's) per tensor group."""
+    n, inner = len(devices), context * tensor
+    named = " x ".join(f"{a}={v}" for a, v in ((CONTEXT, context), (TENSOR, tensor)) if v > 1)
+    if n % inner:
+        what = f"tensor={tensor}" if context == 1 else f"context={context} x tensor={tensor}" if tensor > 1 else f"context={context}"
+        raise ValueError(f"make_mesh: {what} does not divide the {n} devices; valid {'tensor' if context == 1 else 'inner'} sizes: "
                          f"{', '.join(str(t) for t in range(1, n + 1) if n % t == 0)}")
-    groups = n // tensor
+    groups = n // inner
     procs = len({d.process_index for d in devices})
     if replica is None and shard is None:
         replica = procs if procs > 1 else 1
@@ -152,21 +167,26 @@ def _tensor_mesh(devices: list, replica, shard, tensor: int) -> Mesh:
         replica = groups // shard if groups % shard == 0 else 0
     elif shard is None:
         shard = groups // replica if groups % replica == 0 else 0
-    if replica * shard * tensor != n or replica == 0 or shard == 0:
-        shapes = [f"{r}x{groups // r}x{tensor}" for r in range(1, groups + 1) if groups % r == 0]
+    if replica * shard * inner != n or replica == 0 or shard == 0:
+        tail = "".join(f"x{v}" for v in (context, tensor) if v > 1)
+        names = " x ".join(["replica", "shard"] + [a for a, v in ((CONTEXT, context), (TENSOR, tensor)) if v > 1])
+        shapes = [f"{r}x{groups // r}{tail}" for r in range(1, groups + 1) if groups % r == 0]
         raise ValueError(
-            f"make_mesh: replica={replica} x shard={shard} x tensor={tensor} does not use the {n} available devices; "
-            f"valid (replica x shard x tensor) shapes with tensor={tensor}: {', '.join(shapes)}"
+            f"make_mesh: replica={replica} x shard={shard} x {named} does not use the {n} available devices; "
+            f"valid ({names}) shapes with {named.replace(' x ', ', ')}: {', '.join(shapes)}"
         )
-    grid = np.asarray(devices, dtype=object).reshape(replica, shard, tensor)
-    for r, s in np.ndindex(replica, shard):
-        if len({d.process_index for d in grid[r, s]}) > 1:
+    axes = AXES + ((CONTEXT,) if context > 1 else ()) + ((TENSOR,) if tensor > 1 else ())
+    sizes = (replica, shard) + ((context,) if context > 1 else ()) + ((tensor,) if tensor > 1 else ())
+    grid = np.asarray(devices, dtype=object).reshape(replica, shard, context, tensor)
+    for r, s, c in np.ndindex(replica, shard, context):
+        if tensor > 1 and len({d.process_index for d in grid[r, s, c]}) > 1:
             raise ValueError(
-                f"make_mesh: the tensor group at replica={r}, shard={s} spans processes "
-                f"{sorted({d.process_index for d in grid[r, s]})}; tensor-parallel all-reduces must stay inside one host: "
+                f"make_mesh: the tensor group at replica={r}, shard={s}{f', context={c}' if context > 1 else ''} spans processes "
+                f"{sorted({d.process_index for d in grid[r, s, c]})}; tensor-parallel all-reduces must stay inside one host: "
                 f"use a tensor size that divides the devices per process ({sum(d.process_index == 0 for d in devices)})"
             )
-    return Mesh(grid, AXES + (TENSOR,), axis_types=(AxisType.Explicit, AxisType.Explicit, AxisType.Auto))
+    types = (AxisType.Explicit,) * (len(axes) - (tensor > 1)) + ((AxisType.Auto,) if tensor > 1 else ())
+    return Mesh(grid.reshape(sizes), axes, axis_types=types)
 
 
 def tensor_size(mesh) -> int:
@@ -174,9 +194,22 @@ def tensor_size(mesh) -> int:
     return int(dict(mesh.shape).get(TENSOR, 1))
 
 
+def context_size(mesh) -> int:
+    """``C``: devices of the mesh's ``context`` axis (1 without one)."""
+    return int(dict(mesh.shape).get(CONTEXT, 1))
+
+
 def manual_axes(mesh) -> tuple[str, ...]:
-    """The mesh axes zshard's ``shard_map`` is manual over: all but ``tensor``."""
+    """The mesh axes zshard's ``shard_map`` is manual over: all but ``tensor`` (``replica``,
+    ``shard`` and, where the mesh has it, ``context``)."""
     return tuple(a for a in mesh.axis_names if a != TENSOR)
+
+
+def data_axes(mesh) -> tuple[str, ...]:
+    """The data axes of ``mesh``: every axis the data (batch rows or sequence chunks) is split
+    over, ``("replica", "shard"[, "context"])``; the loss, metrics and statistics are reduced over
+    them (the same as :func:`manual_axes`)."""
+    return manual_axes(mesh)
 
 
 def _strip(spec: P) -> P:
@@ -212,7 +245,7 @@ def tensor_specs(tree):
 def sharded_map(fn, mesh: Mesh, in_specs, out_specs):
     """``jax.shard_map(fn)`` over the data axes, with ``tensor`` (where the mesh has it) left to
     the compiler: the specs' ``tensor`` entries are removed for the ``shard_map`` (manual over
-    ``replica`` and ``shard`` only, ``axis_names``) and the outputs are constrained to their
+    ``replica``, ``shard`` and ``context`` only, ``axis_names``) and the outputs are constrained to their
     ``tensor`` split (``with_sharding_constraint`` on the Auto axis), so a state that enters split
     over ``tensor`` leaves split the same way. Without a ``tensor`` axis: plain ``jax.shard_map``."""
     if TENSOR not in mesh.axis_names:

@@ -29,7 +29,7 @@ def _opt_slice(plan, tree):
     """This device's optimizer slice of each parameter shard: SHARD_OPT's whole ``[n_pad]``
     leaves -> row ``r*S+s`` of ``[W, n_pad/W]``; HYBRID_SHARD_OPT's ``[n_pad/S]`` shards -> row
     ``r`` of ``[R, n_pad/(R*S)]`` (global chunk ``s*R + r``: ``opt_axes = (shard, replica)``)."""
-    extra = tuple(a for a in plan.strategy.opt_axes if a not in plan.shard_axes)
+    extra = tuple(a for a in plan.opt_axes if a not in plan.shard_axes)
     parts, index = plan.opt_shards // plan.num_shards, jax.lax.axis_index(extra)
 
     def mine(x):  # [..., n] -> [..., parts, n/parts] -> row `index`: [..., n/parts]
@@ -208,7 +208,7 @@ def _update(plan, grads, opt_state, params, record=None):
 
 def init_optimizer(plan, params: dict):
     """Inside ``shard_map``: the Optax state of this device's slice of ``params``."""
-    if plan.strategy.opt_axes != plan.shard_axes:
+    if plan.opt_axes != plan.shard_axes:
         params = _opt_slice(plan, params)
     if plan.opt_view is not None:
         return view_init(plan, _to_view(plan, params))
@@ -240,7 +240,7 @@ def apply_optimizer(plan, params: dict, grads: dict, opt_state, record: list | N
     Args:
       plan: the :class:`~zshard.Plan`.
       params / grads: nested dicts of local ``[n_pad / N]`` slices (``N = plan.num_shards``).
-      opt_state: local Optax state, sliced over ``plan.strategy.opt_axes``.
+      opt_state: local Optax state, sliced over ``plan.opt_axes``.
 
     ``record``: a list that receives ``(kind, X bytes)`` of each collective the global-view
     optimizer issues (:mod:`zshard.optim_global`; nothing for elementwise chains).
@@ -253,7 +253,7 @@ def apply_optimizer(plan, params: dict, grads: dict, opt_state, record: list | N
     updates the matching slice of its parameter shard and all-gathers the updated slices
     over ``replica``: ``[R, L/(R*S)] -> [n_pad/S]`` per parameter.
     """
-    axes = plan.strategy.opt_axes
+    axes = plan.opt_axes
     if axes == plan.shard_axes:
         updates, opt_state = _update(plan, _to_view(plan, grads), opt_state, _to_view(plan, params), record)
         return optax.apply_updates(params, _from_view(updates, params)), opt_state
@@ -325,5 +325,5 @@ def optimizer_grad_specs(plan):
     train_specs, _ = plan.split_trainable(plan.param_specs)
     if not plan.strategy.scatters_replica:
         return train_specs
-    axes = plan.strategy.opt_axes
+    axes = plan.opt_axes
     return jax.tree.map(lambda s: P(*tuple(s)[:-1], axes), train_specs, is_leaf=lambda x: isinstance(x, P))

@@ -321,7 +321,7 @@ def view_init(plan, params_local: dict):
     state: parameter-shaped leaves as local views (like ``params_local``), others whole.
     """
     view, tx = plan.opt_view, plan.tx
-    ctx = Ctx(plan.strategy.opt_axes, plan.opt_shards, view.layouts)
+    ctx = Ctx(plan.opt_axes, plan.opt_shards, view.layouts)
     flat = traverse_util.flatten_dict(params_local)
     with jax.named_scope(OPTIMIZER_SCOPE):
         outs = _run(ctx, tx.init, (view.logical,), (_held(view, flat),))
@@ -341,7 +341,7 @@ def view_update(plan, grads_local: dict, opt_state, params_local: dict, record: 
       ``(updates, opt_state)``: updates as local views (padding zero), the new state.
     """
     view, tx = plan.opt_view, plan.tx
-    ctx = Ctx(plan.strategy.opt_axes, plan.opt_shards, view.layouts, record)
+    ctx = Ctx(plan.opt_axes, plan.opt_shards, view.layouts, record)
     flat_p, flat_g = traverse_util.flatten_dict(params_local), traverse_util.flatten_dict(grads_local)
     state_aval = jax.eval_shape(tx.init, view.logical)
     held_s = jax.tree.unflatten(

@@ -24,11 +24,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from zshard.flat import FlatParameter, ParamLayout
-from zshard.mesh import AXES, manual_specs, tensor_size
+from zshard.mesh import context_size, data_axes, manual_specs, tensor_size
 from zshard.optim import needs_global_view
 from zshard.optim_global import build_view
 from zshard.precision import FULL_PRECISION, MixedPrecision
-from zshard.strategy import Strategy
+from zshard.strategy import Strategy, with_context
 from zshard.tp import tensor_dims
 from zshard.units import find_units, path_str, stacked_layers
 
@@ -166,11 +166,30 @@ class Plan:
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
-        return self.strategy.shard_axes
+        """Mesh axes a parameter is split over at rest (``Strategy.shard_axes``, with ``context``
+        after ``shard`` on a mesh with a context axis: :func:`zshard.strategy.with_context`)."""
+        return with_context(self.strategy.shard_axes, self.mesh)
 
     @property
     def replica_axes(self) -> tuple[str, ...]:
-        return self.strategy.replica_axes
+        """Mesh axes the parameters are replicated over (``Strategy.replica_axes`` on this mesh)."""
+        return with_context(self.strategy.replica_axes, self.mesh)
+
+    @property
+    def opt_axes(self) -> tuple[str, ...]:
+        """Mesh axes the optimizer state is split over, major first (``Strategy.opt_axes`` on this mesh)."""
+        return with_context(self.strategy.opt_axes, self.mesh)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes the data is split over: ``("replica", "shard"[, "context"])``
+        (:func:`zshard.mesh.data_axes`); the loss and metrics are reduced over them."""
+        return data_axes(self.mesh)
+
+    @property
+    def context(self) -> int:
+        """``C``: devices of the mesh's ``context`` axis (1 without one)."""
+        return context_size(self.mesh)
 
     @property
     def num_shards(self) -> int:
@@ -181,18 +200,20 @@ class Plan:
     def grad_axes(self) -> tuple[str, ...]:
         """Mesh axes the reduced gradient handed to the optimizer is split over: the
         optimizer's for HYBRID_SHARD_OPT (``(shard, replica)``), else the parameters'."""
-        return self.strategy.opt_axes if self.strategy.scatters_replica else self.shard_axes
+        return self.opt_axes if self.strategy.scatters_replica else self.shard_axes
 
     @property
     def opt_shards(self) -> int:
         """Devices the optimizer state of one parameter is split over."""
-        return int(np.prod([self.mesh.shape[a] for a in self.strategy.opt_axes]))
+        return int(np.prod([self.mesh.shape[a] for a in self.opt_axes]))
 
     @property
     def world(self) -> int:
-        """Devices of the data axes (``replica x shard``); the global batch is split over all of
-        them (not over ``tensor``), and the loss scale is ``1 / world``."""
-        return int(np.prod([self.mesh.shape[a] for a in AXES]))
+        """Devices of the data axes (``replica x shard x context``): the global batch's rows are
+        split over ``replica x shard`` and its sequences over ``context`` (or its rows over all
+        three), never over ``tensor``; every device holds the same number of tokens, so the loss
+        scale is ``1 / world`` (the gradient of the global mean loss, docs/long-sequences.md)."""
+        return int(np.prod([self.mesh.shape[a] for a in self.data_axes]))
 
     def num_params(self) -> int:
         """Logical parameter count, no padding."""
@@ -227,7 +248,7 @@ def _shared_reads(model, unit_paths) -> dict[tuple, list]:
 
 
 def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int, opt_shards: int, unit, trainable,
-                            tp: tuple = (None, {}, 1)) -> tuple[Unit, ...]:
+                            tp: tuple = (None, {}, 1), mesh=None) -> tuple[Unit, ...]:
     """The units, each with its parameters' records laid out in FlatParameters (one per
     dtype, trainability and tensor split) over the shard axes, and over the optimizer's axes.
     ``tp``: ``(tensor_parallel, logical rules, T)`` (:func:`zshard.tp.tensor_dims`)."""
@@ -244,6 +265,7 @@ def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int,
     stacked = {upath: stacked_layers(_submodule(abstract_model, upath)) if upath else None for upath in [()] + unit_paths}
     layers_of = {path: stacked[u] for u, params in members.items() for path, _ in params}
     tp_dims = tensor_dims(flat_state, layers_of, tp[0], tp[1], tp[2])
+    shard_axes = strategy.shard_axes if mesh is None else with_context(strategy.shard_axes, mesh)
     units = []
     for upath in [()] + unit_paths:
         params = members.get(upath, [])
@@ -262,7 +284,7 @@ def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int,
         for path, var in params:
             value = var.get_value()
             rec = ParamLayout.build(
-                path, value.shape[drop:], value.dtype, opt_shards, layers, strategy.shard_axes, path in trainable, name,
+                path, value.shape[drop:], value.dtype, opt_shards, layers, shard_axes, path in trainable, name,
                 tp_dims.get(path), tp[2],
             )
             groups[rec.dtype, rec.trainable, rec.split].append(rec)
@@ -280,15 +302,15 @@ def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int,
     return tuple(units)
 
 
-def _optimizer_specs(tx, layouts: dict, strategy: Strategy, opt_shards: int):
+def _optimizer_specs(tx, layouts: dict, opt_axes: tuple[str, ...], opt_shards: int):
     """``(opt_specs, opt_view)``: PartitionSpecs of the Optax state of the trainable
     parameters, and the global view (``None`` for an elementwise chain).
 
-    The optimizer runs on per-parameter slices over ``strategy.opt_axes``, viewed with the
+    The optimizer runs on per-parameter slices over ``opt_axes`` (``Plan.opt_axes``), viewed with the
     parameter's logical rank (:meth:`ParamLayout.view_shape`, ``[.., 1, ..., 1, n_pad/opt_shards]``).
     """
     train = {p: rec for p, rec in layouts.items() if rec.trainable}
-    view_specs = {p: rec.view_spec(strategy.opt_axes) for p, rec in train.items()}
+    view_specs = {p: rec.view_spec(opt_axes) for p, rec in train.items()}
     local = traverse_util.unflatten_dict({p: jax.ShapeDtypeStruct(rec.view_shape(opt_shards), rec.dtype) for p, rec in train.items()})
     # Elementwise chains run on the local slices as they are; anything else (a norm, a
     # matmul, random numbers) through the global view (zshard.optim_global).
@@ -346,8 +368,8 @@ def make_plan(
             )
     template = tuple((p, v.replace(_abstract(v.get_raw_value()))) for p, v in flat_state)
     var_template = tuple((p, v.replace(_abstract(v.get_raw_value()))) for p, v in var_state)
-    num_shards = int(np.prod([mesh.shape[a] for a in strategy.shard_axes]))
-    opt_shards = int(np.prod([mesh.shape[a] for a in strategy.opt_axes]))
+    num_shards = int(np.prod([mesh.shape[a] for a in with_context(strategy.shard_axes, mesh)]))
+    opt_shards = int(np.prod([mesh.shape[a] for a in with_context(strategy.opt_axes, mesh)]))
     selected = frozenset(p for p, _ in nnx.to_flat_state(nnx.state(abstract_model, trainable)))
     # Integer and boolean parameters (index tables, masks) have no gradient: always frozen.
     inexact = {p for p, v in template if jnp.issubdtype(v.get_value().dtype, jnp.inexact)}
@@ -357,7 +379,7 @@ def make_plan(
     if not train_paths:
         raise ValueError("trainable= selects no parameter: nothing would train; check the filter (default nnx.Param)")
     tp = (tensor_parallel, logical_rules or {}, tensor_size(mesh))
-    units = _plan_units(abstract_model, template, strategy, num_shards, opt_shards, unit, train_paths, tp)
+    units = _plan_units(abstract_model, template, strategy, num_shards, opt_shards, unit, train_paths, tp, mesh)
     plan = Plan(mesh, strategy, tx, graphdef, template, units, mp=mixed_precision or FULL_PRECISION, var_template=var_template)
-    opt_specs, opt_view = _optimizer_specs(tx, plan.layouts, strategy, opt_shards)
+    opt_specs, opt_view = _optimizer_specs(tx, plan.layouts, plan.opt_axes, opt_shards)
     return dataclasses.replace(plan, opt_specs=opt_specs, opt_view=opt_view)

@@ -35,9 +35,9 @@ from flax import traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.mesh import REPLICA, SHARD, TENSOR
+from zshard.mesh import CONTEXT, REPLICA, SHARD, TENSOR, data_axes
 from zshard.optim import optimizer_grad_specs, optimizer_program
-from zshard.jaxprs import OPTIMIZER_SCOPE, unit_of
+from zshard.jaxprs import CONTEXT_SCOPE, OPTIMIZER_SCOPE, unit_of
 from zshard.strategy import Strategy
 
 __all__ = ["Collective", "Report", "optimizer_report", "parse_collectives", "parse_replica_groups", "report"]
@@ -47,7 +47,7 @@ _KINDS = {
     "reduce-scatter": "reduce-scatter",
     "all-reduce": "all-reduce",
     "all-to-all": "other",
-    "collective-permute": "other",
+    "collective-permute": "permute",
     "collective-broadcast": "other",
 }
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
@@ -61,15 +61,19 @@ class Collective:
     """One collective instruction of the compiled step.
 
     Attributes:
-      kind: ``"all-gather"``, ``"reduce-scatter"``, ``"all-reduce"`` or ``"other"``.
-      axis: mesh axis the groups span: ``"shard"``, ``"replica"``, ``"world"`` (both) or
-        ``"none"`` (groups of one device).
+      kind: ``"all-gather"``, ``"reduce-scatter"``, ``"all-reduce"``, ``"permute"`` (a
+        collective-permute: each device sends its buffer to one other) or ``"other"``.
+      axis: mesh axis the groups span: ``"shard"``, ``"replica"``, ``"context"``, ``"tensor"``,
+        ``"world"`` (every data axis, ``replica`` and ``shard`` among them), several joined with
+        ``+`` (``"shard+context"``), or ``"none"`` (groups of one device).
       group_size: ``n``, devices per replica group.
       buffer_bytes: ``X``, bytes of the full (unsharded) buffer, all tuple elements.
       sent_bytes: bytes one device sends per execution (ring algorithm).
       trips: executions per step (product of enclosing ``while`` trip counts).
       phase: ``"optimizer"`` for a collective the global-view optimizer issues
-        (:mod:`zshard.optim_global`, named scope ``zshard.optimizer``), else ``"step"``.
+        (:mod:`zshard.optim_global`, named scope ``zshard.optimizer``), ``"context"`` for one of
+        ``zshard.attention``'s (keys and values over ``context``, named scope ``zshard.context``),
+        else ``"step"``.
       unit: the unit whose call emitted it (``"blocks.0"``, ``"root"`` for the root unit's
         gather; from the ``zshard.unit.<unit>.*`` scope in its ``op_name``), or ``None``
         (the loss, the head, the optimizer). Not part of equality.
@@ -145,12 +149,13 @@ def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list
 
 def _axis_name(mesh, axes) -> str:
     """The mesh axes a collective spans (size-1 axes ignored) -> ``shard`` / ``replica`` /
-    ``tensor`` / ``world`` (both data axes) / ``none``; other combinations joined with ``+``
-    (``shard+tensor``: a collective over data and tensor devices at once)."""
+    ``context`` / ``tensor`` / ``world`` (every data axis, ``replica`` and ``shard`` among them) /
+    ``none``; other combinations joined with ``+`` (``shard+context``, ``shard+tensor``: a
+    collective over data and tensor devices at once)."""
     axes = {a for a in axes if mesh.shape[a] > 1}
     if not axes:
         return "none"
-    if axes == {REPLICA, SHARD}:
+    if {REPLICA, SHARD} <= axes and axes == {a for a in data_axes(mesh) if mesh.shape[a] > 1}:
         return "world"
     return "+".join(a for a in mesh.axis_names if a in axes)
 
@@ -161,6 +166,13 @@ def _axis_of(groups: list[list[int]], mesh) -> str:
     group = [pos[d] for d in groups[0]]
     varies = {name for i, name in enumerate(mesh.axis_names) if len({p[i] for p in group}) > 1}
     return _axis_name(mesh, varies)
+
+
+def _pairs_axes(pairs: list[list[int]], mesh) -> set:
+    """The mesh axes along which a permute's sources and targets differ."""
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    pos = {int(d): idx for idx, d in np.ndenumerate(ids)}
+    return {name for i, name in enumerate(mesh.axis_names) for a, b in pairs if pos[a][i] != pos[b][i]}
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:
@@ -214,7 +226,11 @@ def parse_collectives(hlo: str, mesh) -> list[Collective]:
             if base not in _KINDS or op.endswith("-done"):
                 continue
             g = re.search(r"replica_groups=(\{(?:\{[0-9,]*\},?)*\}|\[[^\s]*?\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|@?mesh(?:<[^>]*>|\[[^\]]*\])\s*\{[^}]*\})", rest)
-            groups = parse_replica_groups(g.group(1), mesh.size) if g else [list(range(mesh.size))]
+            pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", rest)
+            if pairs:  # a permute: the axes along which source and target differ
+                groups = [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+            else:
+                groups = parse_replica_groups(g.group(1), mesh.size) if g else [list(range(mesh.size))]
             n = len(groups[0])
             sizes = _shape_bytes(shape)
             if op.endswith("-start") and base != "all-reduce" and len(sizes) >= 2:
@@ -223,11 +239,12 @@ def parse_collectives(hlo: str, mesh) -> list[Collective]:
             kind = _KINDS[base]
             full = result * n if kind == "reduce-scatter" else result  # X: the unsharded buffer
             factor = 2 if kind == "all-reduce" else 1
-            sent = factor * full * (n - 1) / n if kind != "other" else float(result)
-            phase = "optimizer" if OPTIMIZER_SCOPE in rest else "step"
+            sent = factor * full * (n - 1) / n if kind not in ("other", "permute") else float(result)
+            phase = "optimizer" if OPTIMIZER_SCOPE in rest else "context" if CONTEXT_SCOPE in rest else "step"
             op = re.search(r'op_name="([^"]*)"', rest)
             unit = unit_of(op.group(1)) if op else None
-            out.append(Collective(name, kind, _axis_of(groups, mesh), n, full, sent, trips.get(comp, 1), phase, unit))
+            axis = _axis_of(groups, mesh) if not pairs else _axis_name(mesh, _pairs_axes(groups, mesh))
+            out.append(Collective(name, kind, axis, n if not pairs else 2, full, sent, trips.get(comp, 1), phase, unit))
     return out
 
 
@@ -254,9 +271,8 @@ def _formula_comm(plan, k: int = 1) -> dict[str, float]:
     (the root unit's, and every unrolled unit's under SHARD_GRAD_OP) are loop-invariant and
     XLA hoists them out of the micro-batch loop, so they count once.
     """
-    R, S = plan.mesh.shape[REPLICA], plan.mesh.shape[SHARD]
-    W = R * S
-    mp = plan.mp
+    mesh, mp = plan.mesh, plan.mp
+    size = lambda axes: int(np.prod([mesh.shape[a] for a in axes]))  # noqa: E731
 
     def total(dtype_of, units, trainable_only=False):  # sum over parameters of size * itemsize (a tensor piece if split)
         return sum(
@@ -273,11 +289,11 @@ def _formula_comm(plan, k: int = 1) -> dict[str, float]:
     rs = total(mp.grad_dtype, plan.units, trainable_only=True)  # one reduction of every trainable gradient
     st = plan.strategy
     ring = lambda n: (n - 1) / n  # noqa: E731
-    world, shard, replica = (_axis_name(plan.mesh, a) for a in ((REPLICA, SHARD), (SHARD,), (REPLICA,)))
+    name = lambda axes: _param_axis(mesh, axes)  # noqa: E731
     if st is Strategy.NO_SHARD:
-        return {world: 2 * rs * ring(W)}
+        return {name(plan.replica_axes): 2 * rs * ring(size(plan.replica_axes))}
     if st is Strategy.SHARD_OPT:
-        return {world: (2 * rs + master) * ring(W)}
+        return {name(plan.opt_axes): (2 * rs + master) * ring(size(plan.opt_axes))}
     # AG forward (+ AG backward for resharding strategies; the root unit is gathered once and
     # kept through backward, as FSDP keeps its root) + RS of the gradients.
     if st.reshard_after_forward:
@@ -286,15 +302,28 @@ def _formula_comm(plan, k: int = 1) -> dict[str, float]:
         ag_stacked = total(mp.gather_dtype, [u for u in plan.units if u.layers])
         gathers = ag - ag_stacked + k * ag_stacked
     per_step = gathers + k * rs
+    N = plan.num_shards  # S (x C on a context mesh) for the hybrids
+    shard = {name(plan.shard_axes): per_step * ring(N)}
     if st in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD):
-        return {world: per_step * ring(W)}
+        return shard
+    R = size(plan.replica_axes)
     if st.scatters_replica:
         # HYBRID_SHARD_OPT: the gradient shard (G/S) is reduce-scattered over replica in each
         # unit's backward (once per micro-batch) and the updated slices all-gathered back
         # (master dtype) once per step: with one dtype and no accumulation, 2 (G/S)(R-1)/R,
         # the bytes of HYBRID_SHARD's all-reduce.
-        return {shard: per_step * ring(S), replica: (k * rs + master) / S * ring(R)}
-    return {shard: per_step * ring(S), replica: 2 * (rs / S) * ring(R)}
+        return {**shard, name(plan.replica_axes): (k * rs + master) / N * ring(R)}
+    return {**shard, name(plan.replica_axes): 2 * (rs / N) * ring(R)}
+
+
+PARAM_CONTEXT = "context (parameters)"  # the key of parameter collectives over a group that is the context axis alone
+
+
+def _param_axis(mesh, axes) -> str:
+    """:func:`_axis_name` for the parameters' collectives; ``"context"`` (a ``1 x 1 x C`` mesh) is
+    :data:`PARAM_CONTEXT`, the name ``"context"`` being the attention's row."""
+    axis = _axis_name(mesh, axes)
+    return PARAM_CONTEXT if axis == CONTEXT else axis
 
 
 @dataclasses.dataclass
@@ -318,6 +347,11 @@ class Report:
       tensor: with a ``tensor`` axis, its all-reduces (:func:`_tensor_formula`):
         ``activation_bytes`` (``X = b s h e``), ``arrays_per_block`` (Megatron's count ``k``) and
         the measured one, ``root_bytes`` (outside the blocks); else ``None``.
+      context: with a ``context`` axis, ``zshard.attention``'s keys and values over it
+        (:func:`context_formula`): ``measured`` and ``formula`` bytes, ``kv_bytes`` (``2 b s n_kv d
+        e`` of one call), ``forward_passes`` (1, or 2 with the block recomputed), ``calls``,
+        ``collectives`` (``kind``, ``buffer_bytes`` ``X``, ``count`` per step); also the row
+        ``comm_bytes_per_step["context"]``. ``None`` without one.
       optimizer: the optimizer step measured apart (``None`` when not measured): ``path``
         (``"elementwise"``: Optax on the local slices, no collective; or ``"global view
         (<transformation>)"``, :mod:`zshard.optim_global`), ``collectives`` (per kind and
@@ -337,6 +371,7 @@ class Report:
     grad_accum: int = 1
     optimizer: dict | None = None
     tensor: dict | None = None
+    context: dict | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -371,6 +406,14 @@ class Report:
                 f"tensor axis: {t['measured_arrays_per_block']:.2f} all-reduces of one block's activation "
                 f"({t['activation_bytes']:,} bytes) per block call, Megatron-LM's count {t['arrays_per_block']}; "
                 f"outside the blocks {mib(t['root_bytes'])} MiB",
+            ]
+        if self.context is not None:
+            x = self.context
+            lines += [
+                "",
+                f"context axis: {mib(x['measured'])} MiB of keys and values ({x['impl']}) against "
+                f"{mib(x['formula'])} MiB = {x['calls']} attention calls x ({x['forward_passes']} forward + 1 backward) x "
+                f"(C-1)/C x {x['kv_bytes']:,} bytes (2 b s n_kv d e){' + segment ids' if x['segment_bytes'] else ''}",
             ]
         if self.optimizer is not None:
             o = self.optimizer
@@ -414,22 +457,34 @@ def report(step, state, batch) -> Report:
     for c in colls:
         if c.axis == "none" or (c.kind == "all-reduce" and c.buffer_bytes <= 64 and c.phase == "step"):
             continue  # size-1 groups; the step's scalar metrics (loss, grad norm; a small parameter's gather counts)
-        by_axis[c.axis] += c.sent_bytes * c.trips
-        table[(c.kind, c.axis)][0] += c.trips
-        table[(c.kind, c.axis)][1] += c.sent_bytes * c.trips
+        if c.phase == "context":
+            axis = CONTEXT  # zshard.attention's keys and values: the context row
+        else:
+            axis = PARAM_CONTEXT if c.axis == CONTEXT else c.axis
+        by_axis[axis] += c.sent_bytes * c.trips
+        table[(c.kind, axis)][0] += c.trips
+        table[(c.kind, axis)][1] += c.sent_bytes * c.trips
     formula_comm = _formula_comm(plan, step.config.grad_accum)
     tensor = _tensor_formula(plan, colls, step.config) if plan.tensor > 1 else None
     if tensor is not None:
         by_axis[TENSOR] = tensor["measured"]  # the blocks' all-reduces (the root's are in tensor["root_bytes"])
         formula_comm[TENSOR] = tensor["formula"]
+    context = None
+    if plan.context > 1:
+        context = context_formula(plan, getattr(step, "last_trace", None), step.config)
+        formula_comm[CONTEXT] = context["formula"]
+        context["measured"] = by_axis.get(CONTEXT, 0.0)
+        ops = Counter((c.kind, c.buffer_bytes) for c in colls if c.phase == "context" for _ in range(c.trips))
+        context["collectives"] = [{"kind": k, "buffer_bytes": x, "count": n} for (k, x), n in sorted(ops.items())]
     opt = optimizer_report(state)
     if opt["formula"]:  # the global-view optimizer's collectives run over the optimizer axes
-        opt_axis = _axis_name(plan.mesh, plan.strategy.opt_axes)
+        opt_axis = _param_axis(plan.mesh, plan.opt_axes)
         formula_comm[opt_axis] = formula_comm.get(opt_axis, 0.0) + opt["formula"]
     comm = {}
-    for axis in (SHARD, REPLICA, "world") + ((TENSOR,) if plan.tensor > 1 else ()):
+    extra = [a for a in [*formula_comm, *by_axis] if a not in (SHARD, REPLICA, "world", "none")]
+    for axis in dict.fromkeys([SHARD, REPLICA, "world", *extra]):
         f, m = formula_comm.get(axis, 0.0), by_axis.get(axis, 0.0)
-        if f or m or axis != "world":
+        if f or m or axis in (SHARD, REPLICA):
             ratio = m / f if f else (1.0 if not m else float("inf"))
             comm[axis] = {"measured": m, "formula": f, "ratio": ratio}
     return Report(
@@ -448,6 +503,7 @@ def report(step, state, batch) -> Report:
         grad_accum=step.config.grad_accum,
         optimizer=opt,
         tensor=tensor,
+        context=context,
     )
 
 
@@ -457,6 +513,37 @@ def report(step, state, batch) -> Report:
 # (Korthikanti et al. 2022, arXiv 2205.05198 section 4: 6); XLA drops the recomputed block's
 # last one, whose value the backward does not read: 5. "dots" saves the matmul outputs: 4.
 _TENSOR_ARRAYS = {"none": 4, "block": 5, "dots": 4}
+
+
+def context_formula(plan, trace, config) -> dict:
+    """Bytes one device sends over ``context`` per step for ``zshard.attention``'s keys and values.
+
+    Per attention call on a sequence of ``s`` tokens split over ``C`` devices, ``b`` rows on this
+    device, ``n_kv`` key/value heads of ``d`` (keys) and ``d_v`` (values) elements in ``e`` bytes:
+    the forward moves ``X = b s n_kv (d + d_v) e`` (``2 b s n_kv d e``) once, ``(C-1)/C X`` per
+    device (an all-gather, or ``C-1`` ring permutes of ``X/C``); a recomputed block
+    (``remat="block"``) moves it again in backward; the backward sends ``dK`` and ``dV`` back,
+    ``(C-1)/C X`` (a reduce-scatter, or the ring reversed). Segment ids, ``4 b s`` bytes of int32,
+    are the same array in every layer: XLA merges their identical gathers into one per micro-batch
+    (measured, tests/test_context.py). Calls are counted from the step's trace
+    (:class:`zshard.sequence.SequenceTrace`): each call made in a unit's forward, times the unit's
+    layers (a scanned stack) and the micro-batches.
+    """
+    C, k = plan.context, config.grad_accum
+    ring = (C - 1) / C
+    recompute = 2 if _policy_name(config.remat) == "block" else 1  # "dots" keeps the gathered K/V (measured)
+    formula, calls, kv_bytes, seg_bytes, impls = 0.0, 0, 0, 0, set()
+    for unit, layers, call in ([] if trace is None else trace.calls):
+        n = (layers or 1) * k
+        kv = call.batch * call.length * call.kv_heads * (call.head_dim + call.value_dim) * call.itemsize
+        passes = recompute if unit is not None else 1  # the root unit is never recomputed
+        formula += n * ring * (passes + 1) * kv
+        calls, kv_bytes = calls + n, kv
+        seg_bytes = max(seg_bytes, 4 * call.batch * call.length if call.segments else 0)
+        impls.add(call.impl)
+    formula += k * ring * seg_bytes  # the segment ids: one gather per micro-batch
+    return {"formula": formula, "measured": 0.0, "calls": calls, "kv_bytes": kv_bytes, "segment_bytes": seg_bytes,
+            "forward_passes": recompute, "impl": "+".join(sorted(impls)) or "none"}
 
 
 def _tensor_formula(plan, colls, config) -> dict:

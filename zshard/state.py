@@ -21,7 +21,7 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.mesh import AXES, TENSOR, sharded_map
+from zshard.mesh import AXES, CONTEXT, TENSOR, sharded_map
 from zshard.optim import init_optimizer
 from zshard.planner import Plan, Unit, make_plan
 from zshard.precision import MixedPrecision
@@ -79,10 +79,12 @@ class ShardedState:
 
 def _check_arguments(model, tx, mesh, mixed_precision):
     """``(abstract model, concrete)`` after the checks of :func:`init`'s arguments."""
-    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) not in (AXES, AXES + (TENSOR,)):
+    allowed = (AXES, AXES + (TENSOR,), AXES + (CONTEXT,), AXES + (CONTEXT, TENSOR))
+    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) not in allowed:
         names = getattr(mesh, "axis_names", None)
         raise ValueError(
-            f"mesh must be a jax.sharding.Mesh with axes {AXES} or {AXES + (TENSOR,)} (use zshard.make_mesh); got axes {names}"
+            f"mesh must be a jax.sharding.Mesh with axes {AXES}, {AXES + (TENSOR,)}, {AXES + (CONTEXT,)} or "
+            f"{AXES + (CONTEXT, TENSOR)} (use zshard.make_mesh); got axes {names}"
         )
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         raise TypeError(f"zshard.init: tx must be an optax.GradientTransformation (e.g. optax.adamw(3e-4)), got {type(tx).__name__}")

@@ -20,6 +20,7 @@ loss scale, clipping, the optimizer, the non-parameter variables) and the public
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -32,10 +33,11 @@ from zshard.checks import check_traced, traced
 from zshard.collectives import vary
 from zshard.intercept import materialize, read_variables
 from zshard.jaxprs import LOSS_SCOPE
-from zshard.mesh import AXES, sharded_map
+from zshard.mesh import sharded_map
 from zshard.optim import apply_optimizer, global_norm
+from zshard.sequence import SequenceSplit, tracing
 from zshard.state import Plan, ShardedState
-from zshard.step_config import StepConfig, default_prefetch, put_batch, trace_key
+from zshard.step_config import StepConfig, batch_specs, default_prefetch, put_batch, sequence_split, trace_key
 from zshard.strategy import ReplicaReduce
 
 __all__ = ["TokenMean", "TrainStep", "default_prefetch", "make_train_step", "trace_key"]
@@ -96,15 +98,16 @@ def _read_loss(out, has_aux: bool):
     return loss, aux
 
 
-def _reduce_aux(aux):
+def _reduce_aux(plan: Plan, aux):
     """Aux leaves across devices (and micro-batches, summed before): floating leaves are
-    averaged, integer and boolean leaves summed (counts)."""
+    averaged, integer and boolean leaves summed (counts), over every data axis."""
+    axes = plan.data_axes
 
     def one(x):
         x = jnp.asarray(x)
         if jnp.issubdtype(x.dtype, jnp.inexact):
-            return jax.lax.pmean(x, AXES)
-        return jax.lax.psum(x.astype(jnp.int32), AXES)
+            return jax.lax.pmean(x, axes)
+        return jax.lax.psum(x.astype(jnp.int32), axes)
 
     return jax.tree.map(one, aux)
 
@@ -113,15 +116,15 @@ def _sync_variables(plan: Plan, new: dict, old: dict) -> dict:
     """Non-parameter variables after the step, identical on every device: floating ones
     (BatchNorm statistics) averaged over all devices, integer ones (RNG counts, counters) the
     largest value (they advance the same way on every device)."""
-    out = {}
+    out, axes = {}, plan.data_axes
     for path, value in new.items():
         value = jnp.asarray(value)
         if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
             out[path] = old[path]
         elif jnp.issubdtype(value.dtype, jnp.inexact):
-            out[path] = jax.lax.pmean(vary(value, AXES), AXES).astype(value.dtype)
+            out[path] = jax.lax.pmean(vary(value, axes), axes).astype(value.dtype)
         else:
-            out[path] = jax.lax.pmax(vary(value, AXES), AXES).astype(value.dtype)
+            out[path] = jax.lax.pmax(vary(value, axes), axes).astype(value.dtype)
     return out
 
 
@@ -153,12 +156,13 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
         return (acc, jax.tree.map(jnp.add, totals, step_totals), aux_sum, variables), None
 
     zeros = jax.tree.map(lambda p: vary(jnp.zeros(p.shape, jnp.float32), plan.shard_axes + replica), params)
-    zero = vary(jnp.zeros((), jnp.float32), AXES)
+    axes = plan.data_axes
+    zero = vary(jnp.zeros((), jnp.float32), axes)
     aux_shape = jax.eval_shape(lambda p, v, b: objective(p, v, b)[1][1], params, variables, jax.tree.map(lambda x: x[0], micro))
     aux_zero = jax.tree.map(
-        lambda a: vary(jnp.zeros(a.shape, jnp.float32 if jnp.issubdtype(a.dtype, jnp.inexact) else jnp.int32), AXES), aux_shape
+        lambda a: vary(jnp.zeros(a.shape, jnp.float32 if jnp.issubdtype(a.dtype, jnp.inexact) else jnp.int32), axes), aux_shape
     )
-    variables = jax.tree.map(lambda v: vary(v, AXES), variables)
+    variables = jax.tree.map(lambda v: vary(v, axes), variables)
     (acc, totals, aux_sum, variables), _ = jax.lax.scan(body, (zeros, (zero, zero), aux_zero, variables), micro)
     match reduce:
         case ReplicaReduce.PER_STEP:  # [n_pad/N] --all_reduce(replica)--> [n_pad/N], once per step
@@ -179,11 +183,35 @@ def gradient_sinks(plan: Plan, train: dict) -> dict:
     differentiates w.r.t. them and gets the gradient as the units' backward reduce-scattered it
     (:func:`zshard.unit_call.run_unit`). Unread, they are dropped from the compiled loop."""
     parts = plan.opt_shards // plan.num_shards
-    return jax.tree.map(lambda p: vary(jnp.zeros(p.shape[:-1] + (p.shape[-1] // parts,), p.dtype), AXES), train)
+    return jax.tree.map(lambda p: vary(jnp.zeros(p.shape[:-1] + (p.shape[-1] // parts,), p.dtype), plan.data_axes), train)
 
 
-def _local_step(plan: Plan, config: StepConfig, state: ShardedState, batch):
-    """One optimizer step on this device's shards (inside ``shard_map``)."""
+def warn_positions(split: SequenceSplit | None, record) -> None:
+    """Warn when a step split its sequences over ``context`` but the model never asked for
+    :func:`zshard.positions`: a model that numbers its tokens ``jnp.arange(T)`` (RoPE, learned
+    position embeddings, its own causal mask) then computes with the wrong positions."""
+    if split is not None and split.context > 1 and not record.asked:
+        warnings.warn(
+            f"zshard: the sequences are split over context={split.context} (each device holds 2 of {2 * split.context} "
+            f"chunks of every sequence of {split.length} tokens, zshard.sequence), but loss_fn never called "
+            "zshard.positions(): a model that builds positions from its local length (jnp.arange(x.shape[1]) for RoPE, a "
+            "position embedding or a causal mask) computes with the wrong ones. Fix: positions = "
+            "zshard.positions(x.shape[1]) (the global position of each local token), and zshard.attention for attention",
+            stacklevel=2,
+        )
+
+
+def _local_step(plan: Plan, config: StepConfig, state: ShardedState, batch, split: SequenceSplit | None = None):
+    """One optimizer step on this device's shards (inside ``shard_map``); ``split``: how the batch's
+    sequences are split over ``context`` (:mod:`zshard.sequence`), for ``zshard.positions`` and
+    ``zshard.attention`` while the whole body (backward and recomputes included) traces."""
+    with tracing(split, plan.data_axes) as record:
+        out = _step_body(plan, config, state, batch)
+    warn_positions(split, record)
+    return out, record
+
+
+def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
     world, k = plan.world, config.grad_accum
     comm = config.comm(plan)  # the step's one replica-reduction decision (ReplicaReduce)
     prefetch = config.resolved_prefetch()
@@ -225,7 +253,7 @@ def _local_step(plan: Plan, config: StepConfig, state: ShardedState, batch):
         (_, (totals, aux, new_variables)), grads = jax.value_and_grad(differentiated, has_aux=True)(wrt, variables, batch)
     else:
         totals, aux, new_variables, grads = _accumulate(plan, differentiated, wrt, variables, batch, k, comm.replica_reduce)
-    loss_total, count = (jax.lax.psum(t, AXES) for t in totals)
+    loss_total, count = (jax.lax.psum(t, plan.data_axes) for t in totals)
     if token_weighted:  # global token mean across devices and micro-batches
         loss = loss_total / count
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
@@ -258,7 +286,7 @@ def _local_step(plan: Plan, config: StepConfig, state: ShardedState, batch):
     if token_weighted:
         metrics["tokens"] = count
     if config.has_aux:
-        metrics["aux"] = _reduce_aux(aux)
+        metrics["aux"] = _reduce_aux(plan, aux)
     return new_state, metrics
 
 
@@ -285,6 +313,7 @@ class TrainStep:
         self._jitted = jax.jit(self._step, donate_argnums=0)
         self._tensor_jits: dict = {}  # plan -> the step jitted with out_shardings (meshes with a tensor axis)
         self._checked: set = set()  # (plan, batch shapes) whose traced step passed the checks
+        self.last_trace = None  # the zshard.sequence.SequenceTrace of the latest trace (attention calls: zshard.report)
 
     def _jit_for(self, state: ShardedState):
         """The jitted step for ``state``'s plan: with a ``tensor`` axis, compiled with the state's
@@ -312,14 +341,18 @@ class TrainStep:
 
     def _step(self, state: ShardedState, batch):
         plan, config = state.plan, self.config  # the traced body sees the plan and the frozen config only
-        fn = sharded_map(
-            lambda s, b: _local_step(plan, config, s, b), plan.mesh, in_specs=(state.specs(), P(AXES)), out_specs=(state.specs(), P())
-        )
-        return fn(state, batch)
+        split = sequence_split(plan, batch, config.sequence_axis)
+
+        def local(s, b):
+            out, self.last_trace = _local_step(plan, config, s, b, split)
+            return out
+
+        specs = batch_specs(plan, batch, config.sequence_axis)
+        return sharded_map(local, plan.mesh, in_specs=(state.specs(), specs), out_specs=(state.specs(), P()))(state, batch)
 
     def put_batch(self, state: ShardedState, batch):
-        """:func:`zshard.step_config.put_batch` for this step's micro-batches."""
-        return put_batch(state.plan, batch, self.config.grad_accum)
+        """:func:`zshard.step_config.put_batch` for this step's micro-batches and sequence axes."""
+        return put_batch(state.plan, batch, self.config.grad_accum, self.config.sequence_axis)
 
     def __call__(self, state: ShardedState, batch):
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
@@ -357,6 +390,7 @@ def make_train_step(
     remat="block",
     prefetch: int | None = None,
     has_aux: bool = False,
+    sequence_axis=None,
 ) -> TrainStep:
     """Build the sharded step for ``loss_fn(model, batch) -> scalar mean loss``.
 
@@ -397,6 +431,16 @@ def make_train_step(
         default, :func:`default_prefetch` (``0`` on CPU, where nothing overlaps; ``1`` on
         GPU / TPU). Units stacked under ``nnx.scan``
         gather inside the loop and are not prefetched.
+      sequence_axis: the batch's sequence dimension, for context parallelism
+        (docs/long-sequences.md): an int for every leaf (``1``: ``[B, L, ...]``), or a pytree
+        like the batch (a prefix of it) with ``None`` for leaves without one. On a mesh with a
+        ``context`` axis of ``C`` devices the rows are split over ``(replica, shard)`` and each
+        sequence over ``context`` in the head-tail order (device ``i`` holds chunks ``i`` and
+        ``2C-1-i`` of ``2C``; the length must divide by ``2C``), so ``loss_fn`` sees ``[B / (R*S),
+        L / C, ...]``: the model takes each token's global position from :func:`zshard.positions`
+        and attends with :func:`zshard.attention`; leaves without a sequence axis are the same on
+        every context device. The loss scale is ``1 / (R*S*C)`` (every device holds as many
+        tokens). ``None`` (default): the rows are split over every data axis, ``context`` too.
 
     Raises:
       ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive,
@@ -405,11 +449,14 @@ def make_train_step(
         (``TypeError``); a unit under device-dependent control flow; a block unit's raw
         shard used as a value in ``loss_fn``, e.g. an L2 penalty over
         ``jax.tree.leaves(nnx.state(model))`` (the parameter named; read it as
-        ``variable[...]``, :func:`zshard.checks.check_shard_reads`).
+        ``variable[...]``, :func:`zshard.checks.check_shard_reads`). Before compiling, with a
+        ``sequence_axis``: a leaf without that axis, a length not divisible by ``2C`` (each
+        named); a warning when ``loss_fn`` never asks for :func:`zshard.positions` on a
+        ``context`` mesh.
     """
     return TrainStep(
         StepConfig(
             loss_fn, has_aux=has_aux, grad_accum=grad_accum, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite,
-            remat=remat, prefetch=prefetch,
+            remat=remat, prefetch=prefetch, sequence_axis=sequence_axis,
         )
     )

@@ -8,15 +8,28 @@ from __future__ import annotations
 
 import enum
 
-from zshard.mesh import REPLICA, SHARD
+from zshard.mesh import CONTEXT, REPLICA, SHARD
 
-__all__ = ["ReplicaReduce", "Strategy"]
+__all__ = ["ReplicaReduce", "Strategy", "with_context"]
+
+
+def with_context(axes: tuple[str, ...], mesh) -> tuple[str, ...]:
+    """``axes`` on ``mesh``: ``context`` inserted right after ``shard`` where the mesh has a
+    ``context`` axis (context devices are data-parallel for the parameters: FSDP over ``shard x
+    context``, torchtitan's ``dp_shard_cp``); unchanged otherwise (docs/long-sequences.md)."""
+    if CONTEXT not in mesh.axis_names or SHARD not in axes:
+        return tuple(axes)
+    at = axes.index(SHARD) + 1
+    return tuple(axes[:at]) + (CONTEXT,) + tuple(axes[at:])
 
 
 class Strategy(enum.Enum):
     """How parameters, gradients and optimizer state are split over the ``(replica, shard)`` mesh.
 
     "World" is both mesh axes, ``R*S`` devices. PyTorch FSDP names; ZeRO stages in brackets.
+    The axes named here are those of a mesh without ``context``; on a mesh with one, every axis
+    tuple that holds ``shard`` holds ``context`` right after it (:func:`with_context`: the
+    parameters are split, and their gradients reduced, over ``shard x context``).
 
     - ``NO_SHARD`` (ZeRO-0, DDP): everything replicated; gradients all-reduced over world.
     - ``SHARD_OPT`` (ZeRO-1): parameters replicated, optimizer state sharded over world;

@@ -40,6 +40,7 @@ from zshard.collectives import (
 )
 from zshard.flat import FlatParameter
 from zshard.jaxprs import unit_scope
+from zshard.sequence import in_backward
 
 __all__ = ["REMAT_POLICIES", "PrefetchLink", "Residuals", "UnitCall", "checkpointed", "remat_policy", "run_unit"]
 
@@ -286,7 +287,7 @@ def run_unit(
             return call.forward(bufs, inputs, after_token)
 
     def bwd(res, cts):
-        with jax.named_scope(unit_scope(name, "backward")):
+        with jax.named_scope(unit_scope(name, "backward")), in_backward():
             return call.backward(res, cts)
 
     _unit.defvjp(fwd, bwd)

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import zshard
+
 __all__ = [
     "Embed", "RopeScaling", "rope_frequencies", "rope", "attend", "Attention", "GatedMLP", "OffsetRMSNorm",
     "make_blocks", "run_blocks", "init_cache", "head_size", "cross_entropy_loss", "token_nll", "softcap",
@@ -141,14 +143,17 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     return np.asarray(_inv_freq(head_dim, float(theta), scaling), np.float32)
 
 
-def rope(x, inv_freq: np.ndarray, start=0):
-    """Rotary position embedding of ``x`` (B, T, h, hs), positions ``start .. start+T-1``.
+def rope(x, inv_freq: np.ndarray, start=0, positions=None):
+    """Rotary position embedding of ``x`` (B, T, h, hs), positions ``start .. start+T-1``, or
+    ``positions`` (int ``[T]``, e.g. ``zshard.positions(T)``: global positions of a sequence split
+    over ``context``).
 
     Half-split layout (x1 = first half of each head, x2 = second), as Hugging Face's
     ``rotate_half``; ``inv_freq`` from :func:`rope_frequencies`.
     """
     T = x.shape[1]
-    ang = (start + jnp.arange(T, dtype=jnp.float32))[:, None] * jnp.asarray(inv_freq)[None]  # (T, hs/2)
+    pos = start + jnp.arange(T, dtype=jnp.float32) if positions is None else positions.astype(jnp.float32)  # (T,)
+    ang = pos[:, None] * jnp.asarray(inv_freq)[None]  # (T, hs/2)
     cos, sin = jnp.cos(ang)[None, :, None], jnp.sin(ang)[None, :, None]  # (1, T, 1, hs/2)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
@@ -170,8 +175,15 @@ def attend(q, k, v, cache=None, pos=None, *, scale: float, window: int | None = 
     Returns ``(y (B, T, nh*hs), new cache or None)``. With a cache ``(ck, cv)`` of
     ``(B, Tmax, nkv, hs)``, ``k, v`` are written at ``pos`` and the query at ``pos + i``
     attends to cache positions ``<= pos + i`` (and within the window).
+
+    Without a cache (training, evaluation, a prefill's whole prompt) this is ``zshard.attention``:
+    ``jax.nn.dot_product_attention`` on one device, exact on a sequence split over the mesh's
+    ``context`` axis inside a zshard step (keys and values all-gathered; docs/long-sequences.md).
     """
     B, T, nh, hs = q.shape
+    if cache is None:
+        y = zshard.attention(q, k, v, causal=True, sliding_window=window, scale=scale, softcap=cap)  # (B, T, nh, hs)
+        return y.reshape(B, T, nh * hs), None  # (B, T, nh, hs) -> (B, T, nh*hs)
     qpos = jnp.arange(T)[:, None]  # (T, 1)
     if cache is not None:
         ck, cv = cache
@@ -248,9 +260,10 @@ class Attention(nnx.Module):
         q, k, v = self.project(h)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        start = 0 if cache is None else pos
+        # global positions (zshard.positions: arange on one device, this device's tokens on a split sequence)
+        positions = zshard.positions(h.shape[1]) if cache is None else None
         freqs = np.asarray(self.inv_freq, np.float32)
-        q, k = rope(q, freqs, start), rope(k, freqs, start)
+        q, k = rope(q, freqs, pos, positions), rope(k, freqs, pos, positions)
         y, cache = attend(q, k, v, cache, pos, scale=self.scale, window=self.window, cap=self.cap)  # (B, T, nh*hs)
         return self.wo(y), cache
 

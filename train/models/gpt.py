@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import zshard
 from train.models.core import Embed, attend, make_blocks, run_blocks
 
 __all__ = ["GPTConfig", "GPT", "Block", "MODEL_PRESETS"]
@@ -125,8 +126,10 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens, cache=None, pos=None):
         T = tokens.shape[1]
-        start = 0 if cache is None else pos
-        x = self.wte(tokens) + self.wpe(start + jnp.arange(T))[None]  # (B, T, C)
+        # learned absolute positions: zshard.positions(T) is arange(T) on one device, this device's
+        # global positions on a sequence split over context (docs/long-sequences.md)
+        positions = zshard.positions(T) if cache is None else pos + jnp.arange(T)
+        x = self.wte(tokens) + self.wpe(positions)[None]  # (B, T, C)
         x = run_blocks(self.blocks, x, self.cfg.scan, cache, pos)
         x, cache = (x, None) if cache is None else x
         x = self.ln_f(x)

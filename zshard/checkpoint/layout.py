@@ -140,7 +140,7 @@ def logical_layout(state: ShardedState) -> tuple[list[Entry], Any]:
     ref_leaves = jax.tree.leaves(opt_refs, is_leaf=lambda x: isinstance(x, _Ref) or x is _NONPARAM)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state_tree(state))
     ref_iter = iter(ref_leaves)  # the opt_state leaves, in order (dict keys sort: opt_state, params, step)
-    opt_axes = plan.strategy.opt_axes
+    opt_axes = plan.opt_axes
     entries, seen = [], {}
     for kpath, leaf in leaves:
         key = tuple(_key_str(k) for k in kpath)

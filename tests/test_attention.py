@@ -1,0 +1,185 @@
+"""``zshard.attention`` against ``jax.nn.dot_product_attention`` on one device, and
+``zshard.positions``: outside a split sequence, inside one (all-gather and ring), forward and
+gradients; the causal blocks each device computes (per-device FLOPs from ``cost_analysis``); bad
+inputs (docs/long-sequences.md)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import zshard
+from zshard.attention import DIAG, LOWER, UPPER, context_attention, schedule
+from zshard.sequence import SequenceSplit, head_tail_order, tracing
+
+B, L, H, KV, HD = 2, 64, 4, 2, 8
+RNG = np.random.default_rng(0)
+Q = RNG.standard_normal((B, L, H, HD)).astype(np.float32)
+K = RNG.standard_normal((B, L, KV, HD)).astype(np.float32)
+VV = RNG.standard_normal((B, L, KV, HD)).astype(np.float32)
+SEG = np.sort(RNG.integers(0, 4, (B, L)), axis=1).astype(np.int32)  # packed documents
+W = np.cos(np.arange(L) * 0.3).astype(np.float32)  # a weight per position: the loss depends on the order
+
+
+def reference(q, k, v, causal, segments, window, cap=None):
+    mask = (SEG[:, :, None] == SEG[:, None, :])[:, None] if segments else None
+    if cap is not None:  # Gemma 2's soft-capped logits, written out: jax.nn.dot_product_attention has no soft-cap
+        rep = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)  # [B, L, KV, hd] -> [B, L, H, hd]
+        s = cap * jnp.tanh(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]) / cap)  # [B, H, L, L]
+        i, j = np.arange(q.shape[1])[:, None], np.arange(q.shape[1])[None, :]
+        keep = np.ones((q.shape[1],) * 2, bool) if not causal else j <= i
+        if window is not None:
+            keep = keep & (abs(i - j) < window)
+        keep = keep[None, None] if mask is None else keep[None, None] & mask
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(keep, s, -1e30), axis=-1), v)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                        local_window_size=None if window is None else (window - 1, window - 1))
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+OPTIONS = [  # causal, segment ids, sliding window
+    (True, False, None), (False, False, None), (True, True, None), (True, False, 12), (False, True, 7),
+]
+
+
+@pytest.mark.parametrize("causal,segments,window", OPTIONS)
+def test_outside_a_split_it_is_jax_dot_product_attention(causal, segments, window):
+    got = zshard.attention(Q, K, VV, causal=causal, segment_ids=SEG if segments else None, sliding_window=window)
+    np.testing.assert_array_equal(got, reference(Q, K, VV, causal, segments, window))
+
+
+@functools.cache
+def _split_program(C, impl, causal, segments, window, cap=None):
+    """``(value, grads)`` of ``sum(W * attention**2)`` on a ``1 x 2 x C`` mesh, inputs placed in
+    the head-tail order, as one jitted program (compiled once per case)."""
+    mesh = zshard.make_mesh(1, 2, context=C, devices=jax.devices()[: 2 * C])
+    spec = P(("replica", "shard"), "context")
+    order = head_tail_order(L, C)
+    weight = jax.device_put(W[order], NamedSharding(mesh, P("context")))
+
+    def local(q, k, v, seg, w):
+        with tracing(SequenceSplit(C, L)):
+            o = zshard.attention(q, k, v, causal=causal, segment_ids=seg if segments else None, sliding_window=window,
+                                 softcap=cap, impl=impl)
+        return jax.lax.psum(jnp.sum(w[None, :, None, None] * o.astype(jnp.float32) ** 2), ("replica", "shard", "context")), o
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4 + (P("context"),), out_specs=(P(), spec))
+    grad = jax.jit(jax.value_and_grad(lambda q, k, v, s: f(q, k, v, s, weight), argnums=(0, 1, 2), has_aux=True))
+    put = lambda x: jax.device_put(x[:, order], NamedSharding(mesh, spec))  # noqa: E731
+    with jax.set_mesh(mesh):
+        (_, out), grads = grad(put(Q), put(K), put(VV), put(SEG))
+    inverse = np.argsort(order)  # the placed order back to the sequence's
+    return np.asarray(out)[:, inverse], [np.asarray(g)[:, inverse] for g in grads]
+
+
+SPLIT_CASES = [  # C, impl, causal, segment ids, sliding window: both impls, C = 2 and 4, every option
+    (2, "allgather", True, False, None), (2, "ring", False, True, 7), (4, "allgather", True, True, 12),
+    (4, "ring", True, True, 12), (4, "ring", True, False, None), (4, "allgather", False, False, None),
+]
+
+
+@pytest.mark.parametrize("C,impl,causal,segments,window", SPLIT_CASES)
+def test_on_a_split_sequence_forward_and_gradients_equal_one_device(C, impl, causal, segments, window):
+    def loss(q, k, v):
+        return jnp.sum(W[None, :, None, None] * reference(q, k, v, causal, segments, window) ** 2)
+
+    want_grads = jax.grad(loss, argnums=(0, 1, 2))(Q, K, VV)
+    got, grads = _split_program(C, impl, causal, segments, window)
+    assert rel(got, reference(Q, K, VV, causal, segments, window)) <= 1e-6
+    for name, g, w in zip("qkv", grads, want_grads):
+        assert rel(g, w) <= 1e-6, (name, rel(g, w))
+
+
+def test_softcap_equals_the_written_out_formula_on_one_device_and_on_a_split():
+    want = reference(Q, K, VV, True, True, 12, cap=2.0)
+    assert rel(zshard.attention(Q, K, VV, segment_ids=SEG, sliding_window=12, softcap=2.0), want) <= 1e-6
+    assert rel(zshard.attention(Q, K, VV, segment_ids=SEG, sliding_window=12), want) > 1e-3  # the cap matters here
+    got, grads = _split_program(2, "ring", True, True, 12, 2.0)
+    assert rel(got, want) <= 1e-6
+    want_grads = jax.grad(lambda q, k, v: jnp.sum(W[None, :, None, None] * reference(q, k, v, True, True, 12, 2.0) ** 2),
+                          argnums=(0, 1, 2))(Q, K, VV)
+    for name, g, w in zip("qkv", grads, want_grads):
+        assert rel(g, w) <= 1e-6, (name, rel(g, w))
+
+
+# --- load balance: the blocks each context device computes -----------------------------------------------
+
+
+def _branch_flops(kind, c=16, g=2, hd=32):
+    """FLOPs (XLA ``cost_analysis``, forward and backward) of one source step of ``kind`` for ``2c``
+    queries: the work a device's ``lax.switch`` runs for that source."""
+    from zshard.attention import _step
+
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 2 * c, KV, g, hd)).astype(np.float32)
+    k = rng.standard_normal((2, 2 * c, KV, hd)).astype(np.float32)
+    pos = jnp.arange(2 * c)
+
+    def work(q, k, v):
+        return sum(jnp.sum(x) for x in _step(kind, q, k, v, pos, pos, None, None, c=c, opts=dict(causal=True, window=None, scale=0.2)))
+
+    cost = jax.jit(jax.grad(work, argnums=(0, 1, 2))).lower(q, k, k).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+def test_head_tail_order_gives_every_device_the_same_attention_flops():
+    flops = {kind: _branch_flops(kind) for kind in (DIAG, LOWER, UPPER)}
+    # a LOWER / UPPER source computes 2 of the 4 c x c blocks of a DIAG one (the causal mask hides the rest)
+    assert abs(flops[LOWER] / flops[DIAG] - 0.5) < 0.05 and abs(flops[UPPER] / flops[DIAG] - 0.5) < 0.05, flops
+    for C in (2, 4, 8):
+        for impl in ("allgather", "ring"):
+            kinds = [schedule(i, C, impl) for i in range(C)]
+            assert all(sorted(k) == sorted(schedule(i, C, "allgather")) for i, k in enumerate(kinds))  # the same work, any order
+            per_device = [sum(flops[k] for k in ks) for ks in kinds]
+            assert max(per_device) / min(per_device) <= 1.05, (C, impl, per_device)
+            assert [ks.count(DIAG) for ks in kinds] == [1] * C  # i LOWER, C-1-i UPPER, one DIAG: 2C + 2 blocks each
+            assert [ks.count(LOWER) for ks in kinds] == list(range(C))
+    # without a causal mask nothing is skipped: every source is DIAG
+    assert schedule(1, 4, causal=False) == [DIAG] * 4
+
+
+# --- positions ----------------------------------------------------------------------------------------
+
+
+def test_positions():
+    np.testing.assert_array_equal(zshard.positions(5), np.arange(5))
+    with pytest.raises(ValueError, match=r"give the length"):
+        zshard.positions()
+    split = SequenceSplit(4, 32)  # chunks of 4 tokens
+    for i in range(4):
+        np.testing.assert_array_equal(split.chunk_positions(i), head_tail_order(32, 4)[8 * i : 8 * (i + 1)])
+    np.testing.assert_array_equal(split.chunk_positions(1), [4, 5, 6, 7, 24, 25, 26, 27])
+    np.testing.assert_array_equal(split.chunk_positions(jnp.int32(1)), split.chunk_positions(1))  # traced: the same
+    with tracing(split), pytest.raises(ValueError, match=r"zshard.positions\(32\): this device holds 8 tokens"):
+        zshard.positions(32)
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match=r"4 query heads do not divide into 3 key/value heads"):
+        zshard.attention(Q, np.zeros((B, L, 3, HD), np.float32), np.zeros((B, L, 3, HD), np.float32))
+    with pytest.raises(ValueError, match=r"q has shape \(2, 64, 32\)"):
+        zshard.attention(Q.reshape(B, L, -1), K, VV)
+    with pytest.raises(ValueError, match=r"k and v must have one shape"):
+        zshard.attention(Q, K, VV[:, :, :1])
+    with pytest.raises(ValueError, match=r"segment_ids has shape \(2, 63\)"):
+        zshard.attention(Q, K, VV, segment_ids=SEG[:, 1:])
+    with pytest.raises(ValueError, match=r"sliding_window=0 must be a positive int"):
+        zshard.attention(Q, K, VV, sliding_window=0)
+    with pytest.raises(ValueError, match=r"softcap=-1.0 must be a positive finite number"):
+        zshard.attention(Q, K, VV, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"impl='flash'; choose one of 'allgather', 'ring'"):
+        zshard.attention(Q, K, VV, impl="flash")
+    with tracing(SequenceSplit(4, 4 * L)), pytest.raises(ValueError, match=r"must hold this device's 64 tokens"):
+        zshard.attention(Q[:, :32], K[:, :32], VV[:, :32])

@@ -1,0 +1,312 @@
+"""``zshard.attention``: scaled dot-product attention that works on a sequence split over ``context``.
+
+Outside a step whose sequence is split (one device, ``C = 1``, an eval or forward without a
+sequence axis, plain JAX) it is ``jax.nn.dot_product_attention`` (the mask passed as an additive
+bias, GQA's keys and values repeated to the query heads: the same numbers, less memory in a
+scanned block; :func:`_bias`). Inside one (docs/long-sequences.md),
+each context device holds its queries, keys and values of ``2c = L / C`` tokens in the head-tail
+order (:mod:`zshard.sequence`), and every query must meet every key of the sequence:
+
+- ``impl="allgather"`` (default): the keys and values (and segment ids) are all-gathered over
+  ``context`` once, ``[B, 2c, n_kv, D] --all_gather(context)--> [B, L, n_kv, D]``; the backward pass
+  is the transpose, a reduce-scatter of ``dK`` and ``dV`` to their owners. Llama-3's context
+  parallelism (arXiv 2407.21783 section 3.3.2) does the same: the keys are few (GQA).
+- ``impl="ring"``: ring attention (Liu et al., arXiv 2310.01889): ``C`` steps, each computes this
+  device's queries against the key/value chunk it holds while that chunk moves on to the next
+  device (``ppermute``, issued before the step's compute so a GPU overlaps the two); the backward
+  pass sends ``dK``, ``dV`` back around the ring. The same bytes as the all-gather, never the whole
+  sequence's keys on one device.
+
+Both walk the ``C`` key/value chunks of the sequence (one per source device ``j``) with an
+online softmax (Milakov & Gimelshein 2018; flash attention's merge of partial results), and skip
+the blocks a causal mask hides entirely: with the head-tail order every device computes the same
+number of ``c x c`` blocks, ``2C + 2`` ([Note: causal blocks]). Each step is under
+``jax.checkpoint``, so the backward recomputes one step's scores at a time (the scores of the whole
+sequence never exist at once). Numbers equal ``jax.nn.dot_product_attention`` on one device
+(fp32 within 1e-6, tests/test_attention.py).
+
+The collectives run under the named scope :data:`zshard.jaxprs.CONTEXT_SCOPE`, so
+``zshard.report`` finds them in the compiled program (its ``context`` row).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zshard.jaxprs import CONTEXT_SCOPE
+from zshard.mesh import CONTEXT
+from zshard.sequence import AttentionCall, SequenceSplit, active
+
+__all__ = ["IMPLS", "attention", "schedule"]
+
+IMPLS = ("allgather", "ring")
+DIAG, LOWER, UPPER = 0, 1, 2  # which blocks of (my 2 chunks) x (a source's 2 chunks) are computed
+
+# [Note: causal blocks] Device i holds query chunks a = i and b = 2C-1-i; source device j holds key
+# chunks j and 2C-1-j. Under a causal mask:
+#   j == i (DIAG):  q[a, b] x k[a, b]  -- 4 blocks, masked elementwise (q_a x k_b is all masked)
+#   j <  i (LOWER): q[a, b] x k[j]     -- 2 blocks: chunk 2C-1-j comes after both of mine
+#   j >  i (UPPER): q[b]    x k[j, 2C-1-j] -- 2 blocks: both come before chunk b, after chunk a
+# Every device meets i LOWER and C-1-i UPPER sources and one DIAG: 4 + 2(C-1) blocks, whatever i.
+# The elementwise mask (positions, window, segments) is always applied, so skipping only ever drops
+# blocks that are masked whole. Without a causal mask every source is DIAG.
+
+
+def schedule(index: int, context: int, impl: str = "allgather", causal: bool = True) -> list[int]:
+    """The block kind (``DIAG`` / ``LOWER`` / ``UPPER``) of each step on context device ``index``:
+    ``allgather`` visits sources ``j = 0 .. C-1``, ``ring`` step ``t`` the chunk of ``j = (i - t) mod C``."""
+    sources = range(context) if impl == "allgather" else [(index - t) % context for t in range(context)]
+    return [_kind(index, j, causal) for j in sources]
+
+
+def _kind(i, j, causal: bool):
+    if not causal:
+        return DIAG
+    if isinstance(i, numbers.Integral) and isinstance(j, numbers.Integral):
+        return DIAG if i == j else LOWER if j < i else UPPER
+    return jnp.where(i == j, DIAG, jnp.where(j < i, LOWER, UPPER))
+
+
+_NEG = float(-0.7 * np.finfo(np.float32).max)  # jax.nn.dot_product_attention's masked logit
+
+
+def _block(q, k, v, qpos, kpos, qseg, kseg, *, causal, window, scale, cap=None):
+    """Partial attention of queries ``q [B, Lq, n_kv, G, D]`` on keys / values ``[B, Lk, n_kv, D]``:
+    ``(o [B, Lq, n_kv, G, Dv] unnormalised, m [B, Lq, n_kv, G] row max, l [B, Lq, n_kv, G] row sum)``,
+    float32; a row with no visible key has ``o = l = 0`` and ``m`` the masked logit."""
+    s = jnp.einsum("bqhgd,bkhd->bqhgk", q, k, preferred_element_type=jnp.float32) * scale  # [B, Lq, n_kv, G, Lk]
+    if cap is not None:  # Gemma 2's soft-cap of the logits: cap * tanh(s / cap)
+        s = cap * jnp.tanh(s / cap)
+    mask = jnp.ones((qpos.shape[0], kpos.shape[0]), bool)
+    dist = qpos[:, None] - kpos[None, :]  # [Lq, Lk]: query position - key position
+    if causal:
+        mask = dist >= 0
+    if window is not None:
+        mask = mask & (dist < window) & (dist > -window)
+    mask = mask[None, :, None, None, :]  # [1, Lq, 1, 1, Lk]
+    if qseg is not None:
+        mask = mask & (qseg[:, :, None] == kseg[:, None, :])[:, :, None, None, :]  # [B, Lq, 1, 1, Lk]
+    s = jnp.where(mask, s, _NEG)
+    m = jnp.max(s, axis=-1)  # [B, Lq, n_kv, G]
+    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+    l = jnp.sum(p, axis=-1)
+    o = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o, m, l
+
+
+def _merge(a, b):
+    """Two partial results over disjoint keys -> one (the online softmax's rescaling)."""
+    (o1, m1, l1), (o2, m2, l2) = a, b
+    m = jnp.maximum(m1, m2)
+    a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+    return o1 * a1[..., None] + o2 * a2[..., None], m, l1 * a1 + l2 * a2
+
+
+def _empty(q, dv):
+    B, Lq, H, G, _ = q.shape
+    return (jnp.zeros((B, Lq, H, G, dv), jnp.float32), jnp.full((B, Lq, H, G), _NEG, jnp.float32),
+            jnp.zeros((B, Lq, H, G), jnp.float32))
+
+
+def _step(kind, q, k, v, qpos, kpos, qseg, kseg, *, c, opts):
+    """One source's keys: the blocks of ``kind`` ([Note: causal blocks]); partials for all ``2c`` queries."""
+    block = functools.partial(_block, **opts)
+    sl = lambda x, lo, hi: None if x is None else x[:, lo:hi]  # noqa: E731  [B, L, ...] -> [B, lo:hi, ...]
+
+    def diag(q, k, v, qpos, kpos, qseg, kseg):  # q[a, b] x k[both]
+        return block(q, k, v, qpos, kpos, qseg, kseg)
+
+    def lower(q, k, v, qpos, kpos, qseg, kseg):  # q[a, b] x k[first chunk]
+        return block(q, k[:, :c], v[:, :c], qpos, kpos[:c], qseg, sl(kseg, 0, c))
+
+    def upper(q, k, v, qpos, kpos, qseg, kseg):  # q[b] x k[both]; q[a] sees nothing of this source
+        ob, mb, lb = block(q[:, c:], k, v, qpos[c:], kpos, sl(qseg, c, 2 * c), kseg)
+        oa, ma, la = _empty(q[:, :c], v.shape[-1])
+        return jnp.concatenate([oa, ob], 1), jnp.concatenate([ma, mb], 1), jnp.concatenate([la, lb], 1)
+
+    branches = (diag, lower, upper)
+    args = (q, k, v, qpos, kpos, qseg, kseg)
+    if isinstance(kind, numbers.Integral):  # known while tracing: one device's program
+        return branches[kind](*args)
+    return jax.lax.switch(kind, branches, *args)
+
+
+def _bias(lq: int, lk: int, causal: bool, window, segment_ids):
+    """The mask of the one-device path as an additive float32 bias, ``[1, 1, Lq, Lk]`` (``[B, 1,
+    Lq, Lk]`` with segment ids), or ``None``: 0 where a query sees a key, the masked logit elsewhere.
+
+    Exactly ``jax.nn.dot_product_attention``'s ``mask=`` / ``is_causal=`` / ``local_window_size=``
+    (a masked logit's ``exp`` is 0 either way), without their ``jnp.where`` over a boolean of the
+    scores' full shape: XLA hoists that ``[B, H, Lq, Lk]`` boolean out of a scanned block and keeps it
+    through the forward loop (one scores-sized buffer more per step; an additive ``[Lq, Lk]`` bias
+    stays small, train/models/core.py's note)."""
+    keep = None
+    dist = np.arange(lq)[:, None] - np.arange(lk)[None, :]  # [Lq, Lk]: query position - key position
+    if causal:
+        keep = dist >= 0
+    if window is not None:
+        near = (dist < window) & (dist > -window)
+        keep = near if keep is None else keep & near
+    bias = None if keep is None else jnp.asarray(np.where(keep, 0.0, _NEG).astype(np.float32))[None, None]  # [1, 1, Lq, Lk]
+    if segment_ids is not None:
+        same = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, Lq, Lk]
+        seg = jnp.where(same, 0.0, _NEG).astype(jnp.float32)
+        bias = seg if bias is None else jnp.minimum(bias, seg)
+    return bias
+
+
+def _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap=None) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.ndim(x) != 4 or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            raise ValueError(f"zshard.attention: {name} has shape {jnp.shape(x)} ({jnp.result_type(x)}); q, k and v are "
+                             "floating [batch, length, heads, head_dim]")
+    (B, L, H, D), (Bk, Lk, Hk, Dk) = q.shape, k.shape
+    if v.shape != k.shape or Bk != B or Dk != D:
+        raise ValueError(f"zshard.attention: q {q.shape}, k {k.shape}, v {v.shape}: k and v must have one shape "
+                         "[B, S, n_kv, D] with q's batch and head_dim")
+    if H % Hk:
+        raise ValueError(f"zshard.attention: {H} query heads do not divide into {Hk} key/value heads (GQA needs "
+                         "heads % kv_heads == 0)")
+    if segment_ids is not None and (jnp.shape(segment_ids) != (B, L) or not jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer)):
+        raise ValueError(f"zshard.attention: segment_ids has shape {jnp.shape(segment_ids)} ({jnp.result_type(segment_ids)}); "
+                         f"give integer ids [batch, length] = {[B, L]}, one per token (self-attention: q and k share them)")
+    if segment_ids is not None and Lk != L:
+        raise ValueError(f"zshard.attention: segment_ids need self-attention (q length {L}, k length {Lk})")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral)
+                                       or sliding_window < 1):
+        raise ValueError(f"zshard.attention: sliding_window={sliding_window!r} must be a positive int (keys within "
+                         "that many positions, the query's own included)")
+    if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale)):
+        raise ValueError(f"zshard.attention: scale={scale!r} must be a finite number (default 1/sqrt(head_dim))")
+    if softcap is not None and not (isinstance(softcap, numbers.Real) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"zshard.attention: softcap={softcap!r} must be a positive finite number (Gemma 2: 50.0)")
+    if impl not in IMPLS:
+        raise ValueError(f"zshard.attention: impl={impl!r}; choose one of {', '.join(map(repr, IMPLS))}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"zshard.attention: causal={causal!r} must be True or False")
+
+
+def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window: int | None = None,
+              scale: float | None = None, softcap: float | None = None, impl: str = "allgather") -> jax.Array:
+    """Scaled dot-product attention, exact on a sequence split over the ``context`` axis.
+
+    Args:
+      q: queries ``[B, L, H, D]`` (this device's tokens; inside a split step ``L = L_global / C``
+        in the head-tail order of :mod:`zshard.sequence`).
+      k, v: keys and values ``[B, L, n_kv, D]``; ``n_kv < H`` is grouped-query attention (query
+        head ``h`` reads key/value head ``h // (H / n_kv)``, as ``jax.nn.dot_product_attention``).
+      causal: each query sees only keys at global positions ``<=`` its own.
+      segment_ids: int ``[B, L]``: packed documents; a query sees only keys of its own segment.
+        A batch leaf with the sequence axis, so it is split and ordered like the tokens.
+      sliding_window: ``W``: a query at position ``p`` sees keys at ``p' > p - W`` (and
+        ``p' < p + W`` when not causal): ``W`` keys including its own under a causal mask
+        (Mistral's ``sliding_window``; ``jax.nn.dot_product_attention(local_window_size=(W-1, W-1))``).
+      scale: the logits' factor, default ``1 / sqrt(D)``.
+      softcap: ``cap``: logits ``cap * tanh(s / cap)`` before the mask and softmax (Gemma 2,
+        arXiv 2408.00118 section 2); ``None``: none. ``jax.nn.dot_product_attention`` has no such
+        option: with a soft-cap the one-device path is this module's own block (the same math
+        as on a split sequence, one block of ``L x L``).
+      impl: ``"allgather"`` (keys and values all-gathered over ``context``) or ``"ring"``
+        (passed around the ring with ``ppermute``); equal in numbers, equal in bytes.
+
+    Returns:
+      ``[B, L, H, D]`` in ``q``'s dtype (logits and softmax in float32).
+
+    Raises:
+      ValueError: shapes, dtypes or options as named above; inside a split step, ``q`` not holding
+        this device's ``L_global / C`` tokens of each sequence (a model that slices its input first).
+    """
+    _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap)
+    record = active()
+    split = None if record is None else record.split
+    if (split is None or split.context == 1) and softcap is not None:
+        B, L, H, D = q.shape
+        pos = jnp.arange(L, dtype=jnp.int32)
+        o, _, l = _block(q.reshape(B, L, k.shape[2], H // k.shape[2], D), k, v, pos, pos, segment_ids, segment_ids,
+                         causal=causal, window=sliding_window, scale=float(1 / math.sqrt(D) if scale is None else scale),
+                         cap=float(softcap))  # [B, L, n_kv, G, Dv] unnormalised, l [B, L, n_kv, G]
+        return (o / l[..., None]).astype(q.dtype).reshape(B, L, H, v.shape[3])  # -> [B, L, H, Dv]
+    if split is None or split.context == 1:
+        # GQA: K/V repeated to the query heads, [B, S, n_kv, D] -> [B, S, H, D]: jax.nn's grouped
+        # [B, n_kv, G, L, S] scores cost one scores-sized copy more in a scanned block (measured:
+        # a 4-layer scanned Llama at T = 1024, temp 904 -> 847 MB, the same as without GQA)
+        rep = q.shape[2] // k.shape[2]
+        k, v = (k, v) if rep == 1 else (jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2))
+        return jax.nn.dot_product_attention(q, k, v, bias=_bias(q.shape[1], k.shape[1], causal, sliding_window, segment_ids),
+                                            scale=scale)
+    if q.shape[1] != split.local or k.shape[1] != split.local:
+        raise ValueError(
+            f"zshard.attention: q {q.shape} and k {k.shape} must hold this device's {split.local} tokens of each sequence "
+            f"(L={split.length} over context={split.context}); attention on a slice of the placed sequence is not defined"
+        )
+    record.record(AttentionCall(q.shape[0], split.length, k.shape[2], k.shape[3], v.shape[3], jnp.dtype(k.dtype).itemsize,
+                                segment_ids is not None, impl))
+    return context_attention(q, k, v, split, jax.lax.axis_index(CONTEXT), causal=causal, segment_ids=segment_ids,
+                             sliding_window=sliding_window, scale=scale, softcap=softcap, impl=impl)
+
+
+def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segment_ids=None, sliding_window=None,
+                      scale=None, softcap=None, impl="allgather", gathered=None):
+    """Inside ``shard_map`` (manual over ``context``): attention of context device ``index`` (traced,
+    or a Python int for one device's program) on the split sequence (see :func:`attention`).
+
+    ``gathered``: ``(k_all, v_all, seg_all)`` already in the placed order ``[B, L, ...]`` instead of
+    gathering (``impl="allgather"`` only): one device's program without collectives, for counting
+    its FLOPs (``cost_analysis``)."""
+    B, L2, H, D = q.shape
+    n_kv, C, c = k.shape[2], split.context, split.chunk
+    opts = dict(causal=causal, window=sliding_window, scale=float(1 / math.sqrt(D) if scale is None else scale),
+                cap=None if softcap is None else float(softcap))
+    qg = q.reshape(B, L2, n_kv, H // n_kv, D)  # [B, 2c, H, D] -> [B, 2c, n_kv, G, D]
+    qpos = split.chunk_positions(index)
+
+    def step(kind, *args):  # one source under jax.checkpoint: the backward recomputes its scores
+        if isinstance(kind, numbers.Integral):
+            return jax.checkpoint(functools.partial(_step, int(kind), c=c, opts=opts))(*args)
+        return jax.checkpoint(functools.partial(_step, c=c, opts=opts))(kind, *args)
+
+    state = _empty(qg, v.shape[-1])
+    if impl == "allgather":
+        if gathered is None:
+            with jax.named_scope(CONTEXT_SCOPE):
+                # [B, 2c, n_kv, D] --all_gather(context, tiled)--> [B, L, n_kv, D] (placed order: device j at [2c j, 2c (j+1)))
+                k_all = jax.lax.all_gather(k, CONTEXT, axis=1, tiled=True)
+                v_all = jax.lax.all_gather(v, CONTEXT, axis=1, tiled=True)
+                seg_all = None if segment_ids is None else jax.lax.all_gather(segment_ids, CONTEXT, axis=1, tiled=True)
+        else:
+            k_all, v_all, seg_all = gathered
+        for j in range(C):
+            window = slice(2 * c * j, 2 * c * (j + 1))  # source j's [2c] tokens of the gathered [L]
+            kseg = None if seg_all is None else seg_all[:, window]
+            part = step(_kind(index, j, causal), qg, k_all[:, window], v_all[:, window], qpos, split.chunk_positions(j),
+                        segment_ids, kseg)
+            state = _merge(state, part)
+    elif impl == "ring":
+        held = (k, v, segment_ids)
+        perm = [(d, (d + 1) % C) for d in range(C)]  # device d sends what it holds to d + 1
+        for t in range(C):
+            if t < C - 1:
+                with jax.named_scope(CONTEXT_SCOPE):
+                    # [B, 2c, n_kv, D] --ppermute(context, d -> d+1)--> [B, 2c, n_kv, D]: the chunk of device (i - t - 1)
+                    nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, CONTEXT, perm), held)
+            j = (index - t) % C  # whose chunk this device holds at step t
+            if t == 0 or not causal:  # its own chunk, or no mask to skip blocks by
+                kind = DIAG
+            elif isinstance(index, numbers.Integral):
+                kind = _kind(index, j, causal)
+            else:  # j = i - t >= 0 exactly when t <= i
+                kind = jnp.where(t <= index, LOWER, UPPER)
+            part = step(kind, qg, held[0], held[1], qpos, split.chunk_positions(j), segment_ids, held[2])
+            state = _merge(state, part)
+            if t < C - 1:
+                held = nxt
+    else:  # pragma: no cover - checked by attention()
+        raise ValueError(impl)
+    o, _, l = state
+    return (o / l[..., None]).astype(q.dtype).reshape(B, L2, H, v.shape[-1])  # [B, 2c, n_kv, G, Dv] -> [B, 2c, H, Dv]
