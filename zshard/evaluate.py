@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from zshard.checks import check_traced
 from zshard.collectives import gather_params
+from zshard.offload import gather_source
 from zshard.intercept import materialize
 from zshard.jaxprs import LOSS_SCOPE
 from zshard.mesh import AXES, sharded_map
@@ -139,7 +140,7 @@ class EvalStep:
 
         specs = state.specs()
         return sharded_map(local, plan.mesh, in_specs=(specs.params, specs.variables, P(AXES)), out_specs=P())(
-            state.params, state.variables, batch
+            gather_source(state), state.variables, batch
         )
 
     def put_batch(self, state: ShardedState, batch):
@@ -239,7 +240,7 @@ class Forward:
 
         specs = state.specs()
         return sharded_map(local, plan.mesh, in_specs=(specs.params, specs.variables, arg_specs), out_specs=P(AXES))(
-            state.params, state.variables, args
+            gather_source(state), state.variables, args
         )
 
     def put_args(self, state: ShardedState, args: tuple):

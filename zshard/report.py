@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zshard.mesh import REPLICA, SHARD, TENSOR
+from zshard.offload import master_paths, offload_report
 from zshard.optim import optimizer_grad_specs, optimizer_program
 from zshard.jaxprs import OPTIMIZER_SCOPE, unit_of
 from zshard.strategy import Strategy
@@ -318,6 +319,11 @@ class Report:
       tensor: with a ``tensor`` axis, its all-reduces (:func:`_tensor_formula`):
         ``activation_bytes`` (``X = b s h e``), ``arrays_per_block`` (Megatron's count ``k``) and
         the measured one, ``root_bytes`` (outside the blocks); else ``None``.
+      offload: with ``zshard.init(..., offload=...)``, :func:`zshard.offload.offload_report`:
+        ``mode``; model-state bytes per device in ``device`` and ``host`` memory, ``measured``
+        (from each leaf's shard shape and memory kind) and ``formula``; ``transfer``: host <->
+        device bytes per step of the GPU program (exported for ``cuda``: ``to_device``,
+        ``to_host``, ``calls``), ``measured`` against ``formula`` = ``2 * host``. Else ``None``.
       optimizer: the optimizer step measured apart (``None`` when not measured): ``path``
         (``"elementwise"``: Optax on the local slices, no collective; or ``"global view
         (<transformation>)"``, :mod:`zshard.optim_global`), ``collectives`` (per kind and
@@ -337,6 +343,7 @@ class Report:
     grad_accum: int = 1
     optimizer: dict | None = None
     tensor: dict | None = None
+    offload: dict | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -371,6 +378,18 @@ class Report:
                 f"tensor axis: {t['measured_arrays_per_block']:.2f} all-reduces of one block's activation "
                 f"({t['activation_bytes']:,} bytes) per block call, Megatron-LM's count {t['arrays_per_block']}; "
                 f"outside the blocks {mib(t['root_bytes'])} MiB",
+            ]
+        if self.offload is not None:
+            o = self.offload
+            t = o["transfer"]
+            lines += [
+                "",
+                f"| offload={o['mode']} | measured MiB | formula MiB |",
+                "|---|---:|---:|",
+                f"| model state in device memory | {mib(o['measured']['device'])} | {mib(o['formula']['device'])} |",
+                f"| model state in host memory (pinned_host) | {mib(o['measured']['host'])} | {mib(o['formula']['host'])} |",
+                f"| host <-> device per step (GPU program: {t['calls'].get('device', 0)} + {t['calls'].get('pinned_host', 0)} "
+                f"transfers) | {mib(t['measured'])} | {mib(t['formula'])} |",
             ]
         if self.optimizer is not None:
             o = self.optimizer
@@ -407,6 +426,7 @@ def report(step, state, batch) -> Report:
     }
     measured["total"] = measured["params"] + measured["opt_state"]
     formula = _state_formula(plan)
+    split = {k: formula.pop(k) for k in ("opt_state_host", "masters", "copies")}  # the offload lines' formula
 
     colls = parse_collectives(compiled.as_text(), plan.mesh)
     by_axis: dict[str, float] = defaultdict(float)
@@ -448,6 +468,7 @@ def report(step, state, batch) -> Report:
         grad_accum=step.config.grad_accum,
         optimizer=opt,
         tensor=tensor,
+        offload=offload_report(step, state, batch, {**formula, **split}) if plan.offload else None,
     )
 
 
@@ -512,14 +533,21 @@ def _state_formula(plan) -> dict:
             transform_non_params=lambda _: _Ref(None), is_leaf=lambda x: isinstance(x, (_Ref, optax.MaskedNode)),
         )
         owners = [m.path for m in jax.tree.leaves(marked, is_leaf=lambda x: isinstance(x, _Ref))]
-    opt = 0.0
+    opt = opt_host = 0.0
     for x, owner in zip(leaves, owners):
         b = x.size * _itemsize(x.dtype)
         if owner is None:
-            opt += b if plan.opt_view is not None else b / N_opt  # whole on every device (a count: negligible)
+            b = b if plan.opt_view is not None else b / N_opt  # whole on every device (a count: negligible)
         else:
-            opt += b / (N_opt * (T if plan.layouts[owner].split else 1))
-    return {"params": params, "opt_state": opt, "total": params + opt}
+            b = b / (N_opt * (T if plan.layouts[owner].split else 1))
+        opt += b
+        opt_host += b if plan.offload and x.ndim else 0.0  # offload: the leaves with a dimension (zshard.offload)
+    # offload="optimizer+master": the masters on the host, their param_dtype copies on the device
+    per = lambda rec, itemsize: int(np.prod(rec.logical_shape, dtype=np.int64)) * itemsize / (N * (T if rec.split else 1))  # noqa: E731
+    masters = [plan.layouts[p] for p in master_paths(plan)]
+    host_masters = sum(per(rec, rec.dtype.itemsize) for rec in masters)
+    copies = sum(per(rec, np.dtype(plan.mp.gather_dtype(rec.dtype)).itemsize) for rec in masters)
+    return {"params": params, "opt_state": opt, "total": params + opt, "opt_state_host": opt_host, "masters": host_masters, "copies": copies}
 
 
 class _Ref:
