@@ -47,7 +47,8 @@ from jax.sharding import NamedSharding
 __all__ = [
     "DEVICE", "HOST", "MODES", "check_backend", "check_masters", "check_placement", "compute_params", "device_param_specs",
     "exported_placements", "gather_source", "is_host", "master_paths", "memory_kind", "memory_split", "offload_report",
-    "opt_shardings", "parse_offload", "state_shardings", "to_device", "to_host", "update_offloaded", "with_device_params",
+    "opt_shardings", "parse_offload", "state_shardings", "to_device", "to_host", "traced_naming_host_leaf", "update_offloaded",
+    "with_device_params",
 ]  # fmt: skip
 
 HOST = "pinned_host"
@@ -214,7 +215,11 @@ def gather_source(state) -> dict:
 # the new master's ``param_dtype`` copy is cut on the device, and each updated leaf goes back to the
 # host ("pinned_host"). One transfer each way per leaf and step: ``2 * host bytes``. Each leaf is
 # its own transfer, its update depends only on it (and the scalars), so the GPU scheduler can stream
-# them; the order is XLA's. A leaf never meets device data while on the host, which JAX refuses
+# them; the order is XLA's. A stacked parameter (``[L, n_pad/N]``, run with ``nnx.scan``) is one
+# leaf for all its layers, so its moments are on the device whole while it is updated; streaming
+# them a layer at a time (a ``lax.scan`` over the layers) is not done: tried, the scan body's
+# moment update compiled differently on XLA:CPU and rounded the last bits (not bitwise), so it
+# was left out (issue 27). A leaf never meets device data while on the host, which JAX refuses
 # ("memory_space of all inputs ... must be the same"; :func:`check_placement` names the leaf).
 
 
@@ -316,6 +321,51 @@ def check_placement(state, where: str = "the train step") -> None:
                 )
 
 
+_MIXED = "memory_space of all inputs"  # JAX's words for arithmetic mixing host and device values
+
+
+def traced_naming_host_leaf(trace, state, *args):
+    """``trace(state, *args)``, with JAX's refusal of arithmetic on a host value re-raised naming
+    the leaf of ``state`` it came from (found by tracing again with halves of the host leaves
+    placed on the device: a few traces, on this error only).
+
+    Raises:
+      ValueError: naming the leaf and the fix, when the traced program uses a host leaf in
+        arithmetic with device data; other errors as they are.
+    """
+    try:
+        return trace(state, *args)
+    except ValueError as e:
+        if _MIXED not in str(e):
+            raise
+        error = e
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    host = [i for i, (_, x) in enumerate(leaves) if memory_kind(x) == HOST]
+    all_host = frozenset(host)
+
+    def fails(on_host: set) -> bool:  # only ``on_host`` of the host leaves stay on the host
+        placed = [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if i in on_host or i not in all_host else x.sharding.with_memory_kind(DEVICE))
+            for i, (_, x) in enumerate(leaves)
+        ]
+        try:
+            trace(jax.tree.unflatten(treedef, placed), *args)
+        except ValueError as e:
+            return _MIXED in str(e)
+        return False
+
+    while len(host) > 1:
+        half = host[: len(host) // 2]
+        host = half if fails(set(half)) else host[len(host) // 2 :]
+    name = jax.tree_util.keystr(leaves[host[0]][0]).lstrip(".") if host else "?"
+    raise ValueError(
+        f"zshard: {name} is in pinned_host memory and the program uses it in arithmetic with device data (JAX: "
+        f"{str(error).splitlines()[0][:160]}); with offload, zshard moves each optimizer leaf to the device only "
+        "around the Optax update (zshard.offload.update_offloaded): read it outside the step "
+        "(jax.device_get), or use offload=None"
+    ) from error
+
+
 # --- accounting ------------------------------------------------------------------------------------
 
 
@@ -341,30 +391,33 @@ def _tensor_bytes(text: str) -> int:
     return int(np.prod([int(d) for d in dims], dtype=np.int64)) * size
 
 
-def exported_placements(jitted, *args, platform: str = "cuda") -> dict:
-    """The transfers of ``jitted``'s program for ``platform``, exported on any machine
-    (``jax.export.export``; no GPU needed): per placement (``"device"``: host -> device,
-    ``"pinned_host"``: device -> host), the ``count`` of ``annotate_device_placement`` calls inside
-    the ``shard_map`` body and their ``bytes`` per device. The program's own output annotations
-    (at its boundary, one per output when any output has a memory kind) are not counted."""
-    text = jax.export.export(jitted, platforms=[platform])(*args).mlir_module()
-    counts = {DEVICE: {"count": 0, "bytes": 0}, HOST: {"count": 0, "bytes": 0}}
-    in_main, depth = False, 0  # depth: braces open inside @main's sdy.manual_computation
+def exported_placements(exported) -> dict:
+    """The transfers of an exported program (``jax.export.Exported``, e.g.
+    :meth:`zshard.TrainStep.export`: the GPU program, exported on any machine): per placement
+    (``"device"``: host -> device, ``"pinned_host"``: device -> host), the ``count`` of
+    ``annotate_device_placement`` calls in the program, their ``bytes`` per device and step (local
+    shapes inside the ``shard_map``) and the ``largest`` one's. The program's own output
+    annotations (the values ``@main`` returns, one per output when any output has a memory kind)
+    are not counted."""
+    text = exported.mlir_module()
+    calls, returned, func = [], set(), None  # (function, result, placement, type) of every call; what @main returns
     for line in text.splitlines():
         if line.lstrip().startswith("func.func"):
-            in_main, depth = "@main(" in line, 0
-            continue
-        if in_main and depth == 0:
-            if "sdy.manual_computation" in line:
-                depth = max(line.count("{") - line.count("}"), 1)
-            continue  # @main outside the shard_map body: the program's boundary
+            func = re.search(r"@([\w.$-]+)\(", line).group(1)
         m = _PLACEMENT.search(line)
         if m:
-            entry = counts.setdefault(m.group(1), {"count": 0, "bytes": 0})
-            entry["count"] += 1
-            entry["bytes"] += _tensor_bytes(m.group(2))
-        if in_main:
-            depth += line.count("{") - line.count("}")
+            calls.append((func, line.split("=", 1)[0].strip(), m.group(1), m.group(2)))
+        elif func == "main" and line.lstrip().startswith("return "):
+            returned |= {("main", r) for r in re.findall(r"%[\w#]+", line.split(":", 1)[0])}
+    counts = {DEVICE: {"count": 0, "bytes": 0, "largest": 0}, HOST: {"count": 0, "bytes": 0, "largest": 0}}
+    for func, result, kind, tensor in calls:
+        if (func, result) in returned:
+            continue  # the program's boundary: the placement of an output
+        entry = counts.setdefault(kind, {"count": 0, "bytes": 0, "largest": 0})
+        size = _tensor_bytes(tensor)
+        entry["count"] += 1
+        entry["bytes"] += size
+        entry["largest"] = max(entry["largest"], size)
     return counts
 
 
@@ -380,12 +433,13 @@ def offload_report(step, state, batch, formula: dict) -> dict:
     measured = memory_split(state)
     host = formula["opt_state_host"] + formula["masters"]
     device = formula["total"] - host + formula["copies"]
-    placed = step.put_batch(state, batch)
     try:
-        moves = exported_placements(step._jit_for(state), state, placed)
-        moved = {"to_device": moves[DEVICE]["bytes"], "to_host": moves[HOST]["bytes"], "calls": {k: v["count"] for k, v in moves.items()}}
+        moves = exported_placements(step.export(state, batch))
+        moved = {"to_device": moves[DEVICE]["bytes"], "to_host": moves[HOST]["bytes"], "largest": moves[DEVICE]["largest"],
+                 "calls": {k: v["count"] for k, v in moves.items()}}
     except Exception as e:  # pragma: no cover - an export failure is reported, not fatal
-        moved = {"to_device": float("nan"), "to_host": float("nan"), "calls": {}, "error": f"{type(e).__name__}: {e}"[:200]}
+        moved = {"to_device": float("nan"), "to_host": float("nan"), "largest": 0, "calls": {}, "error": f"{type(e).__name__}: {e}"[:200]}
+    moved["per_param"] = moved["calls"].get(DEVICE, 0) / max(len(state.plan.trainable), 1)  # transfers of one parameter's update
     return {
         "mode": state.plan.offload,
         "measured": measured,

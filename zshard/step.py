@@ -34,7 +34,7 @@ from zshard.collectives import vary
 from zshard.intercept import materialize, read_variables
 from zshard.jaxprs import LOSS_SCOPE
 from zshard.mesh import AXES, sharded_map
-from zshard.offload import check_placement, compute_params, update_offloaded
+from zshard.offload import check_placement, compute_params, traced_naming_host_leaf, update_offloaded
 from zshard.optim import apply_optimizer, global_norm
 from zshard.state import Plan, ShardedState
 from zshard.step_config import StepConfig, default_prefetch, put_batch, trace_key
@@ -352,13 +352,22 @@ class TrainStep:
         ``loss_fn`` (:func:`zshard.checks.check_traced`)."""
         key = trace_key(state, batch)
         if key not in self._checked:
-            check_traced(self._jit_for(state).trace(state, batch).jaxpr.jaxpr, state, batch)
+            traced = traced_naming_host_leaf(self._jit_for(state).trace, state, batch)  # a host leaf in arithmetic: named
+            check_traced(traced.jaxpr.jaxpr, state, batch)
             self._checked.add(key)
+
+    def export(self, state: ShardedState, batch, platforms=("cuda",)) -> "jax.export.Exported":
+        """The step's program for ``platforms`` (``jax.export.export``; the GPU program can be
+        exported on a CPU-only machine): ``.mlir_module()`` is its StableHLO text, where host
+        offload shows as ``annotate_device_placement`` calls (:func:`zshard.offload.exported_placements`)."""
+        check_placement(state)
+        return jax.export.export(self._jit_for(state), platforms=list(platforms))(state, self.put_batch(state, batch))
 
     def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
         """The lowered step (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
+        check_placement(state)
         batch = self.put_batch(state, batch)
-        traced = self._jit_for(state).trace(state, batch)
+        traced = traced_naming_host_leaf(self._jit_for(state).trace, state, batch)
         check_traced(traced.jaxpr.jaxpr, state, batch)
         return traced.lower()
 
