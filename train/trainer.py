@@ -118,12 +118,12 @@ class Trainer:
         if ckpt is not None and ckpt.resuming:  # state, batch position and records of the checkpoint
             try:
                 self.state, self.records = ckpt.restore(make_model, tx, setup.mesh, self.batches, strategy=setup.strategy,
-                                                        mixed_precision=mp, unit=unit)
+                                                        mixed_precision=mp, unit=unit, offload=run.mesh.offload)
             except checkpointing.ResumeError as e:
                 fail(str(e))
         else:
             self.state = zshard.init(make_model, tx, setup.mesh, strategy=setup.strategy, mixed_precision=mp,
-                                     params=setup.weights, unit=unit)
+                                     params=setup.weights, unit=unit, offload=run.mesh.offload)
         self.start = 0 if ckpt is None else ckpt.start
         loss_fn, has_aux = loss_for(setup.cfg)  # an MoE adds its router's load-balancing loss (metrics["aux"])
         self.step = zshard.make_train_step(loss_fn, has_aux=has_aux, grad_accum=t_cfg.grad_accum, clip_norm=run.optimizer.clip_norm,
