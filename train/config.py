@@ -198,6 +198,15 @@ class Config:
                 choice(f"training.{name}", getattr(t, name), list(DTYPES))
         choice("training.remat", t.remat, ["block", "dots", "none"])
         choice("mesh.unit", me.unit, ["blocks", "ends"])
+        if me.offload is not None:
+            choice("mesh.offload", me.offload, ["optimizer", "optimizer+master"])
+            if me.offload == "optimizer+master" and t.param_dtype != "bfloat16":
+                raise ConfigError(
+                    key_of("mesh.offload"),
+                    f"optimizer+master keeps a bf16 copy of the fp32 masters on the device, so it needs mixed precision: "
+                    f"set training.param_dtype ({flag_of('training.param_dtype')}) to bfloat16 (it is {t.param_dtype}), "
+                    "or use --offload optimizer",
+                )
         if t.prefetch is not None:
             at_least("training.prefetch", t.prefetch, 0)
         at_least("training.seed", t.seed, 0)

@@ -122,6 +122,8 @@ def validate(run) -> Setup:
                                     devices=devices)
     except ValueError as e:
         fail(f"mesh.shape (--mesh) {run.mesh.shape!r}: {e}")
+    if run.mesh.offload is not None:
+        _check_pinned_host(run.mesh.offload, devices)
     try:
         out, link = choose_out(run, _run_stamp())
         ckpt = checkpointing.prepare(resolved, out, fresh=run.logging.overwrite and not run.checkpoint.resume)
@@ -129,6 +131,15 @@ def validate(run) -> Setup:
         fail(str(e))
     return Setup(run, resolved, cfg, source, train_data, eval_data, devices, replica, shard, mesh, out, link, strategy, ckpt,
                  builder, weights)
+
+
+def _check_pinned_host(mode: str, devices) -> None:
+    """``mesh.offload`` needs ``pinned_host`` memory on every device (``zshard.init`` checks it too)."""
+    for d in devices:
+        kinds = [m.kind for m in d.addressable_memories()] if d.process_index == jax.process_index() else ["pinned_host"]
+        if "pinned_host" not in kinds:
+            fail(f"mesh.offload (--offload) {mode}: device {d} ({d.platform}) has no pinned_host memory (its memory kinds: "
+                 f"{kinds}); host offload needs a backend with pinned host memory: leave --offload unset here")
 
 
 def _init_from(run):

@@ -79,6 +79,9 @@ def _parse(argv):
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype the parameters (and so the Adam moments) are stored in; not mixed precision "
                    "(there, masters stay float32): this asks what pure-bf16 training would need")
+    p.add_argument("--offload", default=None, choices=["optimizer", "optimizer+master"],
+                   help="host offload (docs/offload.md): optimizer = the AdamW moments in pinned host memory; optimizer+master "
+                   "= the fp32 masters too, with mixed precision (a bf16 copy on the device for the gathers)")
     p.add_argument("--device-memory-gb", type=float, default=80.0, metavar="GB", help="memory of one device, GB (10^9 bytes)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also compile every strategy and plot per-device memory side by side")
     return p, p.parse_args(argv)
@@ -128,6 +131,11 @@ def main(argv=None) -> int:
     if batch % data:
         parser.error(f"--batch-size {batch} must divide by the {data} data devices of the {mesh_name} mesh")
     dtype = jnp.dtype(args.param_dtype)
+    mp = None
+    if args.offload == "optimizer+master":  # the masters stay float32, the gathers and compute in bf16
+        if dtype != jnp.float32:
+            parser.error("--offload optimizer+master keeps float32 masters on the host: leave --param-dtype float32")
+        mp = zshard.MixedPrecision(param_dtype="bfloat16")
     mesh = zshard.make_mesh(replica, shard, tensor=tensor, context=context, devices=jax.devices()[:world])
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     step = zshard.make_train_step(cross_entropy_loss, sequence_axis=1 if context > 1 else None)
@@ -141,8 +149,8 @@ def main(argv=None) -> int:
             return model
 
         unit = units_with_ends if args.unit == "ends" else None
-        state = zshard.init(build, optax.adamw(1e-4), mesh, strategy=strategy, abstract=True, unit=unit,
-                            tensor_parallel=tp_plan or None)
+        state = zshard.init(build, optax.adamw(1e-4), mesh, strategy=strategy, abstract=True, unit=unit, offload=args.offload,
+                            mixed_precision=mp, tensor_parallel=tp_plan or None)
         t0 = time.perf_counter()
         rep = zshard.report(step, state, (tokens, tokens))
         return rep, time.perf_counter() - t0
@@ -153,13 +161,15 @@ def main(argv=None) -> int:
     print(rep.table())
     print()
     split = f", each sequence split over context {context} ({seq // context} tokens per device)" if context > 1 else ""
-    print(f"global batch {batch} x {seq} tokens{split}, parameters {args.param_dtype}, AdamW, --unit {args.unit}; "
-          f"compiled in {seconds:.0f} s on {world} emulated devices")
+    precision = "float32 masters, bfloat16 gathers and compute" if mp is not None else f"parameters {args.param_dtype}"
+    print(f"global batch {batch} x {seq} tokens{split}, {precision}, AdamW, --unit {args.unit}"
+          f"{f', --offload {args.offload}' if args.offload else ''}; compiled in {seconds:.0f} s on {world} emulated devices")
+    if rep.offload is not None:
+        peak = _offload_lines(rep, peak)
     verdict = "FITS" if peak <= budget else "DOES NOT FIT"
-    print(
-        f"peak per device (argument + output - alias + temp) = {peak / GB:.2f} GB of {args.device_memory_gb:g} GB: "
-        f"{verdict} (margin {(budget - peak) / GB:+.2f} GB)"
-    )
+    what = "device peak (argument + output - alias + temp - host state + one parameter's update)" if rep.offload else \
+        "peak per device (argument + output - alias + temp)"
+    print(f"{what} = {peak / GB:.2f} GB of {args.device_memory_gb:g} GB: {verdict} (margin {(budget - peak) / GB:+.2f} GB)")
 
     if args.plot:
         names, rows = [], []
@@ -187,6 +197,25 @@ def main(argv=None) -> int:
         fig.savefig(args.plot, dpi=120)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _offload_lines(rep, peak: int) -> float:
+    """Print the device / host split of an offloaded plan; return the device peak estimate.
+
+    The CPU compile counts the host leaves as arguments and outputs of the step (XLA:CPU knows
+    no host memory), so they are taken out of the peak; on a GPU each offloaded leaf is on the
+    device while it is updated, so one parameter's share (the largest leaf, a stacked parameter's
+    all layers, times its leaves) is added back: the device peak when XLA's schedule updates
+    one parameter at a time (it decides; a GPU measures it: ``python -m train.bench --offload``).
+    """
+    o = rep.offload
+    host, device = o["measured"]["host"], o["measured"]["device"]
+    calls = max(o["transfer"]["calls"].get("device", 0), 1)
+    stream = o["transfer"]["largest"] * o["transfer"]["per_param"]
+    print(f"model state per device: {device / GB:.2f} GB in device memory, {host / GB:.2f} GB in pinned host memory "
+          f"(formula {o['formula']['device'] / GB:.2f} / {o['formula']['host'] / GB:.2f} GB); host <-> device "
+          f"{o['transfer']['measured'] / GB:.2f} GB per step in {calls} + {calls} transfers (formula 2 x host)")
+    return peak - host + stream
 
 
 if __name__ == "__main__":

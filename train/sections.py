@@ -75,6 +75,8 @@ class MeshConfig:
     """DeepSpeed ZeRO stage, an alias of strategy (file alias: [zero_optimization] stage): 0 NO_SHARD, 1 SHARD_OPT, 2 SHARD_GRAD_OP, 3 FULL_SHARD"""
     unit: str = "blocks"
     """wrap policy: blocks (each transformer block a unit; embeddings, final norm and head form the root unit, gathered for the step) or ends (the embedding and the head are units too, gathered only where used: train.model.units_with_ends)"""
+    offload: str | None = None
+    """host offload (docs/offload.md): optimizer (the AdamW moments in pinned host memory, 8 bytes per parameter / shard devices, moved to the device for the update) or optimizer+master (the fp32 masters too, a bf16 copy on the device; needs training.param_dtype = bfloat16); unset: everything in device memory"""
 
 
 @dataclasses.dataclass

@@ -145,12 +145,14 @@ class Trainer:
         if ckpt is not None and ckpt.resuming:  # state, batch position and records of the checkpoint
             try:
                 self.state, self.records = ckpt.restore(make_model, tx, setup.mesh, self.batches, strategy=setup.strategy,
-                                                        mixed_precision=mp, unit=unit, tensor_parallel=plan)
+                                                        mixed_precision=mp, unit=unit, tensor_parallel=plan,
+                                                        offload=run.mesh.offload)
             except checkpointing.ResumeError as e:
                 fail(str(e))
         else:
             self.state = zshard.init(make_model, tx, setup.mesh, strategy=setup.strategy, mixed_precision=mp,
-                                     params=setup.weights, unit=unit, tensor_parallel=plan)
+                                     params=setup.weights, unit=unit, tensor_parallel=plan,
+                                     offload=run.mesh.offload)
         self.start = 0 if ckpt is None else ckpt.start
         loss_fn, has_aux = loss_for(setup.cfg)  # an MoE adds its router's load-balancing loss (metrics["aux"])
         # mesh.context > 1: each (inputs, targets) sequence split over context (docs/long-sequences.md)

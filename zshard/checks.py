@@ -41,6 +41,7 @@ error model code meets while being traced (a pmap-era axis name):
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -129,7 +130,10 @@ def block_shard_inputs(plan, args) -> list:
     def mark(state):
         flat = traverse_util.flatten_dict(state.params)
         marked = traverse_util.unflatten_dict({p: _Mark(p if p in block else None) for p in flat})
-        return state.__class__(marked, state.opt_state, state.step, state.plan, state.variables)
+        # offload="optimizer+master": the units read the masters' device copies (zshard.offload)
+        copies = traverse_util.flatten_dict(state.device_params) if state.device_params else {}
+        marked_copies = traverse_util.unflatten_dict({p: _Mark(p if p in block else None) for p in copies}) if copies else {}
+        return dataclasses.replace(state, params=marked, device_params=marked_copies)
 
     state, *rest = args
     leaves = jax.tree.leaves((mark(state), *rest))

@@ -439,7 +439,7 @@ def gather_param(slot: ParamLayout, shard: jax.Array, comm: UnitComm, sink: jax.
 
     def bwd(_, g):
         (r,) = reduce_grads([slot], [g], comm, sink_dtypes)
-        return (None, r) if sink_dtypes is not None else (r.astype(shard.dtype), None)
+        return (None, r) if sink_dtypes is not None else (r.astype(slot.dtype), None)
 
     _gather.defvjp(fwd, bwd)
     return _gather(shard, sink)

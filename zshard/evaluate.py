@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from zshard.checks import check_traced, traced
 from zshard.collectives import gather_params
+from zshard.offload import gather_source
 from zshard.intercept import materialize
 from zshard.jaxprs import LOSS_SCOPE
 from zshard.mesh import sharded_map
@@ -146,7 +147,7 @@ class EvalStep:
 
         specs = state.specs()
         in_specs = (specs.params, specs.variables, batch_specs(plan, batch, config.sequence_axis))
-        return sharded_map(local, plan.mesh, in_specs=in_specs, out_specs=P())(state.params, state.variables, batch)
+        return sharded_map(local, plan.mesh, in_specs=in_specs, out_specs=P())(gather_source(state), state.variables, batch)
 
     def put_batch(self, state: ShardedState, batch):
         """:func:`zshard.step_config.put_batch` (one micro-batch, this step's sequence axes)."""
@@ -250,7 +251,7 @@ class Forward:
 
         specs = state.specs()
         return sharded_map(local, plan.mesh, in_specs=(specs.params, specs.variables, arg_specs), out_specs=rows)(
-            state.params, state.variables, args
+            gather_source(state), state.variables, args
         )
 
     def put_args(self, state: ShardedState, args: tuple):

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from zshard.jaxprs import sub_jaxprs
 from zshard.mesh import sharded_map
+from zshard.offload import update_offloaded
 from zshard.optim_global import view_init, view_update
 
 __all__ = [
@@ -312,6 +313,9 @@ def optimizer_program(plan, record: list | None = None):
     train_specs, _ = plan.split_trainable(plan.param_specs)
 
     def local(params, grads, opt_state):
+        if plan.offload is not None:  # the offloaded leaves to the device and back, as the step does
+            update = lambda p, g, s: apply_optimizer(plan, p, g, s, record)  # noqa: E731
+            return update_offloaded(plan, update, params, grads, opt_state)[:2]
         return apply_optimizer(plan, params, grads, opt_state, record)
 
     in_specs = (train_specs, optimizer_grad_specs(plan), plan.opt_specs)

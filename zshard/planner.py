@@ -102,6 +102,8 @@ class Plan:
         variables (BatchNorm statistics, RNG keys and counts, counters), replicated.
       opt_view: ``None`` when ``tx`` is elementwise (it runs on the local slices as they
         are); else the :class:`zshard.optim_global.OptView` that runs it exactly on shards.
+      offload: ``None``, ``"optimizer"`` or ``"optimizer+master"``: what lives in pinned host
+        memory (:mod:`zshard.offload`, ``zshard.init(..., offload=...)``).
     """
 
     mesh: Mesh
@@ -114,6 +116,7 @@ class Plan:
     mp: MixedPrecision = FULL_PRECISION
     var_template: tuple = ()
     opt_view: Any = None
+    offload: str | None = None
 
     @functools.cached_property
     def layouts(self) -> dict[tuple, ParamLayout]:

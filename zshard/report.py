@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zshard.mesh import CONTEXT, REPLICA, SHARD, TENSOR, data_axes
+from zshard.offload import master_paths, offload_report
 from zshard.optim import optimizer_grad_specs, optimizer_program
 from zshard.jaxprs import CONTEXT_SCOPE, OPTIMIZER_SCOPE, unit_of
 from zshard.strategy import Strategy
@@ -352,6 +353,11 @@ class Report:
         e`` of one call), ``forward_passes`` (1, or 2 with the block recomputed), ``calls``,
         ``collectives`` (``kind``, ``buffer_bytes`` ``X``, ``count`` per step); also the row
         ``comm_bytes_per_step["context"]``. ``None`` without one.
+      offload: with ``zshard.init(..., offload=...)``, :func:`zshard.offload.offload_report`:
+        ``mode``; model-state bytes per device in ``device`` and ``host`` memory, ``measured``
+        (from each leaf's shard shape and memory kind) and ``formula``; ``transfer``: host <->
+        device bytes per step of the GPU program (exported for ``cuda``: ``to_device``,
+        ``to_host``, ``calls``), ``measured`` against ``formula`` = ``2 * host``. Else ``None``.
       optimizer: the optimizer step measured apart (``None`` when not measured): ``path``
         (``"elementwise"``: Optax on the local slices, no collective; or ``"global view
         (<transformation>)"``, :mod:`zshard.optim_global`), ``collectives`` (per kind and
@@ -372,6 +378,7 @@ class Report:
     optimizer: dict | None = None
     tensor: dict | None = None
     context: dict | None = None
+    offload: dict | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -415,6 +422,18 @@ class Report:
                 f"{mib(x['formula'])} MiB = {x['calls']} attention calls x ({x['forward_passes']} forward + 1 backward) x "
                 f"(C-1)/C x {x['kv_bytes']:,} bytes (2 b s n_kv d e){' + segment ids' if x['segment_bytes'] else ''}",
             ]
+        if self.offload is not None:
+            o = self.offload
+            t = o["transfer"]
+            lines += [
+                "",
+                f"| offload={o['mode']} | measured MiB | formula MiB |",
+                "|---|---:|---:|",
+                f"| model state in device memory | {mib(o['measured']['device'])} | {mib(o['formula']['device'])} |",
+                f"| model state in host memory (pinned_host) | {mib(o['measured']['host'])} | {mib(o['formula']['host'])} |",
+                f"| host <-> device per step (GPU program: {t['calls'].get('device', 0)} + {t['calls'].get('pinned_host', 0)} "
+                f"transfers) | {mib(t['measured'])} | {mib(t['formula'])} |",
+            ]
         if self.optimizer is not None:
             o = self.optimizer
             lines += [
@@ -450,6 +469,7 @@ def report(step, state, batch) -> Report:
     }
     measured["total"] = measured["params"] + measured["opt_state"]
     formula = _state_formula(plan)
+    split = {k: formula.pop(k) for k in ("opt_state_host", "masters", "copies")}  # the offload lines' formula
 
     colls = parse_collectives(compiled.as_text(), plan.mesh)
     by_axis: dict[str, float] = defaultdict(float)
@@ -504,6 +524,7 @@ def report(step, state, batch) -> Report:
         optimizer=opt,
         tensor=tensor,
         context=context,
+        offload=offload_report(step, state, batch, {**formula, **split}) if plan.offload else None,
     )
 
 
@@ -599,14 +620,21 @@ def _state_formula(plan) -> dict:
             transform_non_params=lambda _: _Ref(None), is_leaf=lambda x: isinstance(x, (_Ref, optax.MaskedNode)),
         )
         owners = [m.path for m in jax.tree.leaves(marked, is_leaf=lambda x: isinstance(x, _Ref))]
-    opt = 0.0
+    opt = opt_host = 0.0
     for x, owner in zip(leaves, owners):
         b = x.size * _itemsize(x.dtype)
         if owner is None:
-            opt += b if plan.opt_view is not None else b / N_opt  # whole on every device (a count: negligible)
+            b = b if plan.opt_view is not None else b / N_opt  # whole on every device (a count: negligible)
         else:
-            opt += b / (N_opt * (T if plan.layouts[owner].split else 1))
-    return {"params": params, "opt_state": opt, "total": params + opt}
+            b = b / (N_opt * (T if plan.layouts[owner].split else 1))
+        opt += b
+        opt_host += b if plan.offload and x.ndim else 0.0  # offload: the leaves with a dimension (zshard.offload)
+    # offload="optimizer+master": the masters on the host, their param_dtype copies on the device
+    per = lambda rec, itemsize: int(np.prod(rec.logical_shape, dtype=np.int64)) * itemsize / (N * (T if rec.split else 1))  # noqa: E731
+    masters = [plan.layouts[p] for p in master_paths(plan)]
+    host_masters = sum(per(rec, rec.dtype.itemsize) for rec in masters)
+    copies = sum(per(rec, np.dtype(plan.mp.gather_dtype(rec.dtype)).itemsize) for rec in masters)
+    return {"params": params, "opt_state": opt, "total": params + opt, "opt_state_host": opt_host, "masters": host_masters, "copies": copies}
 
 
 class _Ref:

@@ -22,6 +22,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zshard.mesh import AXES, CONTEXT, TENSOR, sharded_map
+from zshard.offload import (
+    check_backend, check_masters, device_param_specs, opt_shardings, parse_offload, state_shardings, with_device_params,
+)
 from zshard.optim import init_optimizer
 from zshard.planner import Plan, Unit, make_plan
 from zshard.precision import MixedPrecision
@@ -54,6 +57,12 @@ class ShardedState:
       variables: nested dict of the model's non-parameter variables (BatchNorm statistics,
         RNG keys and counts, counters) in their own shapes and dtypes, replicated
         (``PartitionSpec()``), identical on every device after each step.
+      device_params: with ``offload="optimizer+master"``, the ``param_dtype`` copy in device
+        memory of each master that lives on the host (nested like ``params``, those paths only;
+        ``[n_pad]`` with the parameter's PartitionSpec): what the all-gathers read. Else ``{}``.
+
+    With ``offload`` (:mod:`zshard.offload`) the optimizer-state leaves with a dimension (and
+    the masters) are in ``pinned_host`` memory (``leaf.sharding.memory_kind``).
     """
 
     params: dict
@@ -61,12 +70,13 @@ class ShardedState:
     step: jax.Array
     plan: Plan = dataclasses.field(metadata=dict(static=True))
     variables: dict = dataclasses.field(default_factory=dict)
+    device_params: dict = dataclasses.field(default_factory=dict)
 
     def specs(self) -> "ShardedState":
         """The PartitionSpec tree of this state (``tensor`` included where a parameter is split
         over it: :func:`zshard.mesh.sharded_map` takes these as its in/out specs)."""
         var_specs = traverse_util.unflatten_dict({p: P() for p in self.plan.variable_paths}) if self.plan.var_template else {}
-        return ShardedState(self.plan.param_specs, self.plan.opt_specs, P(), self.plan, var_specs)
+        return ShardedState(self.plan.param_specs, self.plan.opt_specs, P(), self.plan, var_specs, device_param_specs(self.plan))
 
     def shardings(self) -> "ShardedState":
         """Every leaf's ``NamedSharding`` (:meth:`specs` on the plan's mesh): the sharding each
@@ -74,7 +84,8 @@ class ShardedState:
         so that a state split over ``tensor`` always carries the same sharding object (one
         compile per step, donation in place)."""
         mesh = self.plan.mesh
-        return jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.specs(), is_leaf=lambda x: isinstance(x, P))
+        base = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.specs(), is_leaf=lambda x: isinstance(x, P))
+        return state_shardings(self, base)  # offload: the host leaves in pinned_host memory
 
 
 def _check_arguments(model, tx, mesh, mixed_precision):
@@ -160,15 +171,11 @@ def _init_opt_state(plan: Plan, params: dict, abstract: bool):
     init_opt = sharded_map(
         lambda p: init_optimizer(plan, plan.split_trainable(p)[0]), plan.mesh, in_specs=(plan.param_specs,), out_specs=plan.opt_specs
     )
-    out = jax.tree.map(lambda spec: NamedSharding(plan.mesh, spec), plan.opt_specs, is_leaf=lambda x: isinstance(x, P))
+    shapes = jax.eval_shape(jax.jit(init_opt), params)
+    out = opt_shardings(plan, shapes)  # offload: the leaves with a dimension written straight to pinned_host
     if not abstract:
-        return jax.jit(init_opt, out_shardings=out if plan.tensor > 1 else None)(params)
-    return jax.tree.map(
-        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(plan.mesh, spec)),
-        jax.eval_shape(jax.jit(init_opt), params),
-        plan.opt_specs,
-        is_leaf=lambda x: isinstance(x, P),
-    )
+        return jax.jit(init_opt, out_shardings=out if plan.tensor > 1 or plan.offload else None)(params)
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, out)
 
 
 def init(
@@ -185,6 +192,7 @@ def init(
     params: Any = None,
     tensor_parallel: dict | None = None,
     logical_rules: dict | None = None,
+    offload: str | None = None,
 ) -> ShardedState:
     """Shard a model and initialise the optimizer on the shards.
 
@@ -233,6 +241,14 @@ def init(
         docs/tensor-parallel.md.
       logical_rules: ``{logical axis name: mesh axis}`` for the model's annotations
         (MaxText's logical axis rules, ``{"mlp": "tensor", "heads": "tensor", "vocab": "tensor"}``).
+      offload: host offload (ZeRO-Offload, arXiv 2101.06840; :mod:`zshard.offload`, docs/offload.md):
+        ``None`` (default: everything in device memory); ``"optimizer"``: every Optax state leaf
+        with a dimension in ``pinned_host`` memory (``8 Psi / N`` bytes per device for Adam in
+        fp32), moved to the device for its update inside the step and back; gradients and
+        scalar leaves (counts) stay on the device; ``"optimizer+master"``: with
+        ``mixed_precision`` of a lower ``param_dtype``, the fp32 masters on the host too and a
+        ``param_dtype`` copy on the device for the gathers (``ShardedState.device_params``).
+        The numbers are bitwise those of the same run without offload.
 
     Returns:
       :class:`ShardedState`; every parameter ``[n_pad]`` with ``PartitionSpec(shard_axes)``
@@ -247,11 +263,19 @@ def init(
         shapes, before anything is placed.
       ValueError (tensor parallelism): a glob that matches no parameter, a dimension that ``T``
         does not divide, a rule naming a mesh axis that does not exist (each named).
+      ValueError (offload): an unknown mode; a device without ``pinned_host`` memory;
+        ``"optimizer+master"`` without a ``param_dtype`` lower than the trainable parameters'.
     """
     abstract_model, concrete = _check_arguments(model, tx, mesh, mixed_precision)
+    offload = parse_offload(offload)
+    if offload is not None:
+        check_backend(mesh, offload)
     strategy = Strategy.parse(strategy if strategy is not None or zero_stage is not None else "FULL_SHARD", zero_stage=zero_stage)
     rules = check_logical_rules(logical_rules)
     plan = make_plan(abstract_model, tx, mesh, strategy, unit, mixed_precision, trainable, tensor_parallel, rules)
+    if offload is not None:
+        plan = dataclasses.replace(plan, offload=offload)
+        check_masters(plan)
     if params is not None:
         check_weights(list(plan.layouts.values()), params)
     values, variables = _place(plan, model, concrete, params, abstract)
@@ -261,7 +285,22 @@ def init(
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     else:
         step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-    return ShardedState(values, opt_state, step, plan, variables)
+    state = ShardedState(values, opt_state, step, plan, variables)
+    return _offload_masters(state) if plan.offload == "optimizer+master" else state
+
+
+def _offload_masters(state: ShardedState) -> ShardedState:
+    """``"optimizer+master"``: the ``param_dtype`` copies cut on the device, then the masters
+    moved to ``pinned_host`` (abstract: their shardings only)."""
+    state = with_device_params(state)
+    kinds = state.shardings().params
+    flat, shardings = traverse_util.flatten_dict(state.params), traverse_util.flatten_dict(kinds)
+    moved = {
+        p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[p]) if isinstance(x, jax.ShapeDtypeStruct)
+        else jax.device_put(x, shardings[p]) if shardings[p].memory_kind != x.sharding.memory_kind else x
+        for p, x in flat.items()
+    }  # fmt: skip
+    return dataclasses.replace(state, params=traverse_util.unflatten_dict(moved))
 
 
 def unshard(state: ShardedState) -> nnx.Module:

@@ -20,6 +20,7 @@ loss scale, clipping, the optimizer, the non-parameter variables) and the public
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any, Callable
 
@@ -34,6 +35,7 @@ from zshard.collectives import vary
 from zshard.intercept import materialize, read_variables
 from zshard.jaxprs import LOSS_SCOPE
 from zshard.mesh import sharded_map
+from zshard.offload import check_placement, compute_params, traced_naming_host_leaf, update_offloaded
 from zshard.optim import apply_optimizer, global_norm
 from zshard.sequence import SequenceSplit, tracing
 from zshard.state import Plan, ShardedState
@@ -128,7 +130,7 @@ def _sync_variables(plan: Plan, new: dict, old: dict) -> dict:
     return out
 
 
-def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, batch, k: int, reduce: ReplicaReduce):
+def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, batch, k: int, reduce: ReplicaReduce, dtypes=None):
     """Gradient accumulation over ``k`` micro-batches (``lax.scan``), on the shards.
 
     ``params``: what ``objective`` differentiates: the trainable shards, or HYBRID_SHARD_OPT's
@@ -140,7 +142,9 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
     replica too in every micro-batch's backward, so the accumulator is ``[n_pad/(R*S)]``
     (docs/memory.md, "Gradient accumulation"). Non-parameter
     variables (BatchNorm statistics, RNG counts) are carried from one micro-batch to the next.
-    Returns ``((loss total, count total), aux summed, variables, grads)``.
+    ``dtypes``: a tree like ``params`` whose leaves' dtypes the gradients are returned in
+    (default ``params``; the masters' with ``offload="optimizer+master"``, whose ``params`` are
+    the ``param_dtype`` copies). Returns ``((loss total, count total), aux summed, variables, grads)``.
     """
     replica = plan.replica_axes
     # Differentiating w.r.t. replica-varying parameters lets each micro-batch's gradient
@@ -173,7 +177,7 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
             raise ValueError(f"zshard: gradient accumulation under replica reduction {reduce!r}")
     # floating aux: mean over micro-batches; integer aux: summed
     aux = jax.tree.map(lambda a: a / k if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux_sum)
-    return totals, aux, variables, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+    return totals, aux, variables, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params if dtypes is None else dtypes)
 
 
 def gradient_sinks(plan: Plan, train: dict) -> dict:
@@ -218,6 +222,7 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
     token_weighted = []  # set while tracing: loss_fn returned zshard.TokenMean
 
     train, frozen = plan.split_trainable(state.params)
+    compute = compute_params(plan, state, train)  # what the units gather: train, or the masters' device copies
     variables = traverse_util.flatten_dict(state.variables) if state.variables else {}
 
     def objective(params, variables, batch, sinks=None):
@@ -246,13 +251,14 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
         wrt = gradient_sinks(plan, train)
 
         def differentiated(sinks, variables, batch):
-            return objective(train, variables, batch, sinks)
+            return objective(compute, variables, batch, sinks)
     else:
-        wrt, differentiated = train, objective
+        wrt, differentiated = compute, objective
     if k == 1:
         (_, (totals, aux, new_variables)), grads = jax.value_and_grad(differentiated, has_aux=True)(wrt, variables, batch)
     else:
-        totals, aux, new_variables, grads = _accumulate(plan, differentiated, wrt, variables, batch, k, comm.replica_reduce)
+        dtypes = train if compute is not train else None  # offload="optimizer+master": gradients in the masters' dtype
+        totals, aux, new_variables, grads = _accumulate(plan, differentiated, wrt, variables, batch, k, comm.replica_reduce, dtypes)
     loss_total, count = (jax.lax.psum(t, plan.data_axes) for t in totals)
     if token_weighted:  # global token mean across devices and micro-batches
         loss = loss_total / count
@@ -264,15 +270,21 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
         # optax.clip_by_global_norm semantics with the norm of the whole (unsharded) gradient
         scale = jnp.where(grad_norm < config.clip_norm, 1.0, config.clip_norm / grad_norm)
         grads = jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads)
-    train, opt_state = apply_optimizer(plan, train, grads, state.opt_state)
-    params = plan.merge_params(train, frozen)  # frozen shards pass through untouched
-    new_variables = _sync_variables(plan, new_variables, variables)
     # loss and grad_norm are psum-ed: every device sees the same verdict.
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    device_params = state.device_params
+    if plan.offload is None:
+        train, opt_state = apply_optimizer(plan, train, grads, state.opt_state)
+    else:  # host leaves to the device, the same update, back to the host ([Note: offload update]); skips kept there
+        keep = finite if config.skip_nonfinite else None
+        train, opt_state, device_params = update_offloaded(plan, functools.partial(apply_optimizer, plan), train, grads, state.opt_state, keep)
+    params = plan.merge_params(train, frozen)  # frozen shards pass through untouched
+    new_variables = _sync_variables(plan, new_variables, variables)
     taken = jnp.ones((), jnp.int32)
     if config.skip_nonfinite:
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        if plan.offload is None:
+            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         new_variables = keep(new_variables, variables)
         taken = finite.astype(jnp.int32)  # a skipped step is not an optimizer step
     new_state = dataclasses.replace(
@@ -281,6 +293,7 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
         opt_state=opt_state,
         step=state.step + taken,
         variables=traverse_util.unflatten_dict(new_variables) if new_variables else state.variables,
+        device_params=device_params,
     )
     metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
     if token_weighted:
@@ -316,10 +329,11 @@ class TrainStep:
         self.last_trace = None  # the zshard.sequence.SequenceTrace of the latest trace (attention calls: zshard.report)
 
     def _jit_for(self, state: ShardedState):
-        """The jitted step for ``state``'s plan: with a ``tensor`` axis, compiled with the state's
-        own shardings as ``out_shardings`` (``ShardedState.shardings``), else :attr:`_jitted`."""
+        """The jitted step for ``state``'s plan: with a ``tensor`` axis or host offload, compiled
+        with the state's own shardings (memory kinds included) as ``out_shardings``
+        (``ShardedState.shardings``), else :attr:`_jitted`."""
         plan = state.plan
-        if plan.tensor == 1:
+        if plan.tensor == 1 and plan.offload is None:
             return self._jitted
         if plan not in self._tensor_jits:
             out = (state.shardings(), jax.sharding.NamedSharding(plan.mesh, P()))
@@ -360,6 +374,7 @@ class TrainStep:
                 "this state was donated to an earlier step (its buffers are deleted); "
                 "use the state that step returned: state, metrics = step(state, batch)"
             )
+        check_placement(state)  # a leaf in the wrong memory, named before JAX refuses it unnamed
         batch = self.put_batch(state, batch)
         self._check(state, batch)
         return self._jit_for(state)(state, batch)
@@ -370,13 +385,22 @@ class TrainStep:
         ``loss_fn`` (:func:`zshard.checks.check_traced`)."""
         key = trace_key(state, batch)
         if key not in self._checked:
-            check_traced(traced(lambda: self._jit_for(state).trace(state, batch), state.plan.mesh).jaxpr.jaxpr, state, batch)
+            t = traced(lambda: traced_naming_host_leaf(self._jit_for(state).trace, state, batch), state.plan.mesh)
+            check_traced(t.jaxpr.jaxpr, state, batch)  # a host leaf in arithmetic, a pmap axis name: named
             self._checked.add(key)
+
+    def export(self, state: ShardedState, batch, platforms=("cuda",)) -> "jax.export.Exported":
+        """The step's program for ``platforms`` (``jax.export.export``; the GPU program can be
+        exported on a CPU-only machine): ``.mlir_module()`` is its StableHLO text, where host
+        offload shows as ``annotate_device_placement`` calls (:func:`zshard.offload.exported_placements`)."""
+        check_placement(state)
+        return jax.export.export(self._jit_for(state), platforms=list(platforms))(state, self.put_batch(state, batch))
 
     def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
         """The lowered step (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
+        check_placement(state)
         batch = self.put_batch(state, batch)
-        t = traced(lambda: self._jit_for(state).trace(state, batch), state.plan.mesh)
+        t = traced(lambda: traced_naming_host_leaf(self._jit_for(state).trace, state, batch), state.plan.mesh)
         check_traced(t.jaxpr.jaxpr, state, batch)
         return t.lower()
 

@@ -8,8 +8,9 @@ Writes ``OUT/bench.json``, ``OUT/bench.md`` (the printed tables) and PNG plots i
 (default ``runs/bench/``).
 
 The package: ``peers`` (the compiled steps compared), ``sections`` (what each section
-measures), ``tables`` (the Markdown tables, the targets, the plots), ``run`` (the program);
-the scale section and the memory formulas are ``train/scale.py``.
+measures), ``tables`` (the Markdown tables, the targets, the plots), ``run`` (the program),
+``offload`` (``--offload``: host offload on one GPU, docs/offload.md); the scale section and the
+memory formulas are ``train/scale.py``.
 
 Sections
 --------

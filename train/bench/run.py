@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
+from train.bench.offload import offload_main
 from train.bench.sections import (CONFIGS, DEPTHS, GPU_XLA_FLAGS, NUM_DEVICES, QUICK, STRATEGIES, TENSOR_CONFIGS, TENSOR_SIZES,
                                   bench_config, depth_sweep, gpu_section)
 from train.bench.tables import config_table, depth_table, plots, targets, targets_table
@@ -38,6 +39,8 @@ def _parse(argv):
     p.add_argument("--no-depth", action="store_true", help="skip the depth sweep")
     p.add_argument("--no-scale", action="store_true", help="skip scale by simulation")
     p.add_argument("--scale-timeout", type=float, default=900.0, metavar="S", help="seconds allowed to each scale subprocess")
+    p.add_argument("--offload", action="store_true", help="only the host-offload measurement on one GPU (train/bench/offload.py: HBM "
+                   "saved, step-time overhead against the pinned-transfer bound); skipped without a GPU")
     p.add_argument("--scale-worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--models", default=",".join(SCALE_MODELS), help=argparse.SUPPRESS)
     p.add_argument("--strategies", default=",".join(SCALE_STRATEGIES), help=argparse.SUPPRESS)
@@ -61,6 +64,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out}: exists and is not a directory; give a directory path")
+    if args.offload:  # the GPU's own devices, no emulated ones
+        return offload_main(str(out), args.repeats or 10)
     emulate_devices(NUM_DEVICES, xla_flags=GPU_XLA_FLAGS)  # before jax starts (in a test process it has: its 8 stand)
     t_start = time.perf_counter()
 

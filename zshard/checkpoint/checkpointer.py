@@ -41,6 +41,7 @@ from zshard.checkpoint.layout import (
     to_logical_fn,
     variables_from_tree,
 )
+from zshard.offload import memory_kind, to_device, with_device_params
 from zshard.state import ShardedState, init
 from zshard.units import path_str
 
@@ -332,9 +333,14 @@ class Checkpointer:
         entries, treedef = logical_layout(target)
         self._check_match(entries, stored, where)
         auto = auto_axes(target.plan.mesh)
+        leaves = jax.tree.leaves(state_tree(target))
+        kinds = [memory_kind(leaf) for leaf in leaves]  # offload: read straight into pinned host memory
         abstract = nested(
             entries,
-            [jax.ShapeDtypeStruct(e.shape, e.dtype, sharding=NamedSharding(auto, logical_spec(auto, e.shape, e.axes))) for e in entries],
+            [
+                jax.ShapeDtypeStruct(e.shape, e.dtype, sharding=NamedSharding(auto, logical_spec(auto, e.shape, e.axes), memory_kind=k))
+                for e, k in zip(entries, kinds)
+            ],
         )
         try:
             restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
@@ -348,14 +354,13 @@ class Checkpointer:
                 f"checkpoint {where!r} is corrupt: {len(bad)} array(s) read back with other contents than were saved "
                 f"(checksum mismatch): {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}; restore an earlier step"
             )
-        leaves = jax.tree.leaves(state_tree(target))
         to_state = jax.jit(
-            lambda xs: [pad_to_state(x, e, leaf.shape) for x, e, leaf in zip(xs, entries, leaves)],
-            out_shardings=[NamedSharding(auto, leaf.sharding.spec) for leaf in leaves],
+            lambda xs: [pad_to_state(to_device(x), e, leaf.shape) for x, e, leaf in zip(xs, entries, leaves)],
+            out_shardings=[NamedSharding(auto, leaf.sharding.spec, memory_kind=k) for leaf, k in zip(leaves, kinds)],
         )
         values = jax.tree.unflatten(treedef, [jax.device_put(x, leaf.sharding) for x, leaf in zip(to_state(logical), leaves)])
         state = ShardedState(values["params"], values["opt_state"], values["step"], target.plan, variables_from_tree(values, target))
-        return state, meta["extra"]
+        return with_device_params(state), meta["extra"]  # offload="optimizer+master": the masters' device copies
 
     @staticmethod
     def _check_match(entries: list[Entry], stored: dict, where: str) -> None:

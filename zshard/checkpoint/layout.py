@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zshard.flat import ParamLayout
+from zshard.offload import memory_kind, to_device
 from zshard.state import ShardedState
 from zshard.units import path_str
 from zshard.weights import auto_axes
@@ -195,8 +196,8 @@ def pad_to_state(x, e: Entry, stored_shape):
 
 
 def relabel(mesh: Mesh, x):
-    """``x`` re-labelled onto ``mesh`` (same devices and spec: no data moves)."""
-    return jax.device_put(x, NamedSharding(mesh, x.sharding.spec))
+    """``x`` re-labelled onto ``mesh`` (same devices, spec and memory kind: no data moves)."""
+    return jax.device_put(x, NamedSharding(mesh, x.sharding.spec, memory_kind=x.sharding.memory_kind))
 
 
 def _checksum(x) -> jax.Array:
@@ -221,7 +222,8 @@ def checksums(values: list) -> list[list[int]]:
     return np.asarray(jax.device_get(_checksums_jit(values))).tolist()
 
 
-_checksums_jit = jax.jit(lambda xs: jnp.stack([_checksum(x) for x in xs]) if xs else jnp.zeros((0, 2), jnp.uint32))
+# (a host-offloaded leaf is summed on the device: zshard.offload.to_device)
+_checksums_jit = jax.jit(lambda xs: jnp.stack([_checksum(to_device(x)) for x in xs]) if xs else jnp.zeros((0, 2), jnp.uint32))
 
 
 def short_error(e: Exception) -> str:
@@ -239,8 +241,10 @@ def _unpad_program(state: ShardedState):
     if plan not in _TO_LOGICAL:
         entries, _ = logical_layout(state)
         auto = auto_axes(plan.mesh)
-        shardings = [NamedSharding(auto, logical_spec(auto, e.shape, e.axes)) for e in entries]
-        unpad = jax.jit(lambda leaves: [_unpad(x, e) for x, e in zip(leaves, entries)], out_shardings=shardings)
+        kinds = [memory_kind(x) for x in jax.tree.leaves(state_tree(state))]  # offloaded leaves stay on the host
+        shardings = [NamedSharding(auto, logical_spec(auto, e.shape, e.axes), memory_kind=k) for e, k in zip(entries, kinds)]
+        # [n_pad] (host: --copy--> device) -> logical (--copy--> host)
+        unpad = jax.jit(lambda leaves: [_unpad(to_device(x), e) for x, e in zip(leaves, entries)], out_shardings=shardings)
         _TO_LOGICAL[plan] = (unpad, shardings)
     return _TO_LOGICAL[plan]
 
