@@ -12,6 +12,10 @@ Modes:
     groups as device ids) plus the device -> process map.
   ``kill``: train with FULL_SHARD; rank 1 kills itself (SIGKILL) after 2 steps, the others
     keep stepping (they must be stopped by the runtime, never hang).
+  ``tensor``: the tiny GPT of :func:`tensor_case` with its TP plan, HYBRID_SHARD on
+    ``make_mesh(P, D/2, tensor=2)`` (each process's devices a shard x tensor block); print
+    ``RESULT`` with the losses, gradient norms, the mesh's processes per tensor group and the
+    error ``make_mesh`` gives for a tensor group wider than a process.
 """
 
 from __future__ import annotations
@@ -104,6 +108,46 @@ def collectives(hlo: str, mesh) -> list[dict]:
     return out
 
 
+def tensor_case():
+    """``(make_model, tx, loss_fn, plan, batches)`` of the tensor mode: the reference GPT,
+    vocabulary 64, 8 tokens, d 16, 2 heads, 2 blocks; 4 AdamW steps of 8 rows."""
+    import optax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from train.model import GPT, GPTConfig, cross_entropy_loss, tensor_plan  # noqa: PLC0415
+
+    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_layers=2, n_heads=2)
+    rng = np.random.default_rng(0)
+    toks = [rng.integers(0, 64, size=(8, 9), dtype=np.int32) for _ in range(4)]
+    return (lambda: GPT(cfg, rngs=nnx.Rngs(0))), optax.adamw(1e-2), cross_entropy_loss, tensor_plan(cfg, 2), \
+        [(t[:, :-1], t[:, 1:]) for t in toks]
+
+
+def _tensor(rank: int, procs: int) -> dict:
+    import jax  # noqa: PLC0415
+
+    import zshard  # noqa: PLC0415
+
+    make, tx, loss, plan, data = tensor_case()
+    mesh = zshard.make_mesh(procs, jax.local_device_count() // 2, tensor=2)
+    state = zshard.init(make, tx, mesh, strategy="HYBRID_SHARD", tensor_parallel=plan)
+    step = zshard.make_train_step(loss)
+    rows = 8 // procs
+    losses, norms = [], []
+    for b in data:
+        state, m = step(state, tuple(x[rank * rows : (rank + 1) * rows] for x in b))
+        losses.append(float(m["loss"]))
+        norms.append(float(m["grad_norm"]))
+    groups = mesh.devices.reshape(-1, mesh.shape["tensor"])
+    try:
+        zshard.make_mesh(1, 1, tensor=len(jax.devices()))
+        wide = None
+    except ValueError as e:
+        wide = str(e)
+    return {"mesh": dict(mesh.shape), "losses": losses, "grad_norms": norms,
+            "group_processes": [sorted({d.process_index for d in g}) for g in groups], "wide_error": wide}
+
+
 def main(mode: str) -> int:
     import jax  # noqa: PLC0415
 
@@ -114,6 +158,9 @@ def main(mode: str) -> int:
     zshard.distributed.initialize()  # from the launcher's ZSHARD_* variables
     rank, procs = jax.process_index(), jax.process_count()
     result = {"rank": rank, "process_count": procs, "device_process": {d.id: d.process_index for d in jax.devices()}}
+    if mode == "tensor":
+        print("RESULT " + json.dumps({**result, "tensor": _tensor(rank, procs)}), flush=True)
+        return 0
     for strategy in STRATEGIES if mode == "train" else ("FULL_SHARD",):
         mesh = zshard.make_mesh()
         state = zshard.init(make_model(), make_tx(), mesh, strategy=strategy)

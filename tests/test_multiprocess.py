@@ -103,6 +103,26 @@ def test_hybrid_gathers_and_reduce_scatters_stay_inside_a_process(two_by_four):
 
 
 @pytest.mark.multiprocess
+def test_tensor_groups_stay_inside_a_process_and_train_like_one_device():
+    """2 processes x 4 devices, ``make_mesh(2, 2, tensor=2)``: each tensor group is two devices
+    of one process (the per-block all-reduces never cross a host), the GPT with its TP plan
+    trains like one device, and a tensor group wider than a process is refused by name."""
+    cmd = [PY, "-m", "zshard.launch", "--nproc", "2", "--devices-per-proc", "4", "--", PY, str(WORKER), "tensor"]
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    got = {rank: r["tensor"] for rank, r in _results(res.stdout).items()}
+    assert sorted(got) == [0, 1]
+    make, tx, loss, _, data = mp_worker.tensor_case()
+    want = reference_run(make, tx, loss, data)
+    for r in got.values():
+        assert r["mesh"] == {"replica": 2, "shard": 2, "tensor": 2}
+        assert all(len(p) == 1 for p in r["group_processes"]), r["group_processes"]
+        np.testing.assert_allclose(r["losses"], want.losses, rtol=1e-5)
+        np.testing.assert_allclose(r["grad_norms"], want.grad_norms, rtol=1e-5)
+        assert r["wide_error"] and "spans processes" in r["wide_error"], r["wide_error"]
+
+
+@pytest.mark.multiprocess
 def test_killed_process_stops_its_peer_with_a_clear_error():
     port, procs = free_port(), []
     try:
