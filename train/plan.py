@@ -79,6 +79,12 @@ def _parse(argv):
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype the parameters (and so the Adam moments) are stored in; not mixed precision "
                    "(there, masters stay float32): this asks what pure-bf16 training would need")
+    for what, help_ in (("gather", "the parameter all-gathers over the shard axes"), ("reduce", "the gradient reduction over "
+                        "the shard axes (an all-to-all of quantized blocks)"), ("replica", "the gradient reduction over replica")):
+        p.add_argument(f"--{what}-format", default=None, choices=["int8", "int4", "float8_e4m3fn", "float8_e5m2"],
+                       help=f"quantized wire format of {help_} (zshard.Quant, docs/quantized.md); default: unquantized")
+    p.add_argument("--quant-block", type=int, default=256, metavar="B",
+                   help="elements per float32 scale of the formats (0: one scale per tensor); default 256")
     p.add_argument("--device-memory-gb", type=float, default=80.0, metavar="GB", help="memory of one device, GB (10^9 bytes)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also compile every strategy and plot per-device memory side by side")
     return p, p.parse_args(argv)
@@ -128,7 +134,12 @@ def main(argv=None) -> int:
     if batch % data:
         parser.error(f"--batch-size {batch} must divide by the {data} data devices of the {mesh_name} mesh")
     dtype = jnp.dtype(args.param_dtype)
-    mesh = zshard.make_mesh(replica, shard, tensor=tensor, context=context, devices=jax.devices()[:world])
+    try:
+        formats = {f"{k}_format": zshard.Quant(v, block=args.quant_block or None) if v else None
+                   for k, v in (("gather", args.gather_format), ("reduce", args.reduce_format), ("replica", args.replica_format))}
+        mp = zshard.MixedPrecision(**formats) if any(formats.values()) else None
+    except ValueError as e:
+        parser.error(f"--quant-block: {e}")
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     step = zshard.make_train_step(cross_entropy_loss, sequence_axis=1 if context > 1 else None)
 
@@ -142,12 +153,15 @@ def main(argv=None) -> int:
 
         unit = units_with_ends if args.unit == "ends" else None
         state = zshard.init(build, optax.adamw(1e-4), mesh, strategy=strategy, abstract=True, unit=unit,
-                            tensor_parallel=tp_plan or None)
+                            tensor_parallel=tp_plan or None, mixed_precision=mp)
         t0 = time.perf_counter()
         rep = zshard.report(step, state, (tokens, tokens))
         return rep, time.perf_counter() - t0
 
-    rep, seconds = plan_one(args.strategy)
+    try:
+        rep, seconds = plan_one(args.strategy)
+    except ValueError as e:  # a format for a collective the strategy does not have, or one that quantizes nothing
+        parser.error(str(e))
     peak = peak_bytes(rep.per_device_bytes)
     budget = args.device_memory_gb * GB
     print(rep.table())
@@ -164,7 +178,11 @@ def main(argv=None) -> int:
     if args.plot:
         names, rows = [], []
         for s in zshard.Strategy:
-            r = rep if s.value == rep.strategy else plan_one(s.value)[0]
+            try:
+                r = rep if s.value == rep.strategy else plan_one(s.value)[0]
+            except ValueError as e:  # a format this strategy has no collective for
+                print(f"{s.value}: not plotted: {e}")
+                continue
             ms = r.model_state_bytes["measured"]
             names.append(s.value.replace("_", "\n"))
             rows.append((ms["params"] / GB, ms["opt_state"] / GB, r.per_device_bytes["temp"] / GB))
