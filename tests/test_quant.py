@@ -455,3 +455,41 @@ def test_checkpoints_store_the_same_logical_arrays_with_or_without_formats(tmp_p
     _, a = _train(state, step, MLP_DATA[2:4])
     _, b = _train(again, step, MLP_DATA[2:4])
     assert a == b  # resumed with the formats: the same losses, bit for bit
+
+
+@pytest.mark.parametrize("fmt", [Quant("int4", 16), Quant("float8_e4m3fn", 16), Quant("float8_e5m2", None),
+                                 Quant("int8", None)], ids=lambda f: f.label)
+def test_compiled_collectives_move_one_byte_or_half_a_byte_per_element(fmt):
+    # XLA:CPU widens fp8 collectives to f16 and int4 to s8 while compiling; the u8 bitcast keeps
+    # bits/8 bytes per element on the wire, in the program as compiled: no silent fallback
+    N, n = 8, 8 * 16 * 8  # 1024 elements, blocks of 16 inside each shard
+    mesh = jax.make_mesh((N,), ("shard",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def body(x):
+        x = x[0]
+        return (quant.all_gather(x[: n // N], ("shard",), fmt, jnp.float32)[None],
+                quant.reduce_scatter(x, ("shard",), fmt)[None])
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("shard"), out_specs=(P("shard"), P("shard"))))
+    compiled = fn.lower(jax.ShapeDtypeStruct((N, n), jnp.float32, sharding=NamedSharding(mesh, P("shard")))).compile().as_text()
+    width = n * fmt.bits // 8  # payload bytes of the whole buffer
+    arrays = lambda shapes: [(dt, int(np.prod([int(d) for d in dims.split(",") if d]))) for shape in shapes  # noqa: E731
+                             for dt, dims in re.findall(r"\b(\w+)\[([\d,]*)\]", shape.split("{")[0] if "(" not in shape else shape)]
+    gathers, a2a = _collectives(compiled, "all-gather"), _collectives(compiled, "all-to-all")
+    # the weight gather: u8[n/N] -> u8[n] (int4: n/2), f32 scales [n/(N B)] -> [n/B] (tensorwise: none, a pmax)
+    assert [(r.split("{")[0], ops[0].split("{")[0]) for r, ops in gathers if r.startswith("u8")] == [
+        (f"u8[{width}]", f"u8[{width // N}]")]
+    scales = n // fmt.block if fmt.block else 0
+    assert sorted(arrays([r for r, _ in gathers])) == sorted([("u8", width)] + ([("f32", scales)] if scales else []))
+    # the gradient: one all-to-all (XLA:CPU combines payload and scales in one tuple): u8 chunks of
+    # width/N, f32 scales of n/(N B) per chunk (tensorwise: one per chunk)
+    got = arrays([r for r, _ in a2a])
+    assert sorted(got) == sorted([("u8", width // N)] * N + [("f32", (scales or N) // N)] * N), got
+    every = [r for op in ("all-gather", "all-to-all", "reduce-scatter", "all-reduce") for r, _ in _collectives(compiled, op)]
+    assert not [r for r in every if re.search(r"\b(f16|s8|s4|u4|bf16|f8e4m3fn|f8e5m2)\[", r)], every  # nothing widened
+    reduces = [r for op in ("reduce-scatter", "all-reduce") for r, _ in _collectives(compiled, op)]
+    assert reduces == ([] if fmt.block else ["f32[]"]) or all(r.startswith("f32[") for r in reduces), reduces  # the pmax only
+    # the report's reader counts the same bytes: payload 1 byte (int4: half) per element, ring
+    ring = (N - 1) / N
+    want = ring * (2 * width + 4 * (2 * scales if scales else N)) + 2 * ring * 4 * len(reduces)
+    assert sum(c.sent_bytes * c.trips for c in parse_collectives(compiled, mesh)) == pytest.approx(want)
