@@ -5,13 +5,15 @@ emulated devices, the stdlib corpus, 300 steps), once exact and once per quantiz
 (``[precision]`` flags of the main job, one subprocess each): the held-out loss at the last
 step against the exact run's, beside the bytes one device sends per step over the shard axis
 (``zshard.report`` of the compiled step, ``--report``) and their formula. The gaps are the
-targets of issue 28: int8 weights and int8 gradients within 0.5%, int4 gradients within 1%,
-fp8 tensorwise weights within 2.5%.
+targets of issue 28: int8 weights and int8 gradients within 0.5%, int4 gradients within 1% (the
+issue asks it with error feedback, which zshard does not have yet: this run is without), fp8
+tensorwise weights within 2.5%.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +25,7 @@ VARIANTS = {
     "exact (fp32)": ([], None),
     "int8/256 weights": (["--gather-format", "int8"], 0.005),
     "int8/256 gradients": (["--reduce-format", "int8"], 0.005),
-    "int4/256 gradients": (["--reduce-format", "int4"], 0.01),
+    "int4/256 gradients (no error feedback)": (["--reduce-format", "int4"], 0.01),  # issue 28: 1% with error feedback
     "fp8 e4m3 tensorwise weights": (["--gather-format", "float8_e4m3fn", "--quant-block", "0"], 0.025),
 }
 
@@ -44,7 +46,7 @@ def quantized_section(out: Path, steps: int, progress, timeout: float = 3600.0) 
     (measured, formula) with what they move."""
     rows = []
     for name, (flags, target) in VARIANTS.items():
-        s = _run(flags, out / name.split()[0].replace("/", "-") / name.split()[-1], steps, timeout)
+        s = _run(flags, out / re.sub(r"\W+", "-", name).strip("-"), steps, timeout)  # runs/bench/quantized/int8-256-weights
         comm = s["report"]["comm_bytes_per_step"]["shard"]
         rows.append({"name": name, "flags": " ".join(flags), "target": target, "eval_loss": s["final_eval_loss"],
                      "eval_step": s["final_eval_step"], "shard_bytes": comm["measured"], "shard_formula": comm["formula"],
