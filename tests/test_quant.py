@@ -79,6 +79,12 @@ def test_formats_and_bad_input_are_refused_by_name():
             Quant("int8", block=block)
     with pytest.raises(ValueError, match="int4 packs two values per byte, so the block must be even"):
         Quant("int4", block=33)
+    # error feedback is not built: refused, never ignored
+    for field in ("reduce_format", "replica_format"):
+        with pytest.raises(ValueError, match=f"{field}=Quant.'int4', error_feedback=True.*not implemented"):
+            zshard.MixedPrecision(**{field: Quant("int4", error_feedback=True)})
+    with pytest.raises(ValueError, match="error feedback corrects gradient quantization"):
+        zshard.MixedPrecision(gather_format=Quant("int8", error_feedback=True))
     # an integer reduction without dequantization: the sum would wrap
     for dtype in ("int8", "int4", "int32"):
         with pytest.raises(ValueError, match="summed in integers wrap.*reduce_format=zshard.Quant"):

@@ -88,6 +88,14 @@ class MixedPrecision:
         if self.gather_format is not None and self.gather_format.error_feedback:
             raise ValueError("MixedPrecision(gather_format=Quant(..., error_feedback=True)): error feedback corrects "
                              "gradient quantization; set it on reduce_format or replica_format")
+        for field in ("reduce_format", "replica_format"):  # refused, never silently ignored
+            fmt = getattr(self, field)
+            if fmt is not None and fmt.error_feedback:
+                raise ValueError(
+                    f"MixedPrecision({field}=Quant({fmt.name!r}, error_feedback=True)): error feedback (LoCo, arXiv "
+                    "2407.04480) is not implemented in zshard yet; use Quant(..., error_feedback=False), or int8 "
+                    "(its training gap is in docs/quantized.md)"
+                )
 
     def gather_dtype(self, master) -> np.dtype:
         """The dtype a FlatParameter of dtype ``master`` is all-gathered in."""
