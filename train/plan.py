@@ -140,6 +140,7 @@ def main(argv=None) -> int:
         mp = zshard.MixedPrecision(**formats) if any(formats.values()) else None
     except ValueError as e:
         parser.error(f"--quant-block: {e}")
+    mesh = zshard.make_mesh(replica, shard, tensor=tensor, context=context, devices=jax.devices()[:world])
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     step = zshard.make_train_step(cross_entropy_loss, sequence_axis=1 if context > 1 else None)
 
