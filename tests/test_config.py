@@ -170,11 +170,29 @@ def test_bad_fsdp_and_deepspeed_names(raw, needles):
         ({"checkpoint": {"keep": 0}}, ["checkpoint.keep (--keep)", ">= 1"]),
         ({"distributed": {"num_processes": "two"}}, ["distributed.num_processes (--num-processes)", "expected an integer"]),
         ({"logging": {"temperature": -0.5}}, ["logging.temperature (--temperature)", ">= 0"]),
+        ({"precision": {"gather_format": "fp8"}}, ["precision.gather_format (--gather-format)", "unknown format",
+                                                  "'int8', 'int4', 'float8_e4m3fn', 'float8_e5m2'"]),
+        ({"precision": {"reduce_format": "int4", "block": 33}}, ["precision.block (--quant-block)", "must be even"]),
+        ({"precision": {"block": -1}}, ["precision.block (--quant-block)", ">= 0"]),
+        ({"precision": {"gather_format": "int8"}, "mesh": {"strategy": "NO_SHARD"}},
+         ["precision.gather_format", "NO_SHARD keeps every parameter whole", "precision.replica_format"]),
+        ({"precision": {"replica_format": "int8"}}, ["precision.replica_format", "FULL_SHARD reduces no gradient across replicas",
+                                                     "precision.reduce_format"]),
     ],
 )
 def test_errors_name_the_key_and_what_is_allowed(raw, needles):
     msg = error_of(raw)
     assert all(n in msg for n in needles), msg
+
+
+def test_precision_section_becomes_the_mixed_precision_of_the_run():
+    assert C.Config().validate().mixed_precision() is None  # nothing set: full precision, as before
+    cfg = parse(["--gather-format", "int8", "--replica-format", "int4", "--quant-block", "64", "--mesh", "2x4",
+                 "--strategy", "HYBRID_SHARD", "--param-dtype", "bfloat16"]).validate()
+    assert cfg.mixed_precision() == zshard.MixedPrecision(param_dtype="bfloat16", gather_format=zshard.Quant("int8", 64),
+                                                          replica_format=zshard.Quant("int4", 64))
+    tensorwise = C.Config.from_dict({"precision": {"gather_format": "float8_e4m3fn", "block": 0}}).validate()
+    assert tensorwise.mixed_precision().gather_format == zshard.Quant("float8_e4m3fn", block=None)
 
 
 def test_mesh_is_checked_against_the_devices_actually_there():

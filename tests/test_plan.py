@@ -1,5 +1,6 @@
 """Planning without hardware: abstract init, report on abstract inputs, `python -m train.plan`."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,13 +61,16 @@ def test_abstract_init_matches_concrete(strategy):
 
 def test_plan_cli_reports_and_gives_a_verdict():
     cmd = [sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "2x4", "--strategy", "HYBRID_SHARD",
-           "--seq-len", "64", "--device-memory-gb", "80"]
+           "--seq-len", "64", "--gather-format", "int8", "--replica-format", "int8", "--device-memory-gb", "80"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     # GPT-2 small (124,439,808 with tied head) without qkv biases (12 x 2304), positions for 64 tokens only
     n = 124_439_808 - 12 * 2304 - (1024 - 64) * 768
     assert f"HYBRID_SHARD on 2x4 ({n:,} parameters, remat=block, grad_accum=1)" in out.stdout
     assert "FITS" in out.stdout and "DOES NOT FIT" not in out.stdout
+    # the quantized formats (docs/quantized.md), per axis against the formula
+    assert "gather int8/256, reduce float32 |" in out.stdout, out.stdout[-3000:]
+    assert re.search(r"\| replica \| [0-9.]+ \| [0-9.]+ \| (0\.99|1\.0)\d+ \| reduce int8/256 \|", out.stdout), out.stdout[-3000:]
     tiny = subprocess.run(cmd[:-1] + ["0.1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert "DOES NOT FIT" in tiny.stdout, tiny.stdout[-1000:]
 
@@ -81,6 +85,9 @@ def test_plan_cli_bad_input():
     out = subprocess.run([sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "1x1x5"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--mesh 1x1x5" in out.stderr and "n_heads" in out.stderr, out.stderr[-1000:]
+    out = subprocess.run([sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "2x2", "--strategy", "NO_SHARD",
+                          "--gather-format", "int8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "NO_SHARD keeps every parameter whole" in out.stderr, out.stderr[-1000:]
 
 
 def test_plan_cli_tensor_axis():

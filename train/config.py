@@ -5,7 +5,7 @@ A run is described by one :class:`Config`, built from three layers, later ones w
 1. the defaults of the section dataclasses (``train/sections.py``);
 2. a file, ``--config FILE`` (TOML, or JSON for DeepSpeed-style files), one table per
    section (``[model]``, ``[data]``, ``[mesh]``, ``[optimizer]``, ``[training]``,
-   ``[checkpoint]``, ``[distributed]``, ``[logging]``);
+   ``[precision]``, ``[checkpoint]``, ``[distributed]``, ``[logging]``);
 3. command-line flags: every field has one (``--steps`` or ``--training.steps``).
 
 Names users bring with them are accepted in files (docs/training.md has the table):
@@ -58,6 +58,7 @@ from train.sections import (
     MeshConfig,
     ModelConfig,
     OptimizerConfig,
+    PrecisionConfig,
     TrainingConfig,
 )
 
@@ -72,6 +73,7 @@ __all__ = [
     "MeshConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "PrecisionConfig",
     "TrainingConfig",
     "add_arguments",
     "dumps_toml",
@@ -95,6 +97,7 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
@@ -196,6 +199,7 @@ class Config:
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(t, name) is not None:
                 choice(f"training.{name}", getattr(t, name), list(DTYPES))
+        self._validate_precision()
         choice("training.remat", t.remat, ["block", "dots", "none"])
         choice("mesh.unit", me.unit, ["blocks", "ends"])
         if me.offload is not None:
@@ -239,6 +243,37 @@ class Config:
         if lg.prompt is not None and not lg.prompt:
             raise ConfigError(key_of("logging.prompt"), "is empty; give some text, or leave it unset for the held-out split's start")
         return self
+
+    def _validate_precision(self) -> None:
+        """``[precision]``: known format names, a block >= 0, and a format for a collective the
+        strategy has (no shard-axis gather without shard axes, no replica reduction without replicas)."""
+        pr, strategy = self.precision, zshard.Strategy.parse(self.strategy())
+        at_least("precision.block", pr.block, 0)
+        for name in ("gather_format", "reduce_format", "replica_format"):
+            value = getattr(pr, name)
+            if value is None:
+                continue
+            try:
+                zshard.Quant(value, block=pr.block or None)
+            except ValueError as e:  # an unknown name (the known ones listed), an odd block for int4
+                raise ConfigError(key_of(f"precision.{name}" if "format" in str(e) else "precision.block"), str(e)) from None
+            if name != "replica_format" and not strategy.shard_axes:
+                raise ConfigError(key_of(f"precision.{name}"), f"{value!r}: {strategy.value} keeps every parameter whole, so "
+                                  "nothing is gathered or reduce-scattered over a shard axis; use precision.replica_format")
+            if name == "replica_format" and not strategy.replica_axes:
+                raise ConfigError(key_of(f"precision.{name}"), f"{value!r}: {strategy.value} reduces no gradient across "
+                                  "replicas; use precision.reduce_format, or a HYBRID strategy")
+
+    def mixed_precision(self) -> "zshard.MixedPrecision | None":
+        """The run's ``zshard.MixedPrecision`` (``[training]`` dtypes, ``[precision]`` formats), or
+        ``None`` when nothing is set (full precision)."""
+        t, pr = self.training, self.precision
+        formats = {k: zshard.Quant(v, block=pr.block or None) if v else None
+                   for k, v in (("gather_format", pr.gather_format), ("reduce_format", pr.reduce_format),
+                                ("replica_format", pr.replica_format))}
+        if not (t.param_dtype or t.reduce_dtype or any(formats.values())):
+            return None
+        return zshard.MixedPrecision(param_dtype=t.param_dtype, reduce_dtype=t.reduce_dtype, **formats)
 
     # ---- derived values -----------------------------------------------------------------
 

@@ -82,6 +82,12 @@ def _parse(argv):
     p.add_argument("--offload", default=None, choices=["optimizer", "optimizer+master"],
                    help="host offload (docs/offload.md): optimizer = the AdamW moments in pinned host memory; optimizer+master "
                    "= the fp32 masters too, with mixed precision (a bf16 copy on the device for the gathers)")
+    for what, help_ in (("gather", "the parameter all-gathers over the shard axes"), ("reduce", "the gradient reduction over "
+                        "the shard axes (an all-to-all of quantized blocks)"), ("replica", "the gradient reduction over replica")):
+        p.add_argument(f"--{what}-format", default=None, choices=["int8", "int4", "float8_e4m3fn", "float8_e5m2"],
+                       help=f"quantized wire format of {help_} (zshard.Quant, docs/quantized.md); default: unquantized")
+    p.add_argument("--quant-block", type=int, default=256, metavar="B",
+                   help="elements per float32 scale of the formats (0: one scale per tensor); default 256")
     p.add_argument("--device-memory-gb", type=float, default=80.0, metavar="GB", help="memory of one device, GB (10^9 bytes)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also compile every strategy and plot per-device memory side by side")
     return p, p.parse_args(argv)
@@ -131,11 +137,16 @@ def main(argv=None) -> int:
     if batch % data:
         parser.error(f"--batch-size {batch} must divide by the {data} data devices of the {mesh_name} mesh")
     dtype = jnp.dtype(args.param_dtype)
-    mp = None
+    try:
+        formats = {f"{k}_format": zshard.Quant(v, block=args.quant_block or None) if v else None
+                   for k, v in (("gather", args.gather_format), ("reduce", args.reduce_format), ("replica", args.replica_format))}
+    except ValueError as e:
+        parser.error(f"--quant-block: {e}")
+    mp = zshard.MixedPrecision(**formats) if any(formats.values()) else None
     if args.offload == "optimizer+master":  # the masters stay float32, the gathers and compute in bf16
         if dtype != jnp.float32:
             parser.error("--offload optimizer+master keeps float32 masters on the host: leave --param-dtype float32")
-        mp = zshard.MixedPrecision(param_dtype="bfloat16")
+        mp = zshard.MixedPrecision(param_dtype="bfloat16", **formats)
     mesh = zshard.make_mesh(replica, shard, tensor=tensor, context=context, devices=jax.devices()[:world])
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     step = zshard.make_train_step(cross_entropy_loss, sequence_axis=1 if context > 1 else None)
@@ -155,7 +166,10 @@ def main(argv=None) -> int:
         rep = zshard.report(step, state, (tokens, tokens))
         return rep, time.perf_counter() - t0
 
-    rep, seconds = plan_one(args.strategy)
+    try:
+        rep, seconds = plan_one(args.strategy)
+    except ValueError as e:  # a format for a collective the strategy does not have, or one that quantizes nothing
+        parser.error(str(e))
     peak = peak_bytes(rep.per_device_bytes)
     budget = args.device_memory_gb * GB
     print(rep.table())
@@ -174,7 +188,11 @@ def main(argv=None) -> int:
     if args.plot:
         names, rows = [], []
         for s in zshard.Strategy:
-            r = rep if s.value == rep.strategy else plan_one(s.value)[0]
+            try:
+                r = rep if s.value == rep.strategy else plan_one(s.value)[0]
+            except ValueError as e:  # a format this strategy has no collective for
+                print(f"{s.value}: not plotted: {e}")
+                continue
             ms = r.model_state_bytes["measured"]
             names.append(s.value.replace("_", "\n"))
             rows.append((ms["params"] / GB, ms["opt_state"] / GB, r.per_device_bytes["temp"] / GB))

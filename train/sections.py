@@ -1,7 +1,7 @@
-"""The eight sections of ``python -m train``'s configuration: one dataclass per TOML table.
+"""The nine sections of ``python -m train``'s configuration: one dataclass per TOML table.
 
-``[model]``, ``[data]``, ``[mesh]``, ``[optimizer]``, ``[training]``, ``[checkpoint]``,
-``[distributed]``, ``[logging]``; the string under each field is its documentation (and its
+``[model]``, ``[data]``, ``[mesh]``, ``[optimizer]``, ``[training]``, ``[precision]``,
+``[checkpoint]``, ``[distributed]``, ``[logging]``; the string under each field is its documentation (and its
 ``--help`` text, read by :func:`train.flags.field_docs`). A field's flag is ``--field-name``
 unless its metadata names another (``--model`` for ``model.preset``). The whole run, its
 cross-field checks and its derived values are :class:`train.config.Config`; files and flags
@@ -21,6 +21,7 @@ __all__ = [
     "MeshConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "PrecisionConfig",
     "TrainingConfig",
 ]
 
@@ -124,6 +125,20 @@ class TrainingConfig:
 
 
 @dataclasses.dataclass
+class PrecisionConfig:
+    """``[precision]``: quantized collectives (ZeRO++ qwZ / qgZ, ``zshard.Quant``, docs/quantized.md)."""
+
+    gather_format: str | None = None
+    """int8, int4, float8_e4m3fn or float8_e5m2: the parameter all-gathers over the shard axes move quantized blocks, dequantized to param_dtype (masters unchanged); unset: param_dtype"""
+    reduce_format: str | None = None
+    """int8, int4, float8_e4m3fn or float8_e5m2: the gradient reduction over the shard axes is an all-to-all of quantized blocks, summed in float32; unset: a reduce-scatter in reduce_dtype"""
+    replica_format: str | None = None
+    """the same for the gradient reduction over the replica axis (HYBRID_SHARD*, NO_SHARD, SHARD_OPT: the all-reduce); unset: reduce_dtype"""
+    block: int = dataclasses.field(default=256, metadata=_flag("block", "--quant-block"))
+    """elements per float32 scale of every format (ZeRO++ block quantization); 0: one scale per tensor (tensorwise)"""
+
+
+@dataclasses.dataclass
 class CheckpointConfig:
     """``[checkpoint]``: saving and exact resume, by ``train/checkpointing.py``."""
 
@@ -177,6 +192,7 @@ SECTIONS: dict[str, type] = {
     "mesh": MeshConfig,
     "optimizer": OptimizerConfig,
     "training": TrainingConfig,
+    "precision": PrecisionConfig,
     "checkpoint": CheckpointConfig,
     "distributed": DistributedConfig,
     "logging": LoggingConfig,

@@ -129,9 +129,7 @@ class Trainer:
         run, ckpt = setup.run, setup.ckpt
         t_cfg = run.training
         tx, self.warmup, self.schedule = make_optimizer(run)
-        mp = None
-        if t_cfg.param_dtype or t_cfg.reduce_dtype:
-            mp = zshard.MixedPrecision(param_dtype=t_cfg.param_dtype, reduce_dtype=t_cfg.reduce_dtype)
+        mp = run.mixed_precision()  # [training] dtypes and [precision] formats
         make_model = setup.builder or (lambda: GPT(setup.cfg, rngs=nnx.Rngs(t_cfg.seed)))  # noqa: E731
         shard = grain.sharding.ShardByJaxProcess()  # this process's rows of each global batch
         self.batches = checkpointing.BatchStream(setup.train_data, t_cfg.batch_size, run.model.seq_len, t_cfg.seed,

@@ -22,6 +22,7 @@ from zshard.checkpoint import Checkpointer, export, load_params, restore, save
 from zshard.evaluate import EvalStep, make_eval_step, make_forward
 from zshard.mesh import make_mesh, parse_mesh
 from zshard.precision import MixedPrecision
+from zshard.quant import Quant
 from zshard.report import Report, parse_collectives, report
 from zshard.sequence import positions
 from zshard.state import Plan, ShardedState, init, unshard
@@ -35,6 +36,7 @@ __all__ = [
     "Checkpointer",
     "MixedPrecision",
     "Plan",
+    "Quant",
     "Report",
     "ShardedState",
     "Strategy",

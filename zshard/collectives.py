@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from zshard import quant
 from zshard.flat import FlatParameter, ParamLayout
 from zshard.mesh import TENSOR
 from zshard.precision import FULL_PRECISION, MixedPrecision
@@ -61,7 +62,8 @@ class UnitComm:
       replica_reduce: the step's :class:`~zshard.strategy.ReplicaReduce`.
       replica_parts: ``R``, devices along ``replica_axes`` (``TO_SINKS``: the gradient shard
         ``[n_pad/S]`` is reduce-scattered into ``R`` slices ``[n_pad/(R*S)]``).
-      mp: the :class:`~zshard.MixedPrecision` (gather in ``param_dtype``, reduce in ``reduce_dtype``).
+      mp: the :class:`~zshard.MixedPrecision` (gather in ``param_dtype``, reduce in ``reduce_dtype``;
+        quantized on the wire where its formats say: [Note: quantized collectives]).
       remat: the activation-checkpointing policy inside a unit (:func:`zshard.unit_call.checkpointed`).
       reshard: reshard after forward (FULL_SHARD, HYBRID_SHARD): backward gathers again.
     """
@@ -177,13 +179,37 @@ def _reduce_scatter_last(g: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.psum_scatter(g, axes, scatter_dimension=g.ndim - 1, tiled=True)
 
 
+# [Note: quantized collectives] With a format on ``comm.mp`` (zshard/quant.py, docs/quantized.md),
+# a parameter it quantizes (:func:`zshard.quant.quantizes`, decided per parameter from its shape
+# and the devices its buffer splits over, as the planner padded it) is gathered as ZeRO++ qwZ:
+# its shard quantized in blocks, ``u8`` payload and ``f32`` scales all-gathered, dequantized to
+# the gather dtype; its gradient leaves as qgZ: an all-to-all of quantized blocks, dequantized
+# and summed in fp32, cast to the reduce dtype; the replica reduction likewise with
+# ``replica_format``. Every other parameter, and every parameter without formats, takes the
+# unquantized path unchanged. Split parameters do the same inside their piece function.
+
+
+def _format(fmt: quant.Quant | None, rec: ParamLayout, axes: tuple[str, ...]) -> quant.Quant | None:
+    """``fmt`` where it quantizes ``rec`` split over the devices of ``axes``, else ``None``."""
+    if fmt is None or not axes:
+        return None
+    return fmt if quant.quantizes(fmt, rec, jax.lax.axis_size(axes)) else None
+
+
 def _gather_one(rec: ParamLayout, shard: jax.Array, comm: UnitComm) -> jax.Array:
     """One parameter's shard ``[..., n_pad/N]`` -> its stored form ``[..., n_pad]`` in the gather
     dtype; split over ``tensor`` (``[..., T, n_pad/N]``): its logical value, split over ``tensor``."""
     # Marking the shard varying over replica *before* the gather keeps autodiff from inserting a
     # broadcast whose transpose would all-reduce the full gradient across replicas ("the
     # replica trap"); the backward sums only the shard instead (reduce_grads).
-    b = vary(shard, comm.shard_axes + comm.vary_axes).astype(comm.mp.gather_dtype(rec.dtype))
+    b = vary(shard, comm.shard_axes + comm.vary_axes)
+    fmt = _format(comm.mp.gather_format, rec, comm.shard_axes)
+    if fmt is not None:  # [Note: quantized collectives]: the master shard is quantized, no cast first
+        dtype = comm.mp.gather_dtype(rec.dtype)
+        if rec.split:
+            return _gather_pieces(rec, b, comm.shard_axes, fmt, dtype)
+        return quant.all_gather(b, comm.shard_axes, fmt, dtype)  # [..., n_pad/N] --quantized all_gather--> [..., n_pad]
+    b = b.astype(comm.mp.gather_dtype(rec.dtype))
     if rec.split:
         return _gather_pieces(rec, b, comm.shard_axes)
     return all_gather_last(b, comm.shard_axes)  # [..., n_pad/N] --all_gather(shard_axes, tiled)--> [..., n_pad]
@@ -201,27 +227,36 @@ def _piece_spec(lead: int) -> P:
     return P(*([None] * lead), TENSOR, None)
 
 
-def _gather_pieces(rec: ParamLayout, b: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """``[..., T, n_pad/N]`` -> the logical value ``[..., *shape]``, split over ``tensor`` along ``tp_dim``."""
+def _gather_pieces(rec: ParamLayout, b: jax.Array, axes: tuple[str, ...], fmt=None, dtype=None) -> jax.Array:
+    """``[..., T, n_pad/N]`` -> the logical value ``[..., *shape]``, split over ``tensor`` along
+    ``tp_dim`` (``fmt``: each piece quantized on the wire, dequantized to ``dtype``)."""
     lead = b.ndim - 2
 
     def piece(x):  # this tensor device's piece, [..., 1, n_pad/N]
         # squeezed before the collective: a [.., 1, n] all-gather output gets a layout with the unit
         # dimension minor, and XLA copied every gathered piece into the dot's layout (twice the bytes)
-        x = all_gather_last(jnp.squeeze(x, lead), axes)  # [..., n_pad/N] --all_gather(shard axes, tiled)--> [..., n_pad]
+        x = jnp.squeeze(x, lead)  # [..., 1, n_pad/N] -> [..., n_pad/N]
+        if fmt is None:
+            x = all_gather_last(x, axes)  # [..., n_pad/N] --all_gather(shard axes, tiled)--> [..., n_pad]
+        else:  # [..., n_pad/N] --quantize, all_gather(shard axes), dequantize--> [..., n_pad]
+            x = quant.all_gather(x, axes, fmt, dtype)
         return rec.piece_from_storage(x)  # [..., n_pad] -> [..., *piece_shape]
 
     return jax.shard_map(piece, in_specs=_piece_spec(lead), out_specs=rec.tp_spec(lead), axis_names={TENSOR})(b)
 
 
-def _scatter_pieces(rec: ParamLayout, g: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+def _scatter_pieces(rec: ParamLayout, g: jax.Array, axes: tuple[str, ...], fmt=None, dtype=None) -> jax.Array:
     """A gradient ``[..., *shape]`` split over ``tensor`` -> ``[..., T, n_pad/N]``, each piece
-    reduce-scattered over the data ``axes`` on its own."""
+    reduce-scattered over the data ``axes`` on its own (``fmt``: an all-to-all of quantized
+    blocks, summed in fp32, cast to ``dtype``)."""
     lead = g.ndim - len(rec.shape)
 
     def piece(x):  # this tensor device's piece of the gradient, [..., *piece_shape]
         y = rec.piece_to_storage(x)  # [..., *piece_shape] -> [..., n_pad]
-        y = _reduce_scatter_last(y, axes)  # [..., n_pad] --reduce_scatter(shard axes, tiled)--> [..., n_pad/N]
+        if fmt is None:
+            y = _reduce_scatter_last(y, axes)  # [..., n_pad] --reduce_scatter(shard axes, tiled)--> [..., n_pad/N]
+        else:  # [..., n_pad] --quantize, all_to_all(shard axes), dequantize, sum--> [..., n_pad/N]
+            y = quant.reduce_scatter(y, axes, fmt).astype(dtype)
         return jnp.expand_dims(y, lead)  # [..., 1, n_pad/N]
 
     return jax.shard_map(piece, in_specs=rec.tp_spec(lead), out_specs=_piece_spec(lead), axis_names={TENSOR})(g)
@@ -270,6 +305,9 @@ def reduce_grads(slots, grads, comm: UnitComm, sink_dtypes=None) -> list[jax.Arr
     - ``TO_SINKS``: reduce-scattered over the replica axes too, into the optimizer slices
       ``[n_pad/(R*S)]`` (:func:`replica_slices`), cast to ``sink_dtypes``.
 
+    With ``comm.mp.reduce_format`` / ``replica_format``, the parameters they quantize take the
+    all-to-all of quantized blocks instead ([Note: quantized collectives]).
+
     Returns:
       Per parameter ``[..., n_pad/N]`` (``TO_SINKS``: ``[..., n_pad/(R*S)]``), in the reduce dtype
       (``TO_SINKS``: the sinks' dtypes).
@@ -278,22 +316,29 @@ def reduce_grads(slots, grads, comm: UnitComm, sink_dtypes=None) -> list[jax.Arr
     axes = comm.shard_axes + comm.vary_axes
     shards = []
     for rec, g in zip(recs, grads):
-        g = g.astype(comm.mp.grad_dtype(rec.dtype))
+        fmt = _format(comm.mp.reduce_format, rec, comm.shard_axes)
+        dtype = comm.mp.grad_dtype(rec.dtype)
+        g = g if fmt is not None else g.astype(dtype)  # quantized: from the gradient as computed
         if rec.split:  # [..., *shape] split over tensor --per piece: reduce_scatter(shard_axes)--> [..., T, n_pad/N]
-            shards.append(_scatter_pieces(rec, vary(g, axes), comm.shard_axes))
+            shards.append(_scatter_pieces(rec, vary(g, axes), comm.shard_axes, fmt, dtype))
             continue
         # [..., *shape] -> [..., n_pad] (zero padding), varying over every axis it is summed over
         full = vary(rec.to_storage(g), axes)
+        if fmt is not None:  # [..., n_pad] --quantize, all_to_all(shard_axes), dequantize, sum in fp32--> [..., n_pad/N]
+            shards.append(quant.reduce_scatter(full, comm.shard_axes, fmt).astype(dtype))
+            continue
         shards.append(_reduce_scatter_last(full, comm.shard_axes))  # [..., n_pad] --reduce_scatter(shard_axes, tiled)--> [..., n_pad/N]
     match comm.replica_reduce:
         case ReplicaReduce.PER_UNIT:
-            # [..., n_pad/N] --all_reduce(replica_axes)--> [..., n_pad/N]
-            return list(jax.lax.psum(tuple(shards), comm.replica_axes)) if comm.replica_axes else shards
+            # [..., n_pad/N] --all_reduce(replica_axes)--> [..., n_pad/N]; replica_format: quantized per parameter
+            psum = lambda gs: list(jax.lax.psum(tuple(gs), comm.replica_axes))  # noqa: E731
+            return quant.replica_reduction(recs, shards, comm, psum) if comm.replica_axes else shards
         case ReplicaReduce.PER_STEP | ReplicaReduce.NONE:
             return shards
         case ReplicaReduce.TO_SINKS:
             # [..., n_pad/S] --reduce_scatter(replica)--> [..., n_pad/(R S)], into the sinks
-            mine = replica_slices(shards, comm.replica_axes, comm.replica_parts)
+            scatter = lambda gs: replica_slices(gs, comm.replica_axes, comm.replica_parts)  # noqa: E731
+            mine = quant.replica_reduction(recs, shards, comm, scatter, scatter=True)
             return [g.astype(dtype) for g, dtype in zip(mine, sink_dtypes)]
         case _:  # pragma: no cover - a new member must be handled here
             raise ValueError(f"zshard: unknown replica reduction {comm.replica_reduce!r}")

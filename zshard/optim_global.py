@@ -235,7 +235,7 @@ class _Mark:
 
 
 def build_view(tx, template_logical: dict, layers: dict, num_shards: int, view_specs: dict, why: str,
-               tp: dict | None = None) -> OptView:
+               tp: dict | None = None, padded: dict | None = None) -> OptView:
     """Plan the global-view optimizer (before any compile).
 
     Args:
@@ -247,12 +247,16 @@ def build_view(tx, template_logical: dict, layers: dict, num_shards: int, view_s
       view_specs: flat dict ``path -> PartitionSpec`` of the stored (sharded) state leaf.
       why: the transformation that needs it (from :func:`zshard.optim.check_elementwise`).
       tp: ``path -> (tp_dim, T)`` of the parameters split over the ``tensor`` axis.
+      padded: ``path -> n_pad`` (of one layer's piece) where a parameter is padded beyond
+        ``num_shards`` (a quantized format's blocks, :func:`zshard.quant.pad_multiple`); default:
+        a multiple of ``num_shards``.
 
     Raises:
       ValueError: a transformation with side effects (host callbacks), named.
     """
-    tp = tp or {}
-    layouts = {p: Layout(tuple(v.shape), int(layers[p] is not None), num_shards, *tp.get(p, (None, 1))) for p, v in template_logical.items()}
+    tp, padded = tp or {}, padded or {}
+    layouts = {p: Layout(tuple(v.shape), int(layers[p] is not None), num_shards, *tp.get(p, (None, 1)), padded.get(p))
+               for p, v in template_logical.items()}
     logical = traverse_util.unflatten_dict(template_logical)
     state = jax.eval_shape(tx.init, logical)
     closed = jax.make_jaxpr(tx.update)(logical, state, logical)

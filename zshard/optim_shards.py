@@ -37,6 +37,8 @@ class Layout:
         each device then holds ``[*lead, T, n_pad/N]``: every tensor piece's slice, ``T`` left to
         the compiler ([Note: tensor pieces] in zshard/collectives.py, ParamLayout's order).
       tp: ``T``.
+      padded: ``n_pad`` of one layer (one piece) where the parameter is padded beyond a multiple
+        of ``N`` (a quantized format's blocks), else ``None``.
     """
 
     shape: tuple
@@ -44,6 +46,7 @@ class Layout:
     num_shards: int
     tp_dim: int | None = None
     tp: int = 1
+    padded: int | None = None
 
     @property
     def inner(self) -> tuple:  # one layer's logical shape
@@ -63,12 +66,16 @@ class Layout:
         return int(np.prod(self.piece, dtype=np.int64))
 
     @property
+    def n_pad(self) -> int:  # elements of one stored layer
+        return padded_size(self.n, self.num_shards) if self.padded is None else self.padded
+
+    @property
     def n_loc(self) -> int:  # n_pad / N
-        return padded_size(self.n, self.num_shards) // self.num_shards
+        return self.n_pad // self.num_shards
 
     def storage(self, dtype) -> ParamLayout:
         """The stored form of a ``dtype`` value of this shape (``[*lead, (T,) n_pad]``)."""
-        return ParamLayout.build((), self.inner, dtype, self.num_shards, self.shape[0] if self.lead else None,
+        return ParamLayout.build((), self.inner, dtype, self.n_pad, self.shape[0] if self.lead else None,
                                  tp_dim=self.tp_dim, tp=self.tp)
 
     @property

@@ -28,6 +28,7 @@ from zshard.mesh import context_size, data_axes, manual_specs, tensor_size
 from zshard.optim import needs_global_view
 from zshard.optim_global import build_view
 from zshard.precision import FULL_PRECISION, MixedPrecision
+from zshard.quant import check_plan, pad_multiple
 from zshard.strategy import Strategy, with_context
 from zshard.tp import tensor_dims
 from zshard.units import find_units, path_str, stacked_layers
@@ -251,10 +252,13 @@ def _shared_reads(model, unit_paths) -> dict[tuple, list]:
 
 
 def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int, opt_shards: int, unit, trainable,
-                            tp: tuple = (None, {}, 1), mesh=None) -> tuple[Unit, ...]:
+                            tp: tuple = (None, {}, 1), mesh=None, mp: MixedPrecision = FULL_PRECISION,
+                            world: int = 1) -> tuple[Unit, ...]:
     """The units, each with its parameters' records laid out in FlatParameters (one per
     dtype, trainability and tensor split) over the shard axes, and over the optimizer's axes.
-    ``tp``: ``(tensor_parallel, logical rules, T)`` (:func:`zshard.tp.tensor_dims`)."""
+    ``tp``: ``(tensor_parallel, logical rules, T)`` (:func:`zshard.tp.tensor_dims`). A parameter
+    that a quantized format of ``mp`` applies to is padded so that no block straddles two
+    shards (:func:`zshard.quant.pad_multiple`; ``world``: the data devices)."""
     unit_paths = find_units(abstract_model, unit)
     param_paths = {p for p, _ in flat_state}
     # Tied parameters; shared non-parameter variables (one Rngs for every block) are simply
@@ -286,10 +290,13 @@ def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int,
         groups: dict = defaultdict(list)  # (dtype, trainable, split) -> records: one FlatParameter each
         for path, var in params:
             value = var.get_value()
-            rec = ParamLayout.build(
-                path, value.shape[drop:], value.dtype, opt_shards, layers, shard_axes, path in trainable, name,
+            build = lambda multiple: ParamLayout.build(  # noqa: E731
+                path, value.shape[drop:], value.dtype, multiple, layers, shard_axes, path in trainable, name,
                 tp_dims.get(path), tp[2],
             )
+            rec = build(opt_shards)
+            if mp.quantized:  # pad to a multiple of N * block where a format quantizes it
+                rec = build(pad_multiple(mp, rec, num_shards, opt_shards, world))
             groups[rec.dtype, rec.trainable, rec.split].append(rec)
         flats = tuple(FlatParameter.build(name, g, num_shards, trainable=t) for (_, t, _), g in groups.items())
         if strategy.scatters_replica:  # HYBRID_SHARD_OPT: each shard split again over replica
@@ -322,7 +329,7 @@ def _optimizer_specs(tx, layouts: dict, opt_axes: tuple[str, ...], opt_shards: i
         logical = {p: jax.ShapeDtypeStruct(rec.logical_shape, rec.dtype) for p, rec in train.items()}
         layers = {p: rec.layers for p, rec in train.items()}
         tp = {p: (rec.tp_dim, rec.tp) for p, rec in train.items() if rec.split}
-        view = build_view(tx, logical, layers, opt_shards, view_specs, why, tp)
+        view = build_view(tx, logical, layers, opt_shards, view_specs, why, tp, {p: rec.padded for p, rec in train.items()})
         return view.specs, view
     masked = optax.MaskedNode
     specs = optax.tree_map_params(
@@ -382,7 +389,10 @@ def make_plan(
     if not train_paths:
         raise ValueError("trainable= selects no parameter: nothing would train; check the filter (default nnx.Param)")
     tp = (tensor_parallel, logical_rules or {}, tensor_size(mesh))
-    units = _plan_units(abstract_model, template, strategy, num_shards, opt_shards, unit, train_paths, tp, mesh)
-    plan = Plan(mesh, strategy, tx, graphdef, template, units, mp=mixed_precision or FULL_PRECISION, var_template=var_template)
+    mp = mixed_precision or FULL_PRECISION
+    world = int(np.prod([mesh.shape[a] for a in data_axes(mesh)]))
+    units = _plan_units(abstract_model, template, strategy, num_shards, opt_shards, unit, train_paths, tp, mesh, mp, world)
+    plan = Plan(mesh, strategy, tx, graphdef, template, units, mp=mp, var_template=var_template)
+    check_plan(plan)  # a quantized format that applies to nothing, refused before compiling
     opt_specs, opt_view = _optimizer_specs(tx, plan.layouts, plan.opt_axes, opt_shards)
     return dataclasses.replace(plan, opt_specs=opt_specs, opt_view=opt_view)

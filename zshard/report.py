@@ -13,7 +13,9 @@
 
 XLA:CPU upcasts bf16 collectives to f32 while compiling (float normalisation); with
 ``MixedPrecision(param_dtype=bfloat16)`` the compiled CPU program therefore moves twice the
-gather bytes of the formula. GPU backends keep bf16. ``step.lower(...).as_text(dialect="hlo")``
+gather bytes of the formula. GPU backends keep bf16. Quantized formats (zshard/quant.py) put
+``u8`` payloads on the wire, which no backend widens; an all-to-all of ``X`` bytes over ``n``
+devices sends ``X(n-1)/n``. ``step.lower(...).as_text(dialect="hlo")``
 shows the program as zshard emits it, and :func:`parse_collectives` reads that text too.
 
 A little over 400 lines: the HLO reader (collectives, replica groups in both notations, while
@@ -39,6 +41,7 @@ from zshard.mesh import CONTEXT, REPLICA, SHARD, TENSOR, data_axes
 from zshard.offload import master_paths, offload_report
 from zshard.optim import optimizer_grad_specs, optimizer_program
 from zshard.jaxprs import CONTEXT_SCOPE, OPTIMIZER_SCOPE, unit_of
+from zshard.quant import coverage, moved_bytes
 from zshard.strategy import Strategy
 
 __all__ = ["Collective", "Report", "optimizer_report", "parse_collectives", "parse_replica_groups", "report"]
@@ -47,7 +50,7 @@ _KINDS = {
     "all-gather": "all-gather",
     "reduce-scatter": "reduce-scatter",
     "all-reduce": "all-reduce",
-    "all-to-all": "other",
+    "all-to-all": "all-to-all",
     "collective-permute": "permute",
     "collective-broadcast": "other",
 }
@@ -62,8 +65,9 @@ class Collective:
     """One collective instruction of the compiled step.
 
     Attributes:
-      kind: ``"all-gather"``, ``"reduce-scatter"``, ``"all-reduce"``, ``"permute"`` (a
-        collective-permute: each device sends its buffer to one other) or ``"other"``.
+      kind: ``"all-gather"``, ``"reduce-scatter"``, ``"all-reduce"``, ``"all-to-all"`` (the quantized
+        gradient reduction), ``"permute"`` (a collective-permute: each device sends its buffer to one
+        other) or ``"other"``.
       axis: mesh axis the groups span: ``"shard"``, ``"replica"``, ``"context"``, ``"tensor"``,
         ``"world"`` (every data axis, ``replica`` and ``shard`` among them), several joined with
         ``+`` (``"shard+context"``), or ``"none"`` (groups of one device).
@@ -238,7 +242,7 @@ def parse_collectives(hlo: str, mesh) -> list[Collective]:
                 sizes = sizes[len(sizes) // 2 :]  # (operands, outputs) -> outputs
             result = sum(sizes)
             kind = _KINDS[base]
-            full = result * n if kind == "reduce-scatter" else result  # X: the unsharded buffer
+            full = result * n if kind == "reduce-scatter" else result  # X: the unsharded buffer (all-to-all: its own)
             factor = 2 if kind == "all-reduce" else 1
             sent = factor * full * (n - 1) / n if kind not in ("other", "permute") else float(result)
             phase = "optimizer" if OPTIMIZER_SCOPE in rest else "context" if CONTEXT_SCOPE in rest else "step"
@@ -266,7 +270,9 @@ def _formula_comm(plan, k: int = 1) -> dict[str, float]:
 
     ``Psi * b`` is counted per collective in the dtype it moves: gathers in the mixed
     precision ``param_dtype``, gradient reductions in ``reduce_dtype``, SHARD_OPT's gather of
-    updated parameters in the master dtype. With ``k`` micro-batches (gradient
+    updated parameters in the master dtype; a parameter a quantized format applies to in its
+    payload and scales, ``Psi (bits/8 + 4/B)`` (ZeRO++, arXiv 2306.10209 section 3;
+    :func:`zshard.quant.moved_bytes`; its all-to-all counts as a reduce-scatter of those bytes). With ``k`` micro-batches (gradient
     accumulation) the per-unit gathers and reduce-scatters run once per micro-batch and the
     cross-replica all-reduce once per step; gathers that do not depend on the micro-batch
     (the root unit's, and every unrolled unit's under SHARD_GRAD_OP) are loop-invariant and
@@ -275,32 +281,33 @@ def _formula_comm(plan, k: int = 1) -> dict[str, float]:
     mesh, mp = plan.mesh, plan.mp
     size = lambda axes: int(np.prod([mesh.shape[a] for a in axes]))  # noqa: E731
 
-    def total(dtype_of, units, trainable_only=False):  # sum over parameters of size * itemsize (a tensor piece if split)
+    def total(role, units, trainable_only=False):  # sum over parameters of size * itemsize (a tensor piece if split)
         return sum(
-            (u.layers or 1) * s.param.piece_size * np.dtype(dtype_of(s.dtype)).itemsize
+            (u.layers or 1) * moved_bytes(plan, role, s.param)
             for u in units
             for f in u.flats
             if f.trainable or not trainable_only
             for s in f.slots
         )
 
-    master = total(lambda d: d, plan.units, trainable_only=True)  # SHARD_OPT gathers updated parameters
-    ag = total(mp.gather_dtype, plan.units)  # one all-gather of every unit
-    ag_root = total(mp.gather_dtype, [u for u in plan.units if not u.path])
-    rs = total(mp.grad_dtype, plan.units, trainable_only=True)  # one reduction of every trainable gradient
+    master = total("master", plan.units, trainable_only=True)  # SHARD_OPT gathers updated parameters
+    ag = total("gather", plan.units)  # one all-gather of every unit
+    ag_root = total("gather", [u for u in plan.units if not u.path])
+    rs = total("reduce", plan.units, trainable_only=True)  # one reduction of every trainable gradient
+    rr = total("replica", plan.units, trainable_only=True)  # ... and its reduction over the replica axes
     st = plan.strategy
     ring = lambda n: (n - 1) / n  # noqa: E731
     name = lambda axes: _param_axis(mesh, axes)  # noqa: E731
     if st is Strategy.NO_SHARD:
-        return {name(plan.replica_axes): 2 * rs * ring(size(plan.replica_axes))}
+        return {name(plan.replica_axes): 2 * rr * ring(size(plan.replica_axes))}
     if st is Strategy.SHARD_OPT:
-        return {name(plan.opt_axes): (2 * rs + master) * ring(size(plan.opt_axes))}
+        return {name(plan.opt_axes): (2 * rr + master) * ring(size(plan.opt_axes))}
     # AG forward (+ AG backward for resharding strategies; the root unit is gathered once and
     # kept through backward, as FSDP keeps its root) + RS of the gradients.
     if st.reshard_after_forward:
         gathers = k * 2 * (ag - ag_root) + ag_root
     else:  # stacked units gather inside their own scan, which is not hoisted: once per micro-batch
-        ag_stacked = total(mp.gather_dtype, [u for u in plan.units if u.layers])
+        ag_stacked = total("gather", [u for u in plan.units if u.layers])
         gathers = ag - ag_stacked + k * ag_stacked
     per_step = gathers + k * rs
     N = plan.num_shards  # S (x C on a context mesh) for the hybrids
@@ -313,8 +320,8 @@ def _formula_comm(plan, k: int = 1) -> dict[str, float]:
         # unit's backward (once per micro-batch) and the updated slices all-gathered back
         # (master dtype) once per step: with one dtype and no accumulation, 2 (G/S)(R-1)/R,
         # the bytes of HYBRID_SHARD's all-reduce.
-        return {**shard, name(plan.replica_axes): (k * rs + master) / N * ring(R)}
-    return {**shard, name(plan.replica_axes): 2 * (rs / N) * ring(R)}
+        return {**shard, name(plan.replica_axes): (k * rr + master) / N * ring(R)}
+    return {**shard, name(plan.replica_axes): 2 * (rr / N) * ring(R)}
 
 
 PARAM_CONTEXT = "context (parameters)"  # the key of parameter collectives over a group that is the context axis alone
@@ -363,6 +370,11 @@ class Report:
         (<transformation>)"``, :mod:`zshard.optim_global`), ``collectives`` (per kind and
         axis: count and bytes one device sends), ``measured`` and ``formula`` (bytes per
         step), ``temp`` (temporary bytes of the optimizer step compiled alone).
+      moves: per mesh axis of ``comm_bytes_per_step``, what its collectives move:
+        ``"gather int8/256, reduce int8/256"``, ``"reduce float32"``.
+      quantized: with quantized formats (:func:`zshard.quant.coverage`), per role (``gather``,
+        ``reduce``, ``replica``): ``format``, the parameters it ``quantized`` and the ``fallback``
+        ones left in ``param_dtype`` / ``reduce_dtype`` (rank < 2, or under one block per device); else ``None``.
     """
 
     strategy: str
@@ -379,6 +391,8 @@ class Report:
     tensor: dict | None = None
     context: dict | None = None
     offload: dict | None = None
+    moves: dict = dataclasses.field(default_factory=dict)
+    quantized: dict | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -398,14 +412,21 @@ class Report:
             f"| model state formula | {mib(ms['formula']['total'])} |",
             f"| ratio | {ms['ratio']:.4f} |",
             "",
-            "| communication per step | measured MiB | formula MiB | ratio |",
-            "|---|---:|---:|---:|",
-            *(f"| {axis} | {mib(v['measured'])} | {mib(v['formula'])} | {v['ratio']:.4f} |" for axis, v in self.comm_bytes_per_step.items()),
+            "| communication per step | measured MiB | formula MiB | ratio | moves |",
+            "|---|---:|---:|---:|---|",
+            *(f"| {axis} | {mib(v['measured'])} | {mib(v['formula'])} | {v['ratio']:.4f} | {self.moves.get(axis, '')} |"
+              for axis, v in self.comm_bytes_per_step.items()),
             "",
             "| collective | axis | count | MiB sent |",
             "|---|---|---:|---:|",
             *(f"| {c['kind']} | {c['axis']} | {c['count']} | {mib(c['bytes'])} |" for c in self.collectives),
         ]
+        if self.quantized:
+            lines += ["", "| quantized | format | parameters | left unquantized (rank < 2 or under one block per device) |",
+                      "|---|---|---:|---|"]
+            for role, c in self.quantized.items():
+                rest = ", ".join(c["fallback"][:4]) + (f" and {len(c['fallback']) - 4} more" if len(c["fallback"]) > 4 else "")
+                lines.append(f"| {role} | {c['format']} | {len(c['quantized'])} | {rest or '-'} |")
         if self.tensor is not None:
             t = self.tensor
             lines += [
@@ -525,7 +546,26 @@ def report(step, state, batch) -> Report:
         tensor=tensor,
         context=context,
         offload=offload_report(step, state, batch, {**formula, **split}) if plan.offload else None,
+        moves=_moves(plan),
+        quantized=coverage(plan) if plan.mp.quantized else None,
     )
+
+
+def _moves(plan) -> dict:
+    """Per mesh axis, what its collectives move (the dtype, or the quantized format; XLA:CPU
+    widens a bfloat16 collective to float32 while compiling, never a ``u8`` payload)."""
+    mp = plan.mp
+    dt = lambda d: np.dtype(d).name  # noqa: E731
+    master = next(iter(plan.layouts.values())).dtype if plan.layouts else np.dtype("float32")
+    gather = mp.gather_format.label if mp.gather_format else dt(mp.gather_dtype(master))
+    reduce = mp.reduce_format.label if mp.reduce_format else dt(mp.grad_dtype(master))
+    replica = mp.replica_format.label if mp.replica_format else dt(mp.grad_dtype(master))
+    out = {}
+    if plan.shard_axes:
+        out[_axis_name(plan.mesh, plan.shard_axes)] = f"gather {gather}, reduce {reduce}"
+    if plan.replica_axes:
+        out[_axis_name(plan.mesh, plan.replica_axes)] = f"reduce {replica}"
+    return out
 
 
 # Tensor all-reduces of one block's activation per block call (Megatron-LM, arXiv 1909.08053

@@ -37,6 +37,7 @@ from zshard.jaxprs import LOSS_SCOPE
 from zshard.mesh import sharded_map
 from zshard.offload import check_placement, compute_params, traced_naming_host_leaf, update_offloaded
 from zshard.optim import apply_optimizer, global_norm
+from zshard.quant import all_reduce_replicas
 from zshard.sequence import SequenceSplit, tracing
 from zshard.state import Plan, ShardedState
 from zshard.step_config import StepConfig, batch_specs, default_prefetch, put_batch, sequence_split, trace_key
@@ -170,7 +171,7 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
     (acc, totals, aux_sum, variables), _ = jax.lax.scan(body, (zeros, (zero, zero), aux_zero, variables), micro)
     match reduce:
         case ReplicaReduce.PER_STEP:  # [n_pad/N] --all_reduce(replica)--> [n_pad/N], once per step
-            acc = jax.lax.psum(acc, replica)
+            acc = all_reduce_replicas(plan, acc)  # one psum (replica_format: quantized per parameter)
         case ReplicaReduce.TO_SINKS | ReplicaReduce.NONE:  # summed over replica already, or no replica axes
             pass
         case _:

@@ -19,6 +19,7 @@ import jax
 from tqdm import tqdm
 
 from train.bench.offload import offload_main
+from train.bench.quantized import VARIANTS, quantized_section, quantized_table
 from train.bench.sections import (CONFIGS, DEPTHS, GPU_XLA_FLAGS, NUM_DEVICES, QUICK, STRATEGIES, TENSOR_CONFIGS, TENSOR_SIZES,
                                   bench_config, depth_sweep, gpu_section)
 from train.bench.tables import config_table, depth_table, plots, targets, targets_table
@@ -38,6 +39,8 @@ def _parse(argv):
     p.add_argument("--configs", default="S,P", help="section 1 configurations, comma-separated (S, P)")
     p.add_argument("--no-depth", action="store_true", help="skip the depth sweep")
     p.add_argument("--no-scale", action="store_true", help="skip scale by simulation")
+    p.add_argument("--no-quantized", action="store_true", help="skip the quantized collectives (five python -m train runs)")
+    p.add_argument("--quant-steps", type=int, default=300, metavar="N", help="steps of each quantized-collectives run (default 300)")
     p.add_argument("--scale-timeout", type=float, default=900.0, metavar="S", help="seconds allowed to each scale subprocess")
     p.add_argument("--offload", action="store_true", help="only the host-offload measurement on one GPU (train/bench/offload.py: HBM "
                    "saved, step-time overhead against the pinned-transfer bound); skipped without a GPU")
@@ -74,11 +77,13 @@ def main(argv=None) -> int:
     configs = {"Q": QUICK} if args.quick else {c: CONFIGS[c] for c in args.config_list}
     strategies = ("NO_SHARD", "FULL_SHARD", "HYBRID_SHARD") if args.quick else STRATEGIES
     do_depth, do_scale = not (args.quick or args.no_depth), not (args.quick or args.no_scale)
+    do_quant = not (args.quick or args.no_quantized)
     scale_strats = SCALE_STRATEGIES
     tp_peers = lambda c: sum(c.n_heads % t == 0 for t in TENSOR_SIZES) if c.name in TENSOR_CONFIGS else 0  # noqa: E731
     total = sum(4 + len(strategies) + (2 + tp_peers(c)) * ("FULL_SHARD" in strategies) + (args.repeats or c.repeats)
                 for c in configs.values()) + (2 * len(DEPTHS) if do_depth else 0) + \
-        ((len(SCALE_DEVICES) * len(SCALE_MODELS) + len(SCALE_TENSOR)) * len(scale_strats) if do_scale else 0)
+        ((len(SCALE_DEVICES) * len(SCALE_MODELS) + len(SCALE_TENSOR)) * len(scale_strats) if do_scale else 0) + \
+        (len(VARIANTS) if do_quant else 0)
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
                f"{platform.system()} {platform.release()}", "jax": jax.__version__, "backend": jax.default_backend(),
                "command": " ".join([PROG] + (sys.argv[1:] if argv is None else list(argv))), "configs": {}}
@@ -102,6 +107,9 @@ def main(argv=None) -> int:
             for model, n, tensor in SCALE_TENSOR:  # the tensor-parallel rows (issue 25)
                 results["scale"] += run_scale([n], [model], scale_strats, progress, args.scale_timeout, tensor=tensor)
             report(scale_table(results["scale"]) + "\n", progress)
+        if do_quant:
+            results["quantized"] = quantized_section(out / "quantized", args.quant_steps, progress)
+            report(quantized_table(results["quantized"]) + "\n", progress)
     if jax.default_backend() == "gpu":
         results["gpu"] = gpu_section(args.repeats or 10)
         g = results["gpu"]

@@ -102,6 +102,10 @@ def targets(results: dict) -> list[dict]:
             add("scale {} {} devices {}{}: abs(peak / expected - 1)".format(*key[:3], tp), None if r is None else abs(r["ratio"] - 1),
                 0.02, "did not compile (see the scale worker's error above)" if r is None else
                 f"live / expected {r['live_ratio']:.3f}, peak / live (heap packing) {r['peak'] / r['live']:.3f}")
+    for r in results.get("quantized", {}).get("rows", []):  # issue 28: eval loss gaps of the quantized collectives
+        if r["target"] is not None:
+            add(f"quantized {r['name']}: abs(eval loss / exact - 1), {r['bytes_ratio']:.3f} of the shard bytes", abs(r["gap"]),
+                r["target"])
     return out
 
 
