@@ -81,7 +81,8 @@ def test_quick_bench_peers_agree_and_outputs_hold_together(quick):
     assert rows["zshard/FULL_SHARD remat=none"]["same_remat_peer"] == "FSDP-compiler"
     assert {"Q zshard/FULL_SHARD step time / FSDP-compiler remat=block", "Q zshard/FULL_SHARD remat=none step time / FSDP-compiler",
             "Q zshard/FULL_SHARD (prefetch=0) temp: gathered units beyond activations",
-            "Q zshard/FULL_SHARD prefetch=1 temp: gathered units beyond activations"} <= names, names
+            "Q zshard/FULL_SHARD prefetch=1 temp: gathered units beyond activations",
+            "Q zshard/FULL_SHARD tensor=2 temp / zshard/FULL_SHARD temp"} <= names, names
     # the policies are real: recomputing each block adds its forward FLOPs again, for the peer and for zshard
     # (Q: 1.20x for the peer, the embeddings, head and optimizer dilute it; S: 1.23x)
     assert rows["FSDP-compiler remat=block"]["flops"] > 1.1 * fsdp["flops"], (rows["FSDP-compiler remat=block"]["flops"], fsdp["flops"])

@@ -4,9 +4,6 @@ asynchronous, ``keep``), and the one-call :func:`save` / :func:`restore`.
 What is stored is the logical layout (:mod:`zshard.checkpoint.layout`); this module does the
 Orbax side: one ``CheckpointManager`` folder per step, written under a temporary name and
 renamed when complete, read back onto any mesh and strategy.
-
-A little over 400 lines: one class, whose save, restore, metadata reads and checks share
-the Orbax manager and the logical layout, and the two one-call wrappers over it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,286 @@
+"""The formulas a compiled step is checked against (docs/design.md section 3).
+
+Model state per device (ZeRO, arXiv 1910.02054 section 5; FSDP, arXiv 2304.11277 section
+3.2; Megatron-LM's ``1/T`` for tensor-split parameters), bytes per step and mesh axis
+(:func:`formula_comm`, ring algorithm), Megatron-LM's tensor all-reduces per block
+(:func:`tensor_formula`), the context axis's keys and values (:func:`context_formula`) and
+the optimizer program measured apart (:func:`optimizer_report`). :mod:`zshard.report` puts
+them next to what it measured.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import jax
+import numpy as np
+import optax
+from flax import traverse_util
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zshard.mesh import CONTEXT, TENSOR
+from zshard.offload import master_paths
+from zshard.optim import optimizer_grad_specs, optimizer_program
+from zshard.quant import moved_bytes
+from zshard.strategy import Strategy
+from zshard.hlo import _axis_name, parse_collectives
+
+__all__ = ["PARAM_CONTEXT", "context_formula", "optimizer_report"]
+
+def _itemsize(dtype) -> int:
+    """Bytes per element; a PRNG key (``add_noise``'s state) counts its key data (threefry: 8)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return 4 * int(np.prod(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype)).shape))
+    return np.dtype(dtype).itemsize
+
+
+def _local_bytes(x) -> int:
+    """Bytes of one device's shard of ``x`` (an array or a ``ShapeDtypeStruct`` with a sharding)."""
+    return int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * _itemsize(x.dtype)
+
+
+def _formula_comm(plan, k: int = 1) -> dict[str, float]:
+    """Bytes one device sends per step, docs/design.md section 3 (ring algorithm).
+
+    ``Psi * b`` is counted per collective in the dtype it moves: gathers in the mixed
+    precision ``param_dtype``, gradient reductions in ``reduce_dtype``, SHARD_OPT's gather of
+    updated parameters in the master dtype; a parameter a quantized format applies to in its
+    payload and scales, ``Psi (bits/8 + 4/B)`` (ZeRO++, arXiv 2306.10209 section 3;
+    :func:`zshard.quant.moved_bytes`; its all-to-all counts as a reduce-scatter of those bytes). With ``k`` micro-batches (gradient
+    accumulation) the per-unit gathers and reduce-scatters run once per micro-batch and the
+    cross-replica all-reduce once per step; gathers that do not depend on the micro-batch
+    (the root unit's, and every unrolled unit's under SHARD_GRAD_OP) are loop-invariant and
+    XLA hoists them out of the micro-batch loop, so they count once.
+    """
+    mesh = plan.mesh
+    size = lambda axes: int(np.prod([mesh.shape[a] for a in axes]))  # noqa: E731
+
+    def total(role, units, trainable_only=False):  # sum over parameters of size * itemsize (a tensor piece if split)
+        return sum(
+            (u.layers or 1) * moved_bytes(plan, role, s.param)
+            for u in units
+            for f in u.flats
+            if f.trainable or not trainable_only
+            for s in f.slots
+        )
+
+    master = total("master", plan.units, trainable_only=True)  # SHARD_OPT gathers updated parameters
+    ag = total("gather", plan.units)  # one all-gather of every unit
+    ag_root = total("gather", [u for u in plan.units if not u.path])
+    rs = total("reduce", plan.units, trainable_only=True)  # one reduction of every trainable gradient
+    rr = total("replica", plan.units, trainable_only=True)  # ... and its reduction over the replica axes
+    st = plan.strategy
+    ring = lambda n: (n - 1) / n  # noqa: E731
+    name = lambda axes: _param_axis(mesh, axes)  # noqa: E731
+    if st is Strategy.NO_SHARD:
+        return {name(plan.replica_axes): 2 * rr * ring(size(plan.replica_axes))}
+    if st is Strategy.SHARD_OPT:
+        return {name(plan.opt_axes): (2 * rr + master) * ring(size(plan.opt_axes))}
+    # AG forward (+ AG backward for resharding strategies; the root unit is gathered once and
+    # kept through backward, as FSDP keeps its root) + RS of the gradients.
+    if st.reshard_after_forward:
+        gathers = k * 2 * (ag - ag_root) + ag_root
+    else:  # stacked units gather inside their own scan, which is not hoisted: once per micro-batch
+        ag_stacked = total("gather", [u for u in plan.units if u.layers])
+        gathers = ag - ag_stacked + k * ag_stacked
+    per_step = gathers + k * rs
+    N = plan.num_shards  # S (x C on a context mesh) for the hybrids
+    shard = {name(plan.shard_axes): per_step * ring(N)}
+    if st in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD):
+        return shard
+    R = size(plan.replica_axes)
+    if st.scatters_replica:
+        # HYBRID_SHARD_OPT: the gradient shard (G/S) is reduce-scattered over replica in each
+        # unit's backward (once per micro-batch) and the updated slices all-gathered back
+        # (master dtype) once per step: with one dtype and no accumulation, 2 (G/S)(R-1)/R,
+        # the bytes of HYBRID_SHARD's all-reduce.
+        return {**shard, name(plan.replica_axes): (k * rr + master) / N * ring(R)}
+    return {**shard, name(plan.replica_axes): 2 * (rr / N) * ring(R)}
+
+
+PARAM_CONTEXT = "context (parameters)"  # the key of parameter collectives over a group that is the context axis alone
+
+
+def _param_axis(mesh, axes) -> str:
+    """:func:`_axis_name` for the parameters' collectives; ``"context"`` (a ``1 x 1 x C`` mesh) is
+    :data:`PARAM_CONTEXT`, the name ``"context"`` being the attention's row."""
+    axis = _axis_name(mesh, axes)
+    return PARAM_CONTEXT if axis == CONTEXT else axis
+
+
+def _moves(plan) -> dict:
+    """Per mesh axis, what its collectives move (the dtype, or the quantized format; XLA:CPU
+    widens a bfloat16 collective to float32 while compiling, never a ``u8`` payload)."""
+    mp = plan.mp
+    dt = lambda d: np.dtype(d).name  # noqa: E731
+    master = next(iter(plan.layouts.values())).dtype if plan.layouts else np.dtype("float32")
+    gather = mp.gather_format.label if mp.gather_format else dt(mp.gather_dtype(master))
+    reduce = mp.reduce_format.label if mp.reduce_format else dt(mp.grad_dtype(master))
+    replica = mp.replica_format.label if mp.replica_format else dt(mp.grad_dtype(master))
+    out = {}
+    if plan.shard_axes:
+        out[_axis_name(plan.mesh, plan.shard_axes)] = f"gather {gather}, reduce {reduce}"
+    if plan.replica_axes:
+        out[_axis_name(plan.mesh, plan.replica_axes)] = f"reduce {replica}"
+    return out
+
+
+# Tensor all-reduces of one block's activation per block call (Megatron-LM, arXiv 1909.08053
+# section 3: two in forward, after the attention and the MLP output projections, two in backward,
+# before their column-parallel input projections). Full block recompute adds the forward's two
+# (Korthikanti et al. 2022, arXiv 2205.05198 section 4: 6); XLA drops the recomputed block's
+# last one, whose value the backward does not read: 5. "dots" saves the matmul outputs: 4.
+_TENSOR_ARRAYS = {"none": 4, "block": 5, "dots": 4}
+
+
+def context_formula(plan, trace, config) -> dict:
+    """Bytes one device sends over ``context`` per step for ``zshard.attention``'s keys and values.
+
+    Per attention call on a sequence of ``s`` tokens split over ``C`` devices, ``b`` rows on this
+    device, ``n_kv`` key/value heads of ``d`` (keys) and ``d_v`` (values) elements in ``e`` bytes:
+    the forward moves ``X = b s n_kv (d + d_v) e`` (``2 b s n_kv d e``) once, ``(C-1)/C X`` per
+    device (an all-gather, or ``C-1`` ring permutes of ``X/C``); a recomputed block
+    (``remat="block"``) moves it again in backward; the backward sends ``dK`` and ``dV`` back,
+    ``(C-1)/C X`` (a reduce-scatter, or the ring reversed). Segment ids, ``4 b s`` bytes of int32,
+    are the same array in every layer: XLA merges their identical gathers into one per micro-batch
+    (measured, tests/test_context.py). Calls are counted from the step's trace
+    (:class:`zshard.sequence.SequenceTrace`): each call made in a unit's forward, times the unit's
+    layers (a scanned stack) and the micro-batches.
+    """
+    C, k = plan.context, config.grad_accum
+    ring = (C - 1) / C
+    recompute = 2 if _policy_name(config.remat) == "block" else 1  # "dots" keeps the gathered K/V (measured)
+    formula, calls, kv_bytes, seg_bytes, impls = 0.0, 0, 0, 0, set()
+    for unit, layers, call in ([] if trace is None else trace.calls):
+        n = (layers or 1) * k
+        kv = call.batch * call.length * call.kv_heads * (call.head_dim + call.value_dim) * call.itemsize
+        passes = recompute if unit is not None else 1  # the root unit is never recomputed
+        formula += n * ring * (passes + 1) * kv
+        calls, kv_bytes = calls + n, kv
+        seg_bytes = max(seg_bytes, 4 * call.batch * call.length if call.segments else 0)
+        impls.add(call.impl)
+    formula += k * ring * seg_bytes  # the segment ids: one gather per micro-batch
+    return {"formula": formula, "measured": 0.0, "calls": calls, "kv_bytes": kv_bytes, "segment_bytes": seg_bytes,
+            "forward_passes": recompute, "impl": "+".join(sorted(impls)) or "none"}
+
+
+def _tensor_formula(plan, colls, config) -> dict:
+    """Bytes one device sends over ``tensor`` per step against Megatron-LM's count.
+
+    ``X``, the bytes of one block's activation ``b * s * h * e`` (this device's rows), is read from
+    the program: the most frequent size of the tensor all-reduces inside the block units. Formula: ``block calls * k *
+    2 (T - 1) / T * X`` (ring all-reduce), ``k`` from :data:`_TENSOR_ARRAYS` for the remat policy.
+    All-reduces outside the blocks (a vocabulary-split embedding's output, the head's input
+    cotangent, the softmax statistics over a split vocabulary) are counted apart (``root_bytes``).
+    """
+    T = plan.tensor
+    ring = 2 * (T - 1) / T
+    blocks = [c for c in colls if c.axis == TENSOR and c.kind == "all-reduce" and c.unit not in (None, "root")]
+    root = [c for c in colls if c.axis == TENSOR and c not in blocks]
+    sizes = Counter(c.buffer_bytes for c in blocks)  # mostly one size; a tuple combined with a small one is rarer
+    X = max(sizes, key=lambda b: (sizes[b], b)) if sizes else 0
+    calls = config.grad_accum * sum(u.layers or 1 for u in plan.units if u.path != ())
+    k = _TENSOR_ARRAYS.get(_policy_name(config.remat), 4)
+    measured = sum(c.sent_bytes * c.trips for c in blocks)
+    return {
+        "measured": measured,
+        "formula": calls * k * ring * X,
+        "activation_bytes": X,
+        "arrays_per_block": k,
+        "measured_arrays_per_block": measured / (calls * ring * X) if calls and X else 0.0,
+        "root_bytes": sum(c.sent_bytes * c.trips for c in root),
+    }
+
+
+def _state_formula(plan) -> dict:
+    """Model-state bytes per device: ``(param + K opt slots) bytes * (Psi_split / (T N) +
+    Psi_rest / N)`` (ZeRO, arXiv 1910.02054 section 5, with Megatron-LM's split of the
+    tensor-parallel parameters over ``T``, arXiv 1909.08053 section 3): each parameter over the
+    devices of its shard axes (``N``) and, split over ``tensor``, its ``T`` pieces; each
+    optimizer leaf shaped like a parameter likewise over the optimizer's axes; leaves held whole
+    (counts, Adafactor's factors) on every device."""
+    T, N, N_opt = plan.tensor, plan.num_shards, plan.opt_shards
+    params = sum(
+        int(np.prod(rec.logical_shape, dtype=np.int64)) * rec.dtype.itemsize / (N * (T if rec.split else 1))
+        for rec in plan.layouts.values()
+    )
+    logical = traverse_util.unflatten_dict({p: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype) for p, v in plan.template})
+    trainable, _ = plan.split_trainable(logical)
+    state = jax.eval_shape(plan.tx.init, trainable)
+    leaves = jax.tree.leaves(state)
+    if plan.opt_view is not None:  # leaves not shaped like their parameter are replicated
+        owners = list(plan.opt_view.state_paths)
+    else:
+        refs = traverse_util.unflatten_dict({p: _Ref(p) for p in plan.trainable})
+        marked = optax.tree_map_params(
+            plan.tx, lambda leaf, ref: leaf if isinstance(leaf, optax.MaskedNode) else _Ref(ref.path), state, refs,
+            transform_non_params=lambda _: _Ref(None), is_leaf=lambda x: isinstance(x, (_Ref, optax.MaskedNode)),
+        )
+        owners = [m.path for m in jax.tree.leaves(marked, is_leaf=lambda x: isinstance(x, _Ref))]
+    opt = opt_host = 0.0
+    for x, owner in zip(leaves, owners):
+        b = x.size * _itemsize(x.dtype)
+        if owner is None:
+            b = b if plan.opt_view is not None else b / N_opt  # whole on every device (a count: negligible)
+        else:
+            b = b / (N_opt * (T if plan.layouts[owner].split else 1))
+        opt += b
+        opt_host += b if plan.offload and x.ndim else 0.0  # offload: the leaves with a dimension (zshard.offload)
+    # offload="optimizer+master": the masters on the host, their param_dtype copies on the device
+    per = lambda rec, itemsize: int(np.prod(rec.logical_shape, dtype=np.int64)) * itemsize / (N * (T if rec.split else 1))  # noqa: E731
+    masters = [plan.layouts[p] for p in master_paths(plan)]
+    host_masters = sum(per(rec, rec.dtype.itemsize) for rec in masters)
+    copies = sum(per(rec, np.dtype(plan.mp.gather_dtype(rec.dtype)).itemsize) for rec in masters)
+    return {"params": params, "opt_state": opt, "total": params + opt, "opt_state_host": opt_host, "masters": host_masters, "copies": copies}
+
+
+class _Ref:
+    """A parameter path as an opaque pytree leaf."""
+
+    def __init__(self, path):
+        self.path = path
+
+
+def optimizer_report(state) -> dict:
+    """The optimizer step compiled alone (:func:`zshard.optim.optimizer_program`): its temp
+    bytes and collectives, against a formula.
+
+    Formula (bytes one device sends per step, ring algorithm, Patarasuk & Yuan 2009): each
+    collective the global-view optimizer issues while tracing, with ``X`` the bytes of its
+    whole buffer and ``n`` the devices of the optimizer axes: an all-gather of one padded
+    parameter (a whole-matrix update such as Muon: one per matrix) ``X(n-1)/n``; an
+    all-reduce (a scalar for a global or per-parameter norm, ``[rows]`` / ``[cols]`` for
+    Adafactor's factored moments) ``2X(n-1)/n``. An elementwise chain issues none (ZeRO,
+    arXiv 1910.02054 section 5.1: each device updates only its partition).
+    """
+    plan = state.plan
+    record: list = []
+    train, _ = plan.split_trainable(state.params)
+    grads = jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(plan.mesh, spec)),
+        train,
+        optimizer_grad_specs(plan),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    compiled = optimizer_program(plan, record).lower(train, grads, state.opt_state).compile()
+    n = plan.opt_shards
+    ring = (n - 1) / n if n > 1 else 0.0
+    formula = sum((2 if kind == "all-reduce" else 1) * x * ring for kind, x in record)
+    table: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
+    for c in parse_collectives(compiled.as_text(), plan.mesh):
+        if c.phase == "optimizer" and c.axis != "none":
+            table[(c.kind, c.axis)][0] += c.trips
+            table[(c.kind, c.axis)][1] += c.sent_bytes * c.trips
+    view = plan.opt_view
+    return {
+        "path": "elementwise" if view is None else f"global view ({view.why})",
+        "collectives": [{"kind": k, "axis": a, "count": m, "bytes": b} for (k, a), (m, b) in sorted(table.items())],
+        "measured": sum(b for _, b in table.values()),
+        "formula": formula,
+        "temp": int(compiled.memory_analysis().temp_size_in_bytes),
+    }
+
+
+def _policy_name(remat) -> str:
+    return remat if isinstance(remat, str) else getattr(remat, "__name__", repr(remat))
