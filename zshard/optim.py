@@ -216,23 +216,35 @@ def init_optimizer(plan, params: dict):
     return _state_views(plan, plan.tx.init(_to_view(plan, params)), False)
 
 
-def global_norm(grads, shard_axes: tuple[str, ...]) -> jax.Array:
+def global_norm(grads, plan) -> jax.Array:
     """L2 norm of the whole gradient, float32 scalar, invariant over the mesh.
 
-    Shards are disjoint over ``shard_axes`` (and identical over the replica axes), and the
-    padding holds zeros, so the sum of squares ``psum``-ed over ``shard_axes`` is the norm of
-    the unsharded gradient.
+    Shards are disjoint over ``plan.grad_axes`` (and identical over the replica axes), and the
+    padding holds zeros, so the sum of squares ``psum``-ed over those axes is the norm of the
+    unsharded gradient. With a ``tensor`` axis the model's global view over it holds each
+    split parameter's pieces once and a parameter not split once (not ``T`` times: the
+    pytorch issue 180346 class), so the compiler's sum over ``tensor`` is the norm's.
 
-    Each gradient passes an ``optimization_barrier`` first: without it XLA's common
-    subexpression elimination merges this ``square(g)`` with the optimizer's (Adam's second
-    moment, ``nu = b2 nu + (1 - b2) g^2``), and a square with two consumers is materialised
-    whole instead of fused into each: on Llama-70B HYBRID_SHARD 8x8 two such ``[80, n_pad/8]``
-    buffers (28.19 GB) set the step's peak (docs/memory.md, "The scale table").
+    Without a tensor axis each gradient passes an ``optimization_barrier`` first: without it
+    XLA's common subexpression elimination merges this ``square(g)`` with the optimizer's
+    (Adam's second moment, ``nu = b2 nu + (1 - b2) g^2``), and a square with two consumers is
+    materialised whole instead of fused into each: on Llama-70B HYBRID_SHARD 8x8 two such
+    ``[80, n_pad/8]`` buffers (28.19 GB) set the step's peak (docs/memory.md, "The scale table").
+
+    [Note: no barrier under tensor] With a tensor axis the barrier is left out: on jax 0.10.2
+    XLA:CPU, the barrier's operand for the fused ``qkv`` kernel's gradient (reduce-scattered per
+    piece, zshard/collectives.py) read other memory when the norm was the barrier's only reader
+    (the reference GPT on 1x4x2, prefetch 0, no clipping: ``grad_norm`` 4.89 against one
+    device's 2.05; each block's qkv term +8.0 or -1.5e32), while the update read the right
+    values. tests/test_tensor_parallel.py checks the norm against one device with and without
+    clipping, at prefetch 0 and 1.
     """
-    # [n_pad/N] each --barrier--> the same values, not CSE-able with the optimizer's g^2
-    grads = jax.lax.optimization_barrier(jax.tree.leaves(grads))
-    sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads)
-    return jnp.sqrt(jax.lax.psum(sq, shard_axes) if shard_axes else sq)
+    leaves = jax.tree.leaves(grads)
+    if plan.tensor == 1:  # [n_pad/N] each --barrier--> the same values, not CSE-able with the optimizer's g^2
+        leaves = jax.lax.optimization_barrier(leaves)
+    sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves)
+    axes = plan.grad_axes
+    return jnp.sqrt(jax.lax.psum(sq, axes) if axes else sq)
 
 
 def apply_optimizer(plan, params: dict, grads: dict, opt_state, record: list | None = None):

@@ -266,7 +266,7 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
     else:
         loss = loss_total / (world * k)
-    grad_norm = global_norm(grads, plan.grad_axes)
+    grad_norm = global_norm(grads, plan)
     if config.clip_norm is not None:
         # optax.clip_by_global_norm semantics with the norm of the whole (unsharded) gradient
         scale = jnp.where(grad_norm < config.clip_norm, 1.0, config.clip_norm / grad_norm)
