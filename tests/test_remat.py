@@ -11,7 +11,7 @@ import zshard
 from train.model import GPT, GPTConfig, cross_entropy_loss
 
 CFG = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_layers=4, n_heads=4)
-KERNELS = 4  # 2-D kernels per GPT block: attention qkv and output, MLP in and out
+KERNELS = 4  # kernels per GPT block: attention qkv ([C, 3, C]) and output, MLP in and out
 SMALL = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_layers=2, n_heads=2)
 
 
@@ -55,7 +55,7 @@ def _measure(strategy, remat):
     step = zshard.make_train_step(cross_entropy_loss, remat=remat)
     batch = gpt_batches(1, batch=16, seq_len=64)[0]
     rep = zshard.report(step, state, batch)
-    kernels = {s.padded for u in state.plan.units[1:] for f in u.flats for s in f.slots if len(s.shape) == 2}
+    kernels = {s.padded for u in state.plan.units[1:] for f in u.flats for s in f.slots if len(s.shape) >= 2}
     ops = parse_collectives(step.lower(state, batch).compile().as_text())
     gathers = sum(o.count for o in ops if o.kind == "all-gather" for n in o.sizes if n in kernels)
     root_alike = sum(1 for f in state.plan.units[0].flats for s in f.slots if s.padded in kernels)  # gathered once
