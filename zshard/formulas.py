@@ -20,25 +20,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zshard.mesh import CONTEXT, TENSOR
-from zshard.offload import master_paths
+from zshard.offload import _itemsize, master_paths
 from zshard.optim import optimizer_grad_specs, optimizer_program
 from zshard.quant import moved_bytes
 from zshard.strategy import Strategy
 from zshard.hlo import _axis_name, parse_collectives
 
 __all__ = ["PARAM_CONTEXT", "context_formula", "optimizer_report"]
-
-def _itemsize(dtype) -> int:
-    """Bytes per element; a PRNG key (``add_noise``'s state) counts its key data (threefry: 8)."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return 4 * int(np.prod(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype)).shape))
-    return np.dtype(dtype).itemsize
-
-
-def _local_bytes(x) -> int:
-    """Bytes of one device's shard of ``x`` (an array or a ``ShapeDtypeStruct`` with a sharding)."""
-    return int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * _itemsize(x.dtype)
-
 
 def _formula_comm(plan, k: int = 1) -> dict[str, float]:
     """Bytes one device sends per step, docs/design.md section 3 (ring algorithm).

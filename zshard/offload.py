@@ -369,8 +369,16 @@ def traced_naming_host_leaf(trace, state, *args):
 # --- accounting ------------------------------------------------------------------------------------
 
 
+def _itemsize(dtype) -> int:
+    """Bytes per element; a PRNG key (``add_noise``'s state) counts its key data (threefry: 8)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return 4 * int(np.prod(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype)).shape))
+    return np.dtype(dtype).itemsize
+
+
 def _local_bytes(x) -> int:
-    return int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    """Bytes of one device's shard of ``x`` (an array or a ``ShapeDtypeStruct`` with a sharding)."""
+    return int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * _itemsize(x.dtype)
 
 
 def memory_split(state) -> dict:

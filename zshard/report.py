@@ -30,10 +30,10 @@ from collections import Counter, defaultdict
 import jax
 
 from zshard.mesh import CONTEXT, REPLICA, SHARD, TENSOR
-from zshard.offload import offload_report
+from zshard.offload import _local_bytes, offload_report
 from zshard.quant import coverage
 from zshard.formulas import (
-    PARAM_CONTEXT, _formula_comm, _local_bytes, _moves, _param_axis, _policy_name, _state_formula,
+    PARAM_CONTEXT, _formula_comm, _moves, _param_axis, _policy_name, _state_formula,
     _tensor_formula, context_formula, optimizer_report,
 )
 from zshard.hlo import Collective, parse_collectives, parse_replica_groups
