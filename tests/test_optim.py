@@ -2,6 +2,8 @@
 on one device: the model of ``optim_cases`` has uneven sizes, 1-D, 2-D, scalar and stacked
 (``nnx.vmap``-built, ``nnx.scan``-run) parameters; 10 steps on each strategy."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -230,13 +232,15 @@ def test_grad_norm_square_is_not_shared_with_adams_and_materialised():
     square = 4 * 80 * (1 << 14)
     tx = optax.adamw(1e-4)
 
-    def old_norm(grads, shard_axes):
+    one_device = types.SimpleNamespace(tensor=1, grad_axes=())  # the two fields global_norm reads off a Plan
+
+    def old_norm(grads, plan):
         return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(grads)))
 
     def temp(norm):
         def step(p, grad, s):
             u, s = tx.update(grad, s, p)
-            return optax.apply_updates(p, u), s, norm({"w": grad}, ())
+            return optax.apply_updates(p, u), s, norm({"w": grad}, one_device)
 
         compiled = jax.jit(step, donate_argnums=(0, 2)).lower(g, g, jax.eval_shape(tx.init, g)).compile()
         return compiled.memory_analysis().temp_size_in_bytes

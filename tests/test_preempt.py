@@ -18,7 +18,7 @@ import zshard
 from train import fit
 from train.cli import parse_config
 from train.config import ConfigError
-from train.preempt import discard_half_written, latest_complete
+from train.preempt import discard_half_written, latest_complete, wait_on_thread
 from train.watchdog import Watchdog
 
 STEPS = 100
@@ -219,6 +219,36 @@ def test_discard_half_written_outlasts_writes_in_flight_and_a_save_starting_late
         t.join()
     assert sorted(removed) == ["6.orbax-checkpoint-tmp", "8.orbax-checkpoint-tmp"]
     assert sorted(p.name for p in d.iterdir()) == []
+
+
+def test_discard_half_written_waits_for_the_writers_before_removing_its_blockers(tmp_path):
+    """CI on a loaded machine left ``6.orbax-checkpoint-tmp``: a write queued behind the load
+    came 0.3 s after the last pass (six settle periods), once the blockers were gone, and
+    created the folder again; the save itself was begun after the deadline thread first read
+    the list of steps. The blockers now stay until the writers have ended."""
+    d = tmp_path / "checkpoints"
+    d.mkdir()
+    steps = [4]  # the caller's list: step 6 is appended while the discard runs
+    ended = threading.Event()
+
+    def save():
+        time.sleep(0.01)
+        steps.append(6)
+        (d / "6.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+        time.sleep(0.3)  # the queued write
+        try:
+            (d / "6.orbax-checkpoint-tmp" / "state" / "d").mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # failed on the blocker: the save has ended
+        ended.set()
+
+    t = threading.Thread(target=save)
+    t.start()
+    removed = discard_half_written(d, steps, writers_done=wait_on_thread(ended.wait))
+    t.join()
+    assert removed == ["6.orbax-checkpoint-tmp"]
+    assert sorted(p.name for p in d.iterdir()) == []
+    assert not wait_on_thread(lambda: time.sleep(1))(0.01)  # the wait is bounded
 
 
 def test_bad_preempt_grace_and_watchdog_are_config_errors():

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -27,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from train.stops import Stop, Stops
 
-__all__ = ["ORBAX_TMP", "StopAgreement", "discard_half_written", "latest_complete"]
+__all__ = ["ORBAX_TMP", "StopAgreement", "discard_half_written", "latest_complete", "wait_on_thread"]
 
 ORBAX_TMP = ".orbax-checkpoint-tmp"
 """Orbax's suffix of a step folder it is still writing (``<step>.orbax-checkpoint-tmp-<time>``)."""
@@ -88,23 +90,28 @@ def _in_progress(directory: Path, wanted: set[int]) -> list[Path]:
     return found
 
 
-def discard_half_written(directory: Path, steps, settle_s: float = 0.05) -> list[str]:
+def discard_half_written(directory: Path, steps: list, settle_s: float = 0.05,
+                         writers_done: Callable[[float], object] | None = None) -> list[str]:
     """Remove the folders Orbax is still writing for ``steps`` in ``directory``; returns their names.
 
     Each is first renamed to a hidden name (atomic: if Orbax completes it first, the rename
     fails and the complete checkpoint stays), an empty file takes its name (the writes still in
     flight, which would create the folder again, fail on it), and it is removed. Passes repeat
-    until one ``settle_s`` seconds after the last finds nothing new (a save the main thread
-    starts meanwhile is caught too; at most ``100 x settle_s``); the blocking files are removed last. Call only when the
-    process is about to end (Orbax's writer threads then fail on a folder that is gone).
+    until one ``settle_s`` seconds after the last finds nothing new (at most ``100 x settle_s``);
+    ``steps`` is read again at each pass (the caller's list: a save the main thread starts
+    meanwhile is caught too). Then ``writers_done(timeout_s)`` waits, at most ``100 x settle_s``,
+    for Orbax's writer threads to have ended (failed on the blocking files) before those files
+    are removed: a write queued behind a loaded CPU would otherwise create the folder again
+    after them (CI: ``6.orbax-checkpoint-tmp`` was left so). Call only when the process is
+    about to end (Orbax's writer threads then fail on a folder that is gone).
     """
-    wanted, removed, blockers = {int(s) for s in steps}, [], []
+    removed, blockers = [], []
     give_up = time.monotonic() + 100 * settle_s  # a writer that keeps creating it: stop trying
     while time.monotonic() < give_up:
-        found = _in_progress(directory, wanted)
+        found = _in_progress(directory, {int(s) for s in steps})
         if not found:
             time.sleep(settle_s)  # a write in flight, or a save being started, may still create one
-            found = _in_progress(directory, wanted)
+            found = _in_progress(directory, {int(s) for s in steps})
             if not found:
                 break
         for path in found:
@@ -123,6 +130,30 @@ def discard_half_written(directory: Path, steps, settle_s: float = 0.05) -> list
                 shutil.rmtree(aside, ignore_errors=True)
             if path.name not in removed:
                 removed.append(path.name)
+    if blockers and writers_done is not None:
+        writers_done(100 * settle_s)
     for path in blockers:
         path.unlink(missing_ok=True)
+    for path in _in_progress(directory, {int(s) for s in steps}):  # a writer that outlived the wait
+        shutil.rmtree(path, ignore_errors=True)
     return removed
+
+
+def wait_on_thread(fn: Callable[[], object]) -> Callable[[float], bool]:
+    """``fn`` (e.g. ``Checkpointer.wait_until_finished``) as a wait with a timeout in seconds:
+    run on a daemon thread, its errors dropped (a save that failed on a blocker has ended);
+    returns whether it ended in time."""
+
+    def wait(timeout_s: float) -> bool:
+        def run():
+            try:
+                fn()
+            except Exception:  # noqa: BLE001, S110 - the save failed: its writers have ended, which is what is waited for
+                pass
+
+        t = threading.Thread(target=run, daemon=True, name="preempt-wait-writers")
+        t.start()
+        t.join(timeout_s)
+        return not t.is_alive()
+
+    return wait

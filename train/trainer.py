@@ -35,7 +35,7 @@ from train.hooks import Checkpoint, Evaluate, Metrics, Sample
 from train.job import Setup, make_optimizer, validate
 from train.model import GPT, loss_for, tensor_plan, units_with_ends
 from train.output import PROG, say, write_atomic
-from train.preempt import StopAgreement, discard_half_written, latest_complete
+from train.preempt import StopAgreement, discard_half_written, latest_complete, wait_on_thread
 from train.stops import Stop, Stops
 from train.watchdog import Watchdog
 
@@ -203,7 +203,8 @@ class Trainer:
         where = self.setup.ckpt.directory
         if self.saved_at is not None:
             return f"checkpoint {where / str(self.checkpoint.saved[-1])} is complete; stopped before the summary was written"
-        removed = discard_half_written(where, self.checkpoint.saved) if jax.process_index() == 0 and self.checkpoint else []
+        writers = wait_on_thread(self.setup.ckpt.ckpt.wait_until_finished)  # Orbax's writers, failed on the blockers
+        removed = discard_half_written(where, self.checkpoint.saved, writers_done=writers) if jax.process_index() == 0 and self.checkpoint else []
         latest = latest_complete(where)
         gone = f"removed the half-written {', '.join(str(where / n) for n in removed)}; " if removed else "no new checkpoint; "
         if latest is None:
