@@ -388,3 +388,5 @@ def test_main_job_context_errors_name_the_key():
     assert "training.batch_size (--batch-size)" in m and "4 row devices (replica x shard)" in m, m
     m = error(["--context", "2", "--mesh", "2x4"])
     assert "is 2x4 x context 2 = 16 devices, but there are 8" in m and "1x4, 2x2, 4x1" in m, m
+    m = error(["--context", "3", "--mesh", "1x4"])  # no RxS fits: the suggestion names the context sizes that do
+    assert "context 3 x tensor 1 = 3 does not divide 8: use --context 1, 2, 4 or 8; or --devices 12" in m, m

@@ -193,6 +193,21 @@ def test_storage_of_split_and_replicated_parameters():
         re.fullmatch(g.replace(".", r"\.").replace("*", ".*"), ".".join(map(str, p))) for g in PLAN)}
 
 
+def test_main_job_refuses_a_tensor_size_the_heads_do_not_take_before_its_banner(capsys):
+    """``python -m train --mesh 1x1x8`` on the 4-head tiny preset: one error naming the flag
+    given, and no run banner before it (a new user saw the banner, then ``mesh.tensor:``)."""
+    from train.cli import parse_config  # noqa: PLC0415
+    from train.job import validate  # noqa: PLC0415
+
+    for argv, key in ((["--mesh", "1x1x8"], "mesh.shape (--mesh) '1x1x8': "), (["--tensor", "8"], "mesh.tensor (--tensor) 8: ")):
+        with pytest.raises(SystemExit) as e:
+            validate(parse_config(["--model", "tiny", *argv])[0])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.strip().splitlines() == [
+            f"python -m train: error: {key}tensor=8 does not divide the attention heads (n_heads) (4): each device of a "
+            "tensor group holds 1/8 of them; pick a tensor size that divides n_heads"], err
+
+
 def test_bad_plans_are_refused_before_anything_is_placed():
     with pytest.raises(ValueError, match=r"tensor_parallel\['blocks\.\*\.nope'\] matches no parameter"):
         zshard.init(make, optax.adamw(1e-3), mesh(1, 4, 2), tensor_parallel={"blocks.*.nope": 0})

@@ -172,12 +172,21 @@ class Config:
             shapes = ", ".join(f"{r}x{n // (r * inner)}" + (f"x{tensor}" if tensor > 1 else "")
                                for r in range(1, n + 1) if n % (r * inner) == 0)
             ctx = f" x context {context}" if context > 1 else ""
+            if shapes:
+                fix = f"use a mesh of {n} devices ({shapes}{ctx})"
+            else:  # context x tensor does not divide the devices: no RxS fits, the inner axes must change
+                def sizes(xs):  # [1, 2, 4] -> "1, 2 or 4"
+                    return " or ".join(filter(None, [", ".join(map(str, xs[:-1])), str(xs[-1])]))
+
+                contexts = [c for c in range(1, n + 1) if n % (c * tensor) == 0]
+                fix = (f"context {context} x tensor {tensor} = {inner} does not divide {n}: use --context {sizes(contexts)}"
+                       if contexts else f"tensor {tensor} does not divide {n}: use a tensor size of "
+                       f"{sizes([t for t in range(1, n + 1) if n % t == 0])}")
             raise ConfigError(
                 key_of("mesh.shape" if me.shape is not None else "mesh.context" if context > 1 else "mesh.tensor"),
                 f"{me.shape or f'tensor = {tensor}'!r} is {replica}x{shard}{f'x{tensor}' if tensor > 1 else ''}{ctx} = "
-                f"{replica * shard * context * tensor} devices, but there are {n} (mesh.devices = {me.devices}); use a mesh of "
-                f"{n} devices ({shapes or f'a context x tensor size dividing {n}'}{ctx})"
-                + (f" or --devices {replica * shard * context * tensor}" if n == me.devices else ""),
+                f"{replica * shard * context * tensor} devices, but there are {n} (mesh.devices = {me.devices}); {fix}"
+                + (f"; or --devices {replica * shard * context * tensor}" if n == me.devices else ""),
             )
         if context > 1:
             if m.seq_len % (2 * context):

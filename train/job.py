@@ -21,7 +21,8 @@ import zshard
 from train import checkpointing, data
 from train.cli import fail
 from train.config import ConfigError
-from train.model import MODEL_PRESETS, GPTConfig, from_hf
+from train.flags import key_of
+from train.model import MODEL_PRESETS, GPTConfig, from_hf, tensor_plan
 from train.output import choose_out
 
 __all__ = ["Setup", "make_optimizer", "validate"]
@@ -112,6 +113,11 @@ def validate(run) -> Setup:
             fail(f"logging.prompt: {e}")
     if run.data.vocab_size is not None and builder is None:  # a token file: its vocabulary is the model's
         cfg = dataclasses.replace(cfg, vocab_size=run.data.vocab_size)
+    try:  # the model's Megatron plan over the tensor axis: refused here, before the run's banner
+        tensor_plan(cfg, tensor)
+    except ValueError as e:
+        key = key_of("mesh.shape" if run.mesh.shape is not None else "mesh.tensor")
+        fail(f"{key} {run.mesh.shape if run.mesh.shape is not None else tensor!r}: {e}")
     try:
         # no mesh.shape with several processes: one row per process (jax's hybrid-mesh helper)
         if procs > 1 and run.mesh.shape is None and tensor == 1:

@@ -136,10 +136,8 @@ class Trainer:
                                                  process_index=shard.shard_index, process_count=shard.shard_count)
         self.records = None
         unit = units_with_ends if run.mesh.unit == "ends" else None  # None: zshard's default wrap policy (blocks)
-        try:  # the model's Megatron plan over the tensor axis (train.models.tensor_plan), {} without one
-            plan = tensor_plan(setup.cfg, dict(setup.mesh.shape).get("tensor", 1))
-        except ValueError as e:
-            fail(f"mesh.tensor: {e}")
+        # the model's Megatron plan over the tensor axis (train.models.tensor_plan), {} without one; refused in train.job.validate
+        plan = tensor_plan(setup.cfg, dict(setup.mesh.shape).get("tensor", 1))
         if ckpt is not None and ckpt.resuming:  # state, batch position and records of the checkpoint
             try:
                 self.state, self.records = ckpt.restore(make_model, tx, setup.mesh, self.batches, strategy=setup.strategy,
