@@ -13,15 +13,25 @@ Test modules import the helpers below with ``from conftest import ...``.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 # The suite is about emulated CPU devices, also on a machine that has an accelerator.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One XLA compilation per distinct program for the whole run: JAX's persistent compilation cache
+# (keyed by the program's HLO, the compile options, XLA_FLAGS and the jax version) is shared by
+# both xdist workers and by the ``python -m train`` subprocesses the tests start (they inherit
+# these variables). The suite compiles the same programs many times over: each reference run
+# builds a new ``nnx.jit``, and every main-job test compiles the same nano train step. A hit
+# returns the executable XLA compiled, with the same ``as_text()``, ``memory_analysis()`` and
+# ``cost_analysis()`` that the byte and memory tests read. ``ZSHARD_TEST_NO_CACHE=1`` turns it off.
+if not os.environ.get("ZSHARD_TEST_NO_CACHE"):
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.25")
 
 import dataclasses  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import jax  # noqa: E402
