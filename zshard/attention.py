@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zshard.collectives import varying_axes, vary
 from zshard.jaxprs import CONTEXT_SCOPE
 from zshard.mesh import CONTEXT
 from zshard.sequence import AttentionCall, SequenceSplit, active
@@ -76,42 +77,176 @@ def _kind(i, j, causal: bool):
 _NEG = float(-0.7 * np.finfo(np.float32).max)  # jax.nn.dot_product_attention's masked logit
 
 
-def _block(q, k, v, qpos, kpos, qseg, kseg, *, causal, window, scale, cap=None):
-    """Partial attention of queries ``q [B, Lq, n_kv, G, D]`` on keys / values ``[B, Lk, n_kv, D]``:
-    ``(o [B, Lq, n_kv, G, Dv] unnormalised, m [B, Lq, n_kv, G] row max, l [B, Lq, n_kv, G] row sum)``,
-    float32; a row with no visible key has ``o = l = 0`` and ``m`` the masked logit."""
-    s = jnp.einsum("bqhgd,bkhd->bqhgk", q, k, preferred_element_type=jnp.float32) * scale  # [B, Lq, n_kv, G, Lk]
+TILE = 512  # tokens per query / key tile of the tiled block (zshard.attention's ``tile``)
+
+
+def _tiles(n: int, tile: int) -> tuple[int, int]:
+    """``(t, nt)``: ``n`` tokens cut into ``nt = ceil(n / tile)`` tiles of ``t = ceil(n / nt) <= tile``
+    tokens (the last padded by ``nt t - n < nt`` masked tokens); a chunk shorter than ``tile`` is one tile."""
+    nt = -(-n // tile)
+    return -(-n // nt), nt
+
+
+def _tile_scores(q, k, qpos, kpos, qseg, kseg, kvalid, opts):
+    """One tile's logits and mask: ``q [B, tq, n_kv, G, D]``, ``k [B, tk, n_kv, D]`` ->
+    ``(s [B, tq, n_kv, G, tk] float32 (soft-capped, unmasked), mask [B | 1, tq, 1, 1, tk] bool)``."""
+    causal, window, scale, cap = opts
+    s = jnp.einsum("bqhgd,bkhd->bqhgk", q, k, preferred_element_type=jnp.float32) * scale  # [B, tq, n_kv, G, tk]
     if cap is not None:  # Gemma 2's soft-cap of the logits: cap * tanh(s / cap)
         s = cap * jnp.tanh(s / cap)
-    mask = jnp.ones((qpos.shape[0], kpos.shape[0]), bool)
-    dist = qpos[:, None] - kpos[None, :]  # [Lq, Lk]: query position - key position
+    dist = qpos[:, None] - kpos[None, :]  # [tq, tk]: query position - key position
+    mask = jnp.broadcast_to(kvalid[None, :], dist.shape)  # padded keys are never seen
     if causal:
-        mask = dist >= 0
+        mask = mask & (dist >= 0)
     if window is not None:
         mask = mask & (dist < window) & (dist > -window)
-    mask = mask[None, :, None, None, :]  # [1, Lq, 1, 1, Lk]
+    mask = mask[None, :, None, None, :]  # [1, tq, 1, 1, tk]
     if qseg is not None:
-        mask = mask & (qseg[:, :, None] == kseg[:, None, :])[:, :, None, None, :]  # [B, Lq, 1, 1, Lk]
-    s = jnp.where(mask, s, _NEG)
-    m = jnp.max(s, axis=-1)  # [B, Lq, n_kv, G]
-    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
-    l = jnp.sum(p, axis=-1)
-    o = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o, m, l
+        mask = mask & (qseg[:, :, None] == kseg[:, None, :])[:, :, None, None, :]  # [B, tq, 1, 1, tk]
+    return s, mask
+
+
+def _varying(inits, *refs):
+    """``inits`` made varying over every mesh axis any of ``refs`` varies over (inside
+    ``shard_map``): a ``lax.scan`` carry must keep one type through its body, which mixes them."""
+    axes = tuple(sorted(frozenset().union(*(varying_axes(r) for r in jax.tree.leaves(refs)))))
+    return jax.tree.map(lambda x: vary(x, axes), inits) if axes else inits
+
+
+def _to_tiles(x, t):
+    """``[B, n t, ...] -> [n, B, t, ...]``: the tile index leading, for ``lax.scan`` / ``lax.map``."""
+    if x is None:
+        return None
+    return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // t, t, *x.shape[2:]), 1, 0)
+
+
+def _from_tiles(x):
+    """``[n, B, t, ...] -> [B, n t, ...]``."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def _flash_forward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid):
+    """FlashAttention-2's forward (Dao 2023, arXiv 2307.08691, section 3.1, algorithm 1): for each
+    query tile (``lax.map``) an online softmax over the key tiles (``lax.scan``); only one tile's
+    ``[B, tq, n_kv, G, tk]`` scores exist at a time. ``(o [B, Lq, n_kv, G, Dv] float32 normalised,
+    lse [B, Lq, n_kv, G] float32)``; a row that sees no key has ``o = 0``, ``lse = _NEG``."""
+    B, Lq, n_kv, G, _ = q.shape
+    Dv = v.shape[-1]
+    keys = (_to_tiles(k, tk), _to_tiles(v, tk), kpos.reshape(-1, tk), _to_tiles(kseg, tk), kvalid.reshape(-1, tk))
+
+    def query_tile(xs):
+        qi, qp, qs = xs  # [B, tq, n_kv, G, D], [tq], [B, tq]
+
+        def key_tile(carry, ys):
+            o, m, l = carry  # [B, tq, n_kv, G, Dv] unnormalised, row max and row sum [B, tq, n_kv, G]
+            kj, vj, kp, ks, kval = ys
+            s, mask = _tile_scores(qi, kj, qp, kp, qs, ks, kval, opts)
+            m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _NEG), axis=-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)  # [B, tq, n_kv, G, tk]
+            alpha = jnp.exp(m - m_new)
+            o = o * alpha[..., None] + jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(vj.dtype), vj,
+                                                   preferred_element_type=jnp.float32)
+            return (o, m_new, l * alpha + jnp.sum(p, axis=-1)), None
+
+        init = (jnp.zeros((B, tq, n_kv, G, Dv), jnp.float32), jnp.full((B, tq, n_kv, G), _NEG, jnp.float32),
+                jnp.zeros((B, tq, n_kv, G), jnp.float32))
+        (o, m, l), _ = jax.lax.scan(key_tile, _varying(init, xs, keys), keys)
+        seen = l > 0
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), _NEG)
+        return jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0), lse
+
+    o, lse = jax.lax.map(query_tile, (_to_tiles(q, tq), qpos.reshape(-1, tq), _to_tiles(qseg, tq)))  # [nq, B, tq, ...]
+    return _from_tiles(o), _from_tiles(lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _flash(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid):
+    return _flash_forward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid)
+
+
+def _flash_fwd(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid):
+    o, lse = _flash_forward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid)
+    return (o, lse), (q, k, v, qpos, kpos, qseg, kseg, kvalid, o, lse)  # saved: the inputs, o and lse only
+
+
+def _flash_bwd(opts, tq, tk, res, cts):
+    """FlashAttention-2's backward (Dao 2023, arXiv 2307.08691, section 3.1, algorithm 2): each
+    tile's scores are recomputed from the saved log-sum-exp, ``P = exp(S - lse)``; outer loop over
+    key tiles (``dK_j``, ``dV_j`` accumulated in the inner loop's carry), inner over query tiles
+    (their ``dQ_i`` summed over the outer loop). With a cotangent ``dlse`` on the log-sum-exp too
+    (the online merge of the context steps reads it): ``dS = P * (dP - (rowsum(dO * O) - dlse))``,
+    since ``d lse / dS = P``. Soft-cap: ``dS_raw = dS * (1 - (S / cap)^2)``."""
+    q, k, v, qpos, kpos, qseg, kseg, kvalid, o, lse = res
+    do, dlse = cts  # [B, Lq, n_kv, G, Dv], [B, Lq, n_kv, G] float32
+    causal, window, scale, cap = opts
+    delta = jnp.sum(do * o, axis=-1) - dlse  # [B, Lq, n_kv, G]: FA2's D_i, less the lse's own cotangent
+    queries = (_to_tiles(q, tq), _to_tiles(do, tq), _to_tiles(lse, tq), _to_tiles(delta, tq), qpos.reshape(-1, tq),
+               _to_tiles(qseg, tq))
+
+    def key_tile(dq, ys):
+        kj, vj, kp, ks, kval = ys  # [B, tk, n_kv, D], [B, tk, n_kv, Dv], [tk], [B, tk], [tk]
+
+        def query_tile(carry, xs):
+            dk, dv = carry  # [B, tk, n_kv, D], [B, tk, n_kv, Dv] float32
+            qi, doi, lsei, di, qp, qs = xs
+            s, mask = _tile_scores(qi, kj, qp, kp, qs, ks, kval, opts)
+            p = jnp.where(mask, jnp.exp(s - lsei[..., None]), 0.0)  # [B, tq, n_kv, G, tk]
+            dv = dv + jnp.einsum("bqhgk,bqhgd->bkhd", p, doi, preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bqhgd,bkhd->bqhgk", doi, vj, preferred_element_type=jnp.float32)
+            ds = p * (dp - di[..., None])
+            if cap is not None:  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
+                ds = ds * (1.0 - jnp.square(s / cap))
+            ds = ds * scale
+            dqi = jnp.einsum("bqhgk,bkhd->bqhgd", ds, kj, preferred_element_type=jnp.float32)
+            dk = dk + jnp.einsum("bqhgk,bqhgd->bkhd", ds, qi, preferred_element_type=jnp.float32)
+            return (dk, dv), dqi
+
+        init = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32))
+        (dk, dv), dqs = jax.lax.scan(query_tile, _varying(init, ys, queries), queries)  # dqs [nq, B, tq, n_kv, G, D]
+        return dq + dqs, (dk, dv)
+
+    keys = (_to_tiles(k, tk), _to_tiles(v, tk), kpos.reshape(-1, tk), _to_tiles(kseg, tk), kvalid.reshape(-1, tk))
+    dq0 = _varying(jnp.zeros(queries[0].shape, jnp.float32), queries, keys)  # [nq, B, tq, n_kv, G, D]
+    dq, (dk, dv) = jax.lax.scan(key_tile, dq0, keys)
+    zero = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731  integer inputs
+    return (_from_tiles(dq).astype(q.dtype), _from_tiles(dk).astype(k.dtype), _from_tiles(dv).astype(v.dtype),
+            zero(qpos), zero(kpos), zero(qseg), zero(kseg), zero(kvalid))
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _block(q, k, v, qpos, kpos, qseg, kseg, *, causal, window, scale, cap=None, tile=TILE):
+    """Attention of queries ``q [B, Lq, n_kv, G, D]`` on keys / values ``[B, Lk, n_kv, D]`` in tiles
+    of at most ``tile`` tokens (:func:`_flash`): ``(o [B, Lq, n_kv, G, Dv] float32 normalised,
+    lse [B, Lq, n_kv, G] float32 log-sum-exp)``; a row with no visible key has ``o = 0`` and
+    ``lse`` the masked logit. Lengths that ``tile`` does not divide are cut into equal tiles
+    (:func:`_tiles`), the last padded: padded keys are masked, padded queries' rows dropped."""
+    (B, Lq), Lk = q.shape[:2], k.shape[1]
+    (tq, nq), (tk, nk) = _tiles(Lq, tile), _tiles(Lk, tile)
+    pq, pk = nq * tq - Lq, nk * tk - Lk
+    pad = lambda x, n: x if x is None or n == 0 else jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    kvalid = jnp.arange(Lk + pk) < Lk  # [nk tk]
+    qpos, kpos = jnp.pad(qpos, (0, pq)), jnp.pad(kpos, (0, pk))
+    opts = (causal, window, scale, cap)
+    o, lse = _flash(opts, tq, tk, pad(q, pq), pad(k, pk), pad(v, pk), qpos, kpos, pad(qseg, pq), pad(kseg, pk), kvalid)
+    return o[:, :Lq], lse[:, :Lq]
 
 
 def _merge(a, b):
-    """Two partial results over disjoint keys -> one (the online softmax's rescaling)."""
-    (o1, m1, l1), (o2, m2, l2) = a, b
-    m = jnp.maximum(m1, m2)
-    a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
-    return o1 * a1[..., None] + o2 * a2[..., None], m, l1 * a1 + l2 * a2
+    """Two partial results over disjoint keys -> one (the online softmax's rescaling, in
+    log-sum-exp form: ``lse = log(e^lse1 + e^lse2)``, ``o = o1 e^(lse1 - lse) + o2 e^(lse2 - lse)``)."""
+    (o1, l1), (o2, l2) = a, b
+    m = jnp.maximum(l1, l2)
+    w1, w2 = jnp.exp(l1 - m), jnp.exp(l2 - m)
+    total = w1 + w2
+    return (o1 * w1[..., None] + o2 * w2[..., None]) / total[..., None], m + jnp.log(total)
 
 
 def _empty(q, dv):
     B, Lq, H, G, _ = q.shape
-    return (jnp.zeros((B, Lq, H, G, dv), jnp.float32), jnp.full((B, Lq, H, G), _NEG, jnp.float32),
-            jnp.zeros((B, Lq, H, G), jnp.float32))
+    return jnp.zeros((B, Lq, H, G, dv), jnp.float32), jnp.full((B, Lq, H, G), _NEG, jnp.float32)
 
 
 def _step(kind, q, k, v, qpos, kpos, qseg, kseg, *, c, opts):
@@ -126,9 +261,9 @@ def _step(kind, q, k, v, qpos, kpos, qseg, kseg, *, c, opts):
         return block(q, k[:, :c], v[:, :c], qpos, kpos[:c], qseg, sl(kseg, 0, c))
 
     def upper(q, k, v, qpos, kpos, qseg, kseg):  # q[b] x k[both]; q[a] sees nothing of this source
-        ob, mb, lb = block(q[:, c:], k, v, qpos[c:], kpos, sl(qseg, c, 2 * c), kseg)
-        oa, ma, la = _empty(q[:, :c], v.shape[-1])
-        return jnp.concatenate([oa, ob], 1), jnp.concatenate([ma, mb], 1), jnp.concatenate([la, lb], 1)
+        ob, lb = block(q[:, c:], k, v, qpos[c:], kpos, sl(qseg, c, 2 * c), kseg)
+        oa, la = _empty(q[:, :c], v.shape[-1])
+        return jnp.concatenate([oa, ob], 1), jnp.concatenate([la, lb], 1)  # [B, c] + [B, c] -> [B, 2c]
 
     branches = (diag, lower, upper)
     args = (q, k, v, qpos, kpos, qseg, kseg)
@@ -163,7 +298,7 @@ def _bias(lq: int, lk: int, causal: bool, window, segment_ids):
     return bias
 
 
-def _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap=None) -> None:
+def _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap=None, tile=TILE) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if jnp.ndim(x) != 4 or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
             raise ValueError(f"zshard.attention: {name} has shape {jnp.shape(x)} ({jnp.result_type(x)}); q, k and v are "
@@ -188,6 +323,9 @@ def _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap=No
         raise ValueError(f"zshard.attention: scale={scale!r} must be a finite number (default 1/sqrt(head_dim))")
     if softcap is not None and not (isinstance(softcap, numbers.Real) and math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"zshard.attention: softcap={softcap!r} must be a positive finite number (Gemma 2: 50.0)")
+    if isinstance(tile, bool) or not isinstance(tile, numbers.Integral) or tile < 1:
+        raise ValueError(f"zshard.attention: tile={tile!r} must be a positive int (tokens per query / key tile, "
+                         f"default {TILE})")
     if impl not in IMPLS:
         raise ValueError(f"zshard.attention: impl={impl!r}; choose one of {', '.join(map(repr, IMPLS))}")
     if not isinstance(causal, bool):
@@ -195,7 +333,8 @@ def _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap=No
 
 
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window: int | None = None,
-              scale: float | None = None, softcap: float | None = None, impl: str = "allgather") -> jax.Array:
+              scale: float | None = None, softcap: float | None = None, impl: str = "allgather",
+              tile: int = TILE) -> jax.Array:
     """Scaled dot-product attention, exact on a sequence split over the ``context`` axis.
 
     Args:
@@ -216,6 +355,12 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
         as on a split sequence, one block of ``L x L``).
       impl: ``"allgather"`` (keys and values all-gathered over ``context``) or ``"ring"``
         (passed around the ring with ``ppermute``); equal in numbers, equal in bytes.
+      tile: tokens per query and per key tile of the tiled (flash) block that computes each
+        context step and the soft-capped one-device path (FlashAttention-2, Dao 2023, arXiv
+        2307.08691 section 3.1): one tile's ``[B, tile, H, tile]`` float32 scores exist at a
+        time, forward and backward. A chunk shorter than ``tile`` is one tile; a length ``tile``
+        does not divide is cut into ``ceil(n / tile)`` equal tiles, the last padded with masked
+        tokens. The plain one-device path (``jax.nn.dot_product_attention``) does not tile.
 
     Returns:
       ``[B, L, H, D]`` in ``q``'s dtype (logits and softmax in float32).
@@ -224,16 +369,16 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
       ValueError: shapes, dtypes or options as named above; inside a split step, ``q`` not holding
         this device's ``L_global / C`` tokens of each sequence (a model that slices its input first).
     """
-    _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap)
+    _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap, tile)
     record = active()
     split = None if record is None else record.split
     if (split is None or split.context == 1) and softcap is not None:
         B, L, H, D = q.shape
         pos = jnp.arange(L, dtype=jnp.int32)
-        o, _, l = _block(q.reshape(B, L, k.shape[2], H // k.shape[2], D), k, v, pos, pos, segment_ids, segment_ids,
-                         causal=causal, window=sliding_window, scale=float(1 / math.sqrt(D) if scale is None else scale),
-                         cap=float(softcap))  # [B, L, n_kv, G, Dv] unnormalised, l [B, L, n_kv, G]
-        return (o / l[..., None]).astype(q.dtype).reshape(B, L, H, v.shape[3])  # -> [B, L, H, Dv]
+        o, _ = _block(q.reshape(B, L, k.shape[2], H // k.shape[2], D), k, v, pos, pos, segment_ids, segment_ids,
+                      causal=causal, window=sliding_window, scale=float(1 / math.sqrt(D) if scale is None else scale),
+                      cap=float(softcap), tile=tile)  # [B, L, n_kv, G, Dv] float32
+        return o.astype(q.dtype).reshape(B, L, H, v.shape[3])  # -> [B, L, H, Dv]
     if split is None or split.context == 1:
         # GQA: K/V repeated to the query heads, [B, S, n_kv, D] -> [B, S, H, D]: jax.nn's grouped
         # [B, n_kv, G, L, S] scores cost one scores-sized copy more in a scanned block (measured:
@@ -250,11 +395,11 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
     record.record(AttentionCall(q.shape[0], split.length, k.shape[2], k.shape[3], v.shape[3], jnp.dtype(k.dtype).itemsize,
                                 segment_ids is not None, impl))
     return context_attention(q, k, v, split, jax.lax.axis_index(CONTEXT), causal=causal, segment_ids=segment_ids,
-                             sliding_window=sliding_window, scale=scale, softcap=softcap, impl=impl)
+                             sliding_window=sliding_window, scale=scale, softcap=softcap, impl=impl, tile=tile)
 
 
 def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segment_ids=None, sliding_window=None,
-                      scale=None, softcap=None, impl="allgather", gathered=None):
+                      scale=None, softcap=None, impl="allgather", gathered=None, tile=TILE):
     """Inside ``shard_map`` (manual over ``context``): attention of context device ``index`` (traced,
     or a Python int for one device's program) on the split sequence (see :func:`attention`).
 
@@ -264,7 +409,7 @@ def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segm
     B, L2, H, D = q.shape
     n_kv, C, c = k.shape[2], split.context, split.chunk
     opts = dict(causal=causal, window=sliding_window, scale=float(1 / math.sqrt(D) if scale is None else scale),
-                cap=None if softcap is None else float(softcap))
+                cap=None if softcap is None else float(softcap), tile=int(tile))
     qg = q.reshape(B, L2, n_kv, H // n_kv, D)  # [B, 2c, H, D] -> [B, 2c, n_kv, G, D]
     qpos = split.chunk_positions(index)
 
@@ -310,5 +455,5 @@ def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segm
                 held = nxt
     else:  # pragma: no cover - checked by attention()
         raise ValueError(impl)
-    o, _, l = state
-    return (o / l[..., None]).astype(q.dtype).reshape(B, L2, H, v.shape[-1])  # [B, 2c, n_kv, G, Dv] -> [B, 2c, H, Dv]
+    o, _ = state
+    return o.astype(q.dtype).reshape(B, L2, H, v.shape[-1])  # [B, 2c, n_kv, G, Dv] -> [B, 2c, H, Dv]
