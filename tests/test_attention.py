@@ -129,19 +129,25 @@ def test_softcap_equals_the_written_out_formula_on_one_device_and_on_a_split():
 
 def _branch_flops(kind, c=16, g=2, hd=32):
     """FLOPs (XLA ``cost_analysis``, forward and backward) of one source step of ``kind`` for ``2c``
-    queries: the work a device's ``lax.switch`` runs for that source."""
-    from zshard.attention import _step
+    queries: the work a device's ``lax.switch`` runs for that source (one tile per block: XLA counts
+    a loop's body once)."""
+    from zshard.attention import _step, _step_grad
 
     rng = np.random.default_rng(1)
     q = rng.standard_normal((2, 2 * c, KV, g, hd)).astype(np.float32)
     k = rng.standard_normal((2, 2 * c, KV, hd)).astype(np.float32)
     pos = jnp.arange(2 * c)
+    opts = dict(causal=True, window=None, scale=0.2)
 
-    def work(q, k, v):
-        return sum(jnp.sum(x) for x in _step(kind, q, k, v, pos, pos, None, None, c=c, opts=dict(causal=True, window=None, scale=0.2)))
+    def cost(f, *args):
+        got = jax.jit(f).lower(*args).compile().cost_analysis()
+        return (got[0] if isinstance(got, list) else got)["flops"]
 
-    cost = jax.jit(jax.grad(work, argnums=(0, 1, 2))).lower(q, k, k).compile().cost_analysis()
-    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+    o, lse = jax.jit(lambda q, k: _step(kind, q, k, k, pos, pos, None, None, c=c, opts=opts))(q, k)
+    forward = cost(lambda q, k, v: _step(kind, q, k, v, pos, pos, None, None, c=c, opts=opts), q, k, k)
+    backward = cost(lambda q, k, v, o, lse: _step_grad(kind, q, k, v, pos, pos, None, None, o, lse, o, c=c, opts=opts),
+                    q, k, k, o, lse)
+    return forward + backward
 
 
 def test_head_tail_order_gives_every_device_the_same_attention_flops():

@@ -160,27 +160,18 @@ def _flash_forward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid):
     return _from_tiles(o), _from_tiles(lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _flash(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid):
-    return _flash_forward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid)
-
-
-def _flash_fwd(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid):
-    o, lse = _flash_forward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid)
-    return (o, lse), (q, k, v, qpos, kpos, qseg, kseg, kvalid, o, lse)  # saved: the inputs, o and lse only
-
-
-def _flash_bwd(opts, tq, tk, res, cts):
-    """FlashAttention-2's backward (Dao 2023, arXiv 2307.08691, section 3.1, algorithm 2): each
-    tile's scores are recomputed from the saved log-sum-exp, ``P = exp(S - lse)``; outer loop over
-    key tiles (``dK_j``, ``dV_j`` accumulated in the inner loop's carry), inner over query tiles
-    (their ``dQ_i`` summed over the outer loop). With a cotangent ``dlse`` on the log-sum-exp too
-    (the online merge of the context steps reads it): ``dS = P * (dP - (rowsum(dO * O) - dlse))``,
-    since ``d lse / dS = P``. Soft-cap: ``dS_raw = dS * (1 - (S / cap)^2)``."""
-    q, k, v, qpos, kpos, qseg, kseg, kvalid, o, lse = res
-    do, dlse = cts  # [B, Lq, n_kv, G, Dv], [B, Lq, n_kv, G] float32
+def _flash_backward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid, o, lse, do):
+    """FlashAttention-2's backward (Dao 2023, arXiv 2307.08691, section 3.1, algorithm 2):
+    ``(dq, dk, dv)`` in float32 from the saved output ``o`` and log-sum-exp ``lse`` of the whole
+    softmax row (every key of the sequence, not only these) and the cotangent ``do``. Each tile's
+    scores are recomputed and ``P = exp(S - lse)`` is the row's final probability, so the tiles of
+    one context step (or of one source device) need nothing from the others:
+    ``dV = P^T dO``, ``dS = P * (dO V^T - D)`` with ``D = rowsum(dO * O)``, ``dQ = dS K``,
+    ``dK = dS^T Q`` (times the scale); soft-cap: ``dS_raw = dS * (1 - (S / cap)^2)``. Outer loop
+    over key tiles (``dK_j``, ``dV_j`` in the inner loop's carry), inner over query tiles (their
+    ``dQ_i`` summed over the outer loop), as algorithm 2."""
     causal, window, scale, cap = opts
-    delta = jnp.sum(do * o, axis=-1) - dlse  # [B, Lq, n_kv, G]: FA2's D_i, less the lse's own cotangent
+    delta = jnp.sum(do * o, axis=-1)  # [B, Lq, n_kv, G]: FA2's D_i
     queries = (_to_tiles(q, tq), _to_tiles(do, tq), _to_tiles(lse, tq), _to_tiles(delta, tq), qpos.reshape(-1, tq),
                _to_tiles(qseg, tq))
 
@@ -209,29 +200,75 @@ def _flash_bwd(opts, tq, tk, res, cts):
     keys = (_to_tiles(k, tk), _to_tiles(v, tk), kpos.reshape(-1, tk), _to_tiles(kseg, tk), kvalid.reshape(-1, tk))
     dq0 = _varying(jnp.zeros(queries[0].shape, jnp.float32), queries, keys)  # [nq, B, tq, n_kv, G, D]
     dq, (dk, dv) = jax.lax.scan(key_tile, dq0, keys)
-    zero = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731  integer inputs
-    return (_from_tiles(dq).astype(q.dtype), _from_tiles(dk).astype(k.dtype), _from_tiles(dv).astype(v.dtype),
-            zero(qpos), zero(kpos), zero(qseg), zero(kseg), zero(kvalid))
+    return _from_tiles(dq), _from_tiles(dk), _from_tiles(dv)
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def _block(q, k, v, qpos, kpos, qseg, kseg, *, causal, window, scale, cap=None, tile=TILE):
-    """Attention of queries ``q [B, Lq, n_kv, G, D]`` on keys / values ``[B, Lk, n_kv, D]`` in tiles
-    of at most ``tile`` tokens (:func:`_flash`): ``(o [B, Lq, n_kv, G, Dv] float32 normalised,
-    lse [B, Lq, n_kv, G] float32 log-sum-exp)``; a row with no visible key has ``o = 0`` and
-    ``lse`` the masked logit. Lengths that ``tile`` does not divide are cut into equal tiles
-    (:func:`_tiles`), the last padded: padded keys are masked, padded queries' rows dropped."""
-    (B, Lq), Lk = q.shape[:2], k.shape[1]
+def _padded(q, k, v, qpos, kpos, qseg, kseg, tile):
+    """The inputs padded to whole tiles (:func:`_tiles`): ``(tq, tk, q, k, v, qpos, kpos, qseg, kseg,
+    kvalid, pad)``, ``kvalid [Lk + pk]`` false on the padded keys, ``pad(x, n)`` the row padding."""
+    Lq, Lk = q.shape[1], k.shape[1]
     (tq, nq), (tk, nk) = _tiles(Lq, tile), _tiles(Lk, tile)
     pq, pk = nq * tq - Lq, nk * tk - Lk
-    pad = lambda x, n: x if x is None or n == 0 else jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+
+    def pad(x, n, value=0):  # [B, L, ...] -> [B, L + n, ...]
+        return x if x is None or n == 0 else jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+
     kvalid = jnp.arange(Lk + pk) < Lk  # [nk tk]
-    qpos, kpos = jnp.pad(qpos, (0, pq)), jnp.pad(kpos, (0, pk))
-    opts = (causal, window, scale, cap)
-    o, lse = _flash(opts, tq, tk, pad(q, pq), pad(k, pk), pad(v, pk), qpos, kpos, pad(qseg, pq), pad(kseg, pk), kvalid)
+    return (tq, tk, pad(q, pq), pad(k, pk), pad(v, pk), jnp.pad(qpos, (0, pq)), jnp.pad(kpos, (0, pk)), pad(qseg, pq),
+            pad(kseg, pk), kvalid, functools.partial(pad, n=pq))
+
+
+def _block_forward(q, k, v, qpos, kpos, qseg, kseg, *, causal, window, scale, cap=None, tile=TILE):
+    """Attention of queries ``q [B, Lq, n_kv, G, D]`` on keys / values ``[B, Lk, n_kv, D]`` in tiles
+    of at most ``tile`` tokens (:func:`_flash_forward`): ``(o [B, Lq, n_kv, G, Dv] float32
+    normalised, lse [B, Lq, n_kv, G] float32 log-sum-exp)``; a row with no visible key has ``o = 0``
+    and ``lse`` the masked logit. Lengths that ``tile`` does not divide are cut into equal tiles
+    (:func:`_tiles`), the last padded: padded keys are masked, padded queries' rows dropped."""
+    Lq = q.shape[1]
+    tq, tk, *args, _ = _padded(q, k, v, qpos, kpos, qseg, kseg, tile)
+    o, lse = _flash_forward((causal, window, scale, cap), tq, tk, *args)
     return o[:, :Lq], lse[:, :Lq]
+
+
+def _block_backward(q, k, v, qpos, kpos, qseg, kseg, o, lse, do, *, causal, window, scale, cap=None, tile=TILE):
+    """:func:`_flash_backward` of :func:`_block_forward`'s block, given the row's final ``o``, ``lse``
+    ``[B, Lq, ...]`` and ``do``: ``(dq, dk, dv)`` float32. Padded query rows get ``do = 0`` and an
+    ``lse`` of ``-_NEG`` (their probabilities ``exp(S - lse)`` are 0)."""
+    Lq, Lk = q.shape[1], k.shape[1]
+    tq, tk, *args, pad = _padded(q, k, v, qpos, kpos, qseg, kseg, tile)
+    dq, dk, dv = _flash_backward((causal, window, scale, cap), tq, tk, *args, pad(o), pad(lse, value=-_NEG), pad(do))
+    return dq[:, :Lq], dk[:, :Lk], dv[:, :Lk]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _block(q, k, v, qpos, kpos, qseg, kseg, opts):
+    """:func:`_block_forward` with FlashAttention-2's backward: saves only the inputs, ``o`` and
+    ``lse`` (the one-device soft-capped path). ``opts``: ``((causal, window, scale, cap), tile)``."""
+    return _block_forward(q, k, v, qpos, kpos, qseg, kseg, **_kw(opts))[0]
+
+
+def _kw(opts):
+    (causal, window, scale, cap), tile = opts
+    return dict(causal=causal, window=window, scale=scale, cap=cap, tile=tile)
+
+
+def _block_fwd(q, k, v, qpos, kpos, qseg, kseg, opts):
+    o, lse = _block_forward(q, k, v, qpos, kpos, qseg, kseg, **_kw(opts))
+    return o, (q, k, v, qpos, kpos, qseg, kseg, o, lse)
+
+
+def _block_bwd(opts, res, do):
+    q, k, v, qpos, kpos, qseg, kseg, o, lse = res
+    dq, dk, dv = _block_backward(q, k, v, qpos, kpos, qseg, kseg, o, lse, do, **_kw(opts))
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), _zero(qpos), _zero(kpos), _zero(qseg), _zero(kseg))
+
+
+_block.defvjp(_block_fwd, _block_bwd)
+
+
+def _zero(x):
+    """The cotangent of an integer input (positions, segment ids, a device index): float0 zeros."""
+    return None if x is None else np.zeros(jnp.shape(x), jax.dtypes.float0)
 
 
 def _merge(a, b):
@@ -250,8 +287,10 @@ def _empty(q, dv):
 
 
 def _step(kind, q, k, v, qpos, kpos, qseg, kseg, *, c, opts):
-    """One source's keys: the blocks of ``kind`` ([Note: causal blocks]); partials for all ``2c`` queries."""
-    block = functools.partial(_block, **opts)
+    """One source's keys, forward: the blocks of ``kind`` ([Note: causal blocks]); ``(o, lse)``
+    partials ``[B, 2c, ...]`` for all ``2c`` queries (a query that sees nothing: ``o = 0``, ``lse``
+    the masked logit)."""
+    block = functools.partial(_block_forward, **opts)
     sl = lambda x, lo, hi: None if x is None else x[:, lo:hi]  # noqa: E731  [B, L, ...] -> [B, lo:hi, ...]
 
     def diag(q, k, v, qpos, kpos, qseg, kseg):  # q[a, b] x k[both]
@@ -265,8 +304,31 @@ def _step(kind, q, k, v, qpos, kpos, qseg, kseg, *, c, opts):
         oa, la = _empty(q[:, :c], v.shape[-1])
         return jnp.concatenate([oa, ob], 1), jnp.concatenate([la, lb], 1)  # [B, c] + [B, c] -> [B, 2c]
 
-    branches = (diag, lower, upper)
-    args = (q, k, v, qpos, kpos, qseg, kseg)
+    return _switch(kind, (diag, lower, upper), q, k, v, qpos, kpos, qseg, kseg)
+
+
+def _step_grad(kind, q, k, v, qpos, kpos, qseg, kseg, o, lse, do, *, c, opts):
+    """One source's keys, backward (:func:`_block_backward` of the blocks of ``kind``) from the
+    final ``o``, ``lse``, ``do`` ``[B, 2c, ...]`` of this device's queries: ``(dq [B, 2c, ...], dk,
+    dv [B, 2c, ...])`` float32, zero where ``kind`` skips a chunk."""
+    grad = functools.partial(_block_backward, **opts)
+    sl = lambda x, lo, hi: None if x is None else x[:, lo:hi]  # noqa: E731  [B, L, ...] -> [B, lo:hi, ...]
+
+    def diag(q, k, v, qpos, kpos, qseg, kseg, o, lse, do):
+        return grad(q, k, v, qpos, kpos, qseg, kseg, o, lse, do)
+
+    def lower(q, k, v, qpos, kpos, qseg, kseg, o, lse, do):  # dk, dv of the second chunk: 0
+        dq, dk, dv = grad(q, k[:, :c], v[:, :c], qpos, kpos[:c], qseg, sl(kseg, 0, c), o, lse, do)
+        return dq, jnp.concatenate([dk, jnp.zeros_like(dk)], 1), jnp.concatenate([dv, jnp.zeros_like(dv)], 1)
+
+    def upper(q, k, v, qpos, kpos, qseg, kseg, o, lse, do):  # dq of the first chunk: 0
+        dq, dk, dv = grad(q[:, c:], k, v, qpos[c:], kpos, sl(qseg, c, 2 * c), kseg, o[:, c:], lse[:, c:], do[:, c:])
+        return jnp.concatenate([jnp.zeros_like(dq), dq], 1), dk, dv
+
+    return _switch(kind, (diag, lower, upper), q, k, v, qpos, kpos, qseg, kseg, o, lse, do)
+
+
+def _switch(kind, branches, *args):
     if isinstance(kind, numbers.Integral):  # known while tracing: one device's program
         return branches[kind](*args)
     return jax.lax.switch(kind, branches, *args)
@@ -375,9 +437,9 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
     if (split is None or split.context == 1) and softcap is not None:
         B, L, H, D = q.shape
         pos = jnp.arange(L, dtype=jnp.int32)
-        o, _ = _block(q.reshape(B, L, k.shape[2], H // k.shape[2], D), k, v, pos, pos, segment_ids, segment_ids,
-                      causal=causal, window=sliding_window, scale=float(1 / math.sqrt(D) if scale is None else scale),
-                      cap=float(softcap), tile=tile)  # [B, L, n_kv, G, Dv] float32
+        opts = ((causal, sliding_window, float(1 / math.sqrt(D) if scale is None else scale), float(softcap)), int(tile))
+        o = _block(q.reshape(B, L, k.shape[2], H // k.shape[2], D), k, v, pos, pos, segment_ids, segment_ids,
+                   opts)  # [B, L, n_kv, G, Dv] float32
         return o.astype(q.dtype).reshape(B, L, H, v.shape[3])  # -> [B, L, H, Dv]
     if split is None or split.context == 1:
         # GQA: K/V repeated to the query heads, [B, S, n_kv, D] -> [B, S, H, D]: jax.nn's grouped
@@ -403,57 +465,115 @@ def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segm
     """Inside ``shard_map`` (manual over ``context``): attention of context device ``index`` (traced,
     or a Python int for one device's program) on the split sequence (see :func:`attention`).
 
+    One ``jax.custom_vjp`` over the walk of the ``C`` sources: the forward merges each source's
+    tiled partial (:func:`_step`) with the online softmax and saves only this device's final
+    ``o [B, 2c, n_kv, G, Dv]`` and ``lse [B, 2c, n_kv, G]`` (float32) besides its inputs; the
+    backward walks the sources again, each step's tiles recomputing their scores from that ``lse``
+    (:func:`_step_grad`, FlashAttention-2's algorithm 2, Dao 2023 section 3.1): no source's scores
+    or partials are kept from the forward.
+
     ``gathered``: ``(k_all, v_all, seg_all)`` already in the placed order ``[B, L, ...]`` instead of
     gathering (``impl="allgather"`` only): one device's program without collectives, for counting
-    its FLOPs (``cost_analysis``)."""
+    its FLOPs (``cost_analysis``) and measuring its memory (``memory_analysis``)."""
     B, L2, H, D = q.shape
-    n_kv, C, c = k.shape[2], split.context, split.chunk
+    n_kv, C, c, Dv = k.shape[2], split.context, split.chunk, v.shape[-1]
     opts = dict(causal=causal, window=sliding_window, scale=float(1 / math.sqrt(D) if scale is None else scale),
                 cap=None if softcap is None else float(softcap), tile=int(tile))
     qg = q.reshape(B, L2, n_kv, H // n_kv, D)  # [B, 2c, H, D] -> [B, 2c, n_kv, G, D]
-    qpos = split.chunk_positions(index)
+    static = isinstance(index, numbers.Integral)  # one device's program: the kinds known while tracing
+    where = lambda idx: index if static else idx  # noqa: E731
+    step, grad = functools.partial(_step, c=c, opts=opts), functools.partial(_step_grad, c=c, opts=opts)
 
-    def step(kind, *args):  # one source under jax.checkpoint: the backward recomputes its scores
-        if isinstance(kind, numbers.Integral):
-            return jax.checkpoint(functools.partial(_step, int(kind), c=c, opts=opts))(*args)
-        return jax.checkpoint(functools.partial(_step, c=c, opts=opts))(kind, *args)
-
-    state = _empty(qg, v.shape[-1])
     if impl == "allgather":
         if gathered is None:
             with jax.named_scope(CONTEXT_SCOPE):
                 # [B, 2c, n_kv, D] --all_gather(context, tiled)--> [B, L, n_kv, D] (placed order: device j at [2c j, 2c (j+1)))
+                # its transpose, the backward's reduce-scatter of dK, dV, comes from autodiff (outside the custom VJP)
                 k_all = jax.lax.all_gather(k, CONTEXT, axis=1, tiled=True)
                 v_all = jax.lax.all_gather(v, CONTEXT, axis=1, tiled=True)
                 seg_all = None if segment_ids is None else jax.lax.all_gather(segment_ids, CONTEXT, axis=1, tiled=True)
         else:
             k_all, v_all, seg_all = gathered
-        for j in range(C):
-            window = slice(2 * c * j, 2 * c * (j + 1))  # source j's [2c] tokens of the gathered [L]
-            kseg = None if seg_all is None else seg_all[:, window]
-            part = step(_kind(index, j, causal), qg, k_all[:, window], v_all[:, window], qpos, split.chunk_positions(j),
-                        segment_ids, kseg)
-            state = _merge(state, part)
+        src = lambda x, j: None if x is None else x[:, 2 * c * j : 2 * c * (j + 1)]  # noqa: E731  source j's [2c] of [L]
+
+        def forward(qg, k_all, v_all, qseg, seg_all, idx):
+            i, state = where(idx), _empty(qg, Dv)
+            for j in range(C):
+                part = step(_kind(i, j, causal), qg, src(k_all, j), src(v_all, j), split.chunk_positions(i),
+                            split.chunk_positions(j), qseg, src(seg_all, j))
+                state = _merge(state, part)
+            return state
+
+        def backward(res, do):
+            qg, k_all, v_all, qseg, seg_all, idx, o, lse = res
+            i, dq, dks, dvs = where(idx), 0.0, [], []
+            for j in range(C):
+                dqj, dkj, dvj = grad(_kind(i, j, causal), qg, src(k_all, j), src(v_all, j), split.chunk_positions(i),
+                                     split.chunk_positions(j), qseg, src(seg_all, j), o, lse, do)
+                dq, dks, dvs = dq + dqj, dks + [dkj], dvs + [dvj]
+            # C x [B, 2c, n_kv, D] --concatenate--> [B, L, n_kv, D]: dK, dV of the gathered keys, in the placed order
+            dk, dv = jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1)
+            return (dq.astype(qg.dtype), dk.astype(k_all.dtype), dv.astype(v_all.dtype), _zero(qseg), _zero(seg_all),
+                    _zero(idx))
+
+        args = (qg, k_all, v_all, segment_ids, seg_all, None if static else index)
     elif impl == "ring":
-        held = (k, v, segment_ids)
         perm = [(d, (d + 1) % C) for d in range(C)]  # device d sends what it holds to d + 1
-        for t in range(C):
-            if t < C - 1:
-                with jax.named_scope(CONTEXT_SCOPE):
-                    # [B, 2c, n_kv, D] --ppermute(context, d -> d+1)--> [B, 2c, n_kv, D]: the chunk of device (i - t - 1)
-                    nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, CONTEXT, perm), held)
-            j = (index - t) % C  # whose chunk this device holds at step t
+        back = [(d, (d - 1) % C) for d in range(C)]  # the backward: d sends to d - 1
+
+        def kind_at(i, t):  # the block kind of step t: the chunk held is device (i - t)'s
             if t == 0 or not causal:  # its own chunk, or no mask to skip blocks by
-                kind = DIAG
-            elif isinstance(index, numbers.Integral):
-                kind = _kind(index, j, causal)
-            else:  # j = i - t >= 0 exactly when t <= i
-                kind = jnp.where(t <= index, LOWER, UPPER)
-            part = step(kind, qg, held[0], held[1], qpos, split.chunk_positions(j), segment_ids, held[2])
-            state = _merge(state, part)
-            if t < C - 1:
-                held = nxt
+                return DIAG
+            if isinstance(i, numbers.Integral):
+                return _kind(i, (i - t) % C, causal)
+            return jnp.where(t <= i, LOWER, UPPER)  # j = i - t >= 0 exactly when t <= i
+
+        def walk(qg, k, v, qseg, idx):
+            i, held, kept, state = where(idx), (k, v, qseg), [], _empty(qg, Dv)
+            for t in range(C):
+                if t < C - 1:
+                    with jax.named_scope(CONTEXT_SCOPE):
+                        # [B, 2c, n_kv, D] --ppermute(context, d -> d+1)--> [B, 2c, n_kv, D]: the chunk of device (i - t - 1)
+                        nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, CONTEXT, perm), held)
+                part = step(kind_at(i, t), qg, held[0], held[1], split.chunk_positions(i),
+                            split.chunk_positions((i - t) % C), qseg, held[2])
+                state, kept = _merge(state, part), kept + [held]
+                if t < C - 1:
+                    held = nxt
+            return state, kept
+
+        def forward(qg, k, v, qseg, idx):
+            return walk(qg, k, v, qseg, idx)[0]
+
+        def fwd_saving(qg, k, v, qseg, idx):  # saves the C chunks held (the gathered K/V's bytes), o and lse
+            (o, lse), kept = walk(qg, k, v, qseg, idx)
+            return (o, lse), (qg, qseg, idx, kept, o, lse)
+
+        def backward(res, do):
+            qg, qseg, idx, kept, o, lse = res
+            i, dq, acc = where(idx), 0.0, None
+            for t in reversed(range(C)):  # the transpose of the forward's ring: dK, dV travel d -> d - 1
+                (kt, vt, st), j = kept[t], (i - t) % C
+                dqt, dkt, dvt = grad(kind_at(i, t), qg, kt, vt, split.chunk_positions(i), split.chunk_positions(j), qseg,
+                                     st, o, lse, do)
+                dq = dq + dqt
+                if acc is None:
+                    acc = (dkt, dvt)
+                else:
+                    with jax.named_scope(CONTEXT_SCOPE):
+                        # [B, 2c, n_kv, D] --ppermute(context, d -> d-1)--> [B, 2c, n_kv, D]: dK, dV of device (i - t)'s chunk
+                        got = jax.tree.map(lambda x, like: jax.lax.ppermute(x.astype(like.dtype), CONTEXT, back), acc, (kt, vt))
+                    acc = (got[0] + dkt, got[1] + dvt)
+            return dq.astype(qg.dtype), acc[0].astype(kept[0][0].dtype), acc[1].astype(kept[0][1].dtype), _zero(qseg), _zero(idx)
+
+        args = (qg, k, v, segment_ids, None if static else index)
     else:  # pragma: no cover - checked by attention()
         raise ValueError(impl)
-    o, _ = state
-    return o.astype(q.dtype).reshape(B, L2, H, v.shape[-1])  # [B, 2c, n_kv, G, Dv] -> [B, 2c, H, Dv]
+
+    run = jax.custom_vjp(lambda *a: forward(*a)[0])
+    if impl == "allgather":
+        run.defvjp(lambda *a: (lambda s: (s[0], (*a, *s)))(forward(*a)), backward)
+    else:
+        run.defvjp(lambda *a: (lambda out, res: (out[0], res))(*fwd_saving(*a)), backward)
+    o = run(*args)  # [B, 2c, n_kv, G, Dv] float32
+    return o.astype(q.dtype).reshape(B, L2, H, Dv)  # [B, 2c, n_kv, G, Dv] -> [B, 2c, H, Dv]
