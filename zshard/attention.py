@@ -113,6 +113,13 @@ def _varying(inits, *refs):
     return jax.tree.map(lambda x: vary(x, axes), inits) if axes else inits
 
 
+def _key_tile(j, t, k, v, kpos, kseg, kvalid):
+    """Key tile ``j`` (traced) of ``t`` tokens: ``[B, L, ...] --dynamic_slice--> [B, t, ...]`` of the
+    keys, values, positions, segment ids and the valid flags."""
+    cut = lambda x, axis: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * t, t, axis)  # noqa: E731
+    return cut(k, 1), cut(v, 1), cut(kpos, 0), cut(kseg, 1), cut(kvalid, 0)
+
+
 def _to_tiles(x, t):
     """``[B, n t, ...] -> [n, B, t, ...]``: the tile index leading, for ``lax.scan`` / ``lax.map``."""
     if x is None:
@@ -133,14 +140,14 @@ def _flash_forward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid):
     lse [B, Lq, n_kv, G] float32)``; a row that sees no key has ``o = 0``, ``lse = _NEG``."""
     B, Lq, n_kv, G, _ = q.shape
     Dv = v.shape[-1]
-    keys = (_to_tiles(k, tk), _to_tiles(v, tk), kpos.reshape(-1, tk), _to_tiles(kseg, tk), kvalid.reshape(-1, tk))
+    keys = jnp.arange(k.shape[1] // tk)  # the key tiles, sliced in the loop (no transposed copy of the keys)
 
     def query_tile(xs):
         qi, qp, qs = xs  # [B, tq, n_kv, G, D], [tq], [B, tq]
 
-        def key_tile(carry, ys):
+        def key_tile(carry, j):
             o, m, l = carry  # [B, tq, n_kv, G, Dv] unnormalised, row max and row sum [B, tq, n_kv, G]
-            kj, vj, kp, ks, kval = ys
+            kj, vj, kp, ks, kval = _key_tile(j, tk, k, v, kpos, kseg, kvalid)
             s, mask = _tile_scores(qi, kj, qp, kp, qs, ks, kval, opts)
             m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _NEG), axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)  # [B, tq, n_kv, G, tk]
@@ -151,7 +158,7 @@ def _flash_forward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid):
 
         init = (jnp.zeros((B, tq, n_kv, G, Dv), jnp.float32), jnp.full((B, tq, n_kv, G), _NEG, jnp.float32),
                 jnp.zeros((B, tq, n_kv, G), jnp.float32))
-        (o, m, l), _ = jax.lax.scan(key_tile, _varying(init, xs, keys), keys)
+        (o, m, l), _ = jax.lax.scan(key_tile, _varying(init, xs, k, v, kpos, kseg), keys)
         seen = l > 0
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), _NEG)
         return jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0), lse
@@ -175,8 +182,8 @@ def _flash_backward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid, o, ls
     queries = (_to_tiles(q, tq), _to_tiles(do, tq), _to_tiles(lse, tq), _to_tiles(delta, tq), qpos.reshape(-1, tq),
                _to_tiles(qseg, tq))
 
-    def key_tile(dq, ys):
-        kj, vj, kp, ks, kval = ys  # [B, tk, n_kv, D], [B, tk, n_kv, Dv], [tk], [B, tk], [tk]
+    def key_tile(dq, j):
+        kj, vj, kp, ks, kval = ys = _key_tile(j, tk, k, v, kpos, kseg, kvalid)  # [B, tk, n_kv, D], [B, tk, n_kv, Dv], [tk], [B, tk], [tk]
 
         def query_tile(carry, xs):
             dk, dv = carry  # [B, tk, n_kv, D], [B, tk, n_kv, Dv] float32
@@ -197,9 +204,8 @@ def _flash_backward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid, o, ls
         (dk, dv), dqs = jax.lax.scan(query_tile, _varying(init, ys, queries), queries)  # dqs [nq, B, tq, n_kv, G, D]
         return dq + dqs, (dk, dv)
 
-    keys = (_to_tiles(k, tk), _to_tiles(v, tk), kpos.reshape(-1, tk), _to_tiles(kseg, tk), kvalid.reshape(-1, tk))
-    dq0 = _varying(jnp.zeros(queries[0].shape, jnp.float32), queries, keys)  # [nq, B, tq, n_kv, G, D]
-    dq, (dk, dv) = jax.lax.scan(key_tile, dq0, keys)
+    dq0 = _varying(jnp.zeros(queries[0].shape, jnp.float32), queries, k, v, kpos, kseg)  # [nq, B, tq, n_kv, G, D]
+    dq, (dk, dv) = jax.lax.scan(key_tile, dq0, jnp.arange(k.shape[1] // tk))
     return _from_tiles(dq), _from_tiles(dk), _from_tiles(dv)
 
 
@@ -494,52 +500,63 @@ def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segm
                 seg_all = None if segment_ids is None else jax.lax.all_gather(segment_ids, CONTEXT, axis=1, tiled=True)
         else:
             k_all, v_all, seg_all = gathered
-        src = lambda x, j: None if x is None else x[:, 2 * c * j : 2 * c * (j + 1)]  # noqa: E731  source j's [2c] of [L]
+        # source j's [2c] tokens of the gathered [L]: [B, L, ...] --dynamic_slice--> [B, 2c, ...]
+        src = lambda x, j: None if x is None else jax.lax.dynamic_slice_in_dim(x, 2 * c * j, 2 * c, 1)  # noqa: E731
 
         def forward(qg, k_all, v_all, qseg, seg_all, idx):
-            i, state = where(idx), _empty(qg, Dv)
-            for j in range(C):
+            i = where(idx)
+
+            def source(state, j):  # one source per iteration (lax.scan: one source's buffers live at a time)
                 part = step(_kind(i, j, causal), qg, src(k_all, j), src(v_all, j), split.chunk_positions(i),
                             split.chunk_positions(j), qseg, src(seg_all, j))
-                state = _merge(state, part)
-            return state
+                return _merge(state, part), None
+
+            init = _varying(_empty(qg, Dv), qg, k_all, v_all, qseg, seg_all, idx)
+            return jax.lax.scan(source, init, jnp.arange(C, dtype=jnp.int32))[0]
 
         def backward(res, do):
             qg, k_all, v_all, qseg, seg_all, idx, o, lse = res
-            i, dq, dks, dvs = where(idx), 0.0, [], []
-            for j in range(C):
+            i = where(idx)
+
+            def source(dq, j):
                 dqj, dkj, dvj = grad(_kind(i, j, causal), qg, src(k_all, j), src(v_all, j), split.chunk_positions(i),
                                      split.chunk_positions(j), qseg, src(seg_all, j), o, lse, do)
-                dq, dks, dvs = dq + dqj, dks + [dkj], dvs + [dvj]
-            # C x [B, 2c, n_kv, D] --concatenate--> [B, L, n_kv, D]: dK, dV of the gathered keys, in the placed order
-            dk, dv = jnp.concatenate(dks, 1), jnp.concatenate(dvs, 1)
-            return (dq.astype(qg.dtype), dk.astype(k_all.dtype), dv.astype(v_all.dtype), _zero(qseg), _zero(seg_all),
-                    _zero(idx))
+                return dq + dqj, (dkj.astype(k_all.dtype), dvj.astype(v_all.dtype))
+
+            dq0 = _varying(jnp.zeros(qg.shape, jnp.float32), qg, k_all, v_all, qseg, seg_all, idx, do)
+            dq, (dk, dv) = jax.lax.scan(source, dq0, jnp.arange(C, dtype=jnp.int32))
+            # [C, B, 2c, n_kv, D] --> [B, L, n_kv, D]: dK, dV of the gathered keys, source j at [2c j, 2c (j+1))
+            return dq.astype(qg.dtype), _from_tiles(dk), _from_tiles(dv), _zero(qseg), _zero(seg_all), _zero(idx)
 
         args = (qg, k_all, v_all, segment_ids, seg_all, None if static else index)
     elif impl == "ring":
         perm = [(d, (d + 1) % C) for d in range(C)]  # device d sends what it holds to d + 1
         back = [(d, (d - 1) % C) for d in range(C)]  # the backward: d sends to d - 1
 
-        def kind_at(i, t):  # the block kind of step t: the chunk held is device (i - t)'s
-            if t == 0 or not causal:  # its own chunk, or no mask to skip blocks by
+        def kind_at(i, t):  # the block kind of step t (traced): the chunk held is device (i - t)'s
+            if not causal:  # no mask to skip blocks by
                 return DIAG
-            if isinstance(i, numbers.Integral):
-                return _kind(i, (i - t) % C, causal)
-            return jnp.where(t <= i, LOWER, UPPER)  # j = i - t >= 0 exactly when t <= i
+            return jnp.where(t == 0, DIAG, jnp.where(t <= i, LOWER, UPPER))  # j = i - t >= 0 exactly when t <= i
+
+        def compute(i, t, state, held, qg, qseg):
+            part = step(kind_at(i, t), qg, held[0], held[1], split.chunk_positions(i), split.chunk_positions((i - t) % C),
+                        qseg, held[2])
+            return _merge(state, part)
 
         def walk(qg, k, v, qseg, idx):
-            i, held, kept, state = where(idx), (k, v, qseg), [], _empty(qg, Dv)
-            for t in range(C):
-                if t < C - 1:
-                    with jax.named_scope(CONTEXT_SCOPE):
-                        # [B, 2c, n_kv, D] --ppermute(context, d -> d+1)--> [B, 2c, n_kv, D]: the chunk of device (i - t - 1)
-                        nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, CONTEXT, perm), held)
-                part = step(kind_at(i, t), qg, held[0], held[1], split.chunk_positions(i),
-                            split.chunk_positions((i - t) % C), qseg, held[2])
-                state, kept = _merge(state, part), kept + [held]
-                if t < C - 1:
-                    held = nxt
+            i = where(idx)
+
+            def turn(carry, t):  # steps 0 .. C-2: pass the chunk on while computing it
+                state, held = carry
+                with jax.named_scope(CONTEXT_SCOPE):
+                    # [B, 2c, n_kv, D] --ppermute(context, d -> d+1)--> [B, 2c, n_kv, D]: the chunk of device (i - t - 1)
+                    nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, CONTEXT, perm), held)
+                return (compute(i, t, state, held, qg, qseg), nxt), held
+
+            init = (_varying(_empty(qg, Dv), qg, k, v, qseg, idx), (k, v, qseg))
+            (state, last), kept = jax.lax.scan(turn, init, jnp.arange(C - 1, dtype=jnp.int32))
+            state = compute(i, C - 1, state, last, qg, qseg)  # step C-1: nothing left to send
+            kept = jax.tree.map(lambda ks, x: jnp.concatenate([ks, x[None]]), kept, last)  # [C, B, 2c, ...]: chunk of step t
             return state, kept
 
         def forward(qg, k, v, qseg, idx):
@@ -551,20 +568,29 @@ def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segm
 
         def backward(res, do):
             qg, qseg, idx, kept, o, lse = res
-            i, dq, acc = where(idx), 0.0, None
-            for t in reversed(range(C)):  # the transpose of the forward's ring: dK, dV travel d -> d - 1
-                (kt, vt, st), j = kept[t], (i - t) % C
-                dqt, dkt, dvt = grad(kind_at(i, t), qg, kt, vt, split.chunk_positions(i), split.chunk_positions(j), qseg,
-                                     st, o, lse, do)
-                dq = dq + dqt
-                if acc is None:
-                    acc = (dkt, dvt)
-                else:
-                    with jax.named_scope(CONTEXT_SCOPE):
-                        # [B, 2c, n_kv, D] --ppermute(context, d -> d-1)--> [B, 2c, n_kv, D]: dK, dV of device (i - t)'s chunk
-                        got = jax.tree.map(lambda x, like: jax.lax.ppermute(x.astype(like.dtype), CONTEXT, back), acc, (kt, vt))
-                    acc = (got[0] + dkt, got[1] + dvt)
-            return dq.astype(qg.dtype), acc[0].astype(kept[0][0].dtype), acc[1].astype(kept[0][1].dtype), _zero(qseg), _zero(idx)
+            i = where(idx)
+
+            def contribution(t):
+                kt, vt, st = jax.tree.map(lambda x: x[t], kept)
+                return grad(kind_at(i, t), qg, kt, vt, split.chunk_positions(i), split.chunk_positions((i - t) % C), qseg,
+                            st, o, lse, do)
+
+            def turn(carry, t):  # t = C-1 .. 1: add step t's dK, dV and pass them on, d -> d - 1 (the forward's transpose)
+                dq, acc = carry
+                dqt, dkt, dvt = contribution(t)
+                with jax.named_scope(CONTEXT_SCOPE):
+                    # [B, 2c, n_kv, D] --ppermute(context, d -> d-1)--> [B, 2c, n_kv, D]: dK, dV of device (i - t + 1)'s chunk
+                    acc = (jax.lax.ppermute((acc[0] + dkt).astype(kept[0].dtype), CONTEXT, back),
+                           jax.lax.ppermute((acc[1] + dvt).astype(kept[1].dtype), CONTEXT, back))
+                return (dq + dqt, acc), None
+
+            zeros = (jnp.zeros(qg.shape, jnp.float32), (jnp.zeros(kept[0].shape[1:], kept[0].dtype),
+                                                        jnp.zeros(kept[1].shape[1:], kept[1].dtype)))
+            init = _varying(zeros, qg, qseg, idx, kept, do)
+            (dq, acc), _ = jax.lax.scan(turn, init, jnp.arange(C - 1, 0, -1, dtype=jnp.int32))
+            dq0, dk0, dv0 = contribution(0)  # this device's own chunk: its dK, dV stay here
+            return ((dq + dq0).astype(qg.dtype), (acc[0] + dk0).astype(kept[0].dtype), (acc[1] + dv0).astype(kept[1].dtype),
+                    _zero(qseg), _zero(idx))
 
         args = (qg, k, v, segment_ids, None if static else index)
     else:  # pragma: no cover - checked by attention()
