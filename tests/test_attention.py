@@ -166,6 +166,35 @@ def test_head_tail_order_gives_every_device_the_same_attention_flops():
     assert schedule(1, 4, causal=False) == [DIAG] * 4
 
 
+# --- memory: one attention call's compiled temporaries ----------------------------------------------------
+
+
+@functools.cache
+def _call_temp(C, tile, length=1024):
+    """``memory_analysis().temp_size_in_bytes`` of one context device's attention forward and
+    backward (``context_attention`` on keys and values already gathered: no collectives), float32,
+    ``[1, length / C, 2, 8]`` queries, 2 key/value heads."""
+    split = SequenceSplit(C, length)
+    q = jax.ShapeDtypeStruct((1, length // C, 2, 8), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, length, 2, 8), jnp.float32)
+
+    def f(q, k_all, v_all):
+        o = context_attention(q, q, q, split, 0, gathered=(k_all, v_all, None), tile=tile)
+        return jnp.sum(o**2)
+
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_temporaries_fall_with_the_tile_and_as_one_over_c():
+    # one tile per block (tile >= 2c = 512): the diagonal step's [1, 512, 2, 1, 512] float32 scores, 2 MiB each
+    whole, tiled = _call_temp(2, 512), _call_temp(2, 16)
+    assert tiled < whole / 10, (whole, tiled)
+    # in tiles of 16 the temporaries are O(L / C) buffers (queries, outputs, dQ) plus the gathered keys' dK, dV
+    # (O(L), outside the 1/C): measured 402864, 206448, 112368 bytes for C = 2, 4, 8
+    t2, t4, t8 = _call_temp(2, 16), _call_temp(4, 16), _call_temp(8, 16)
+    assert t4 < 0.6 * t2 and t8 < 0.6 * t4, (t2, t4, t8)
+
+
 # --- positions ----------------------------------------------------------------------------------------
 
 
