@@ -132,8 +132,10 @@ def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: in
     (FlashAttention-2): no ``a s^2`` term; instead one tile's scores, ``a t^2 b`` with ``t =
     min(tile, s / (2C))``, three at once in the backward (scores, probabilities, their gradient),
     two in the forward; and the gathered keys and values ``2 b s n_kv d`` (``kv_heads``, ``d = h /
-    a``): held by the forward and the MLP backward (the attention's saved inputs), twice in the
-    attention backward (with their gradients ``dK``, ``dV``, before the reduce-scatter).
+    a``): held by the forward, twice in the MLP and the attention backward (with the buffers of
+    their gradients ``dK``, ``dV``, before the reduce-scatter). The MLP backward's terms were read
+    off the live set of Llama-7B at 32k tokens, ``C = 4``, 64 devices (``9 s b f``, ``15 s b h``;
+    docs/long-sequences.md, "Memory"); GELU MLPs (GPT-2) are not measured on a context mesh.
 
     Returns:
       ``{"mlp", "attention", "forward", "head"}``, bytes (floats).
@@ -148,8 +150,13 @@ def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: in
         softmax = a * t * t * b
         kv = 2 * b * seq * (kv_heads or n_heads) / tensor * (d_model // n_heads)
     tied_grad = h * V if tied else 0
+    # the recomputed layer's MLP backward on a context mesh (read off the live set of llama-7b at 32k, C = 4, 64
+    # devices): the gathered K/V and, allocated ahead of the attention backward, its dK/dV buffers (2 kv); the
+    # gate|up gradient [s, 2f], its transpose, the two padded halves it is summed from and silu's product (9 s b f);
+    # the residual stream, norms and the attention's dQ / output buffers (15 s b h)
+    mlp_sbf, mlp_sbh, mlp_kv = ((9, 15, 2) if glu else (2, 15, 2)) if C > 1 else ((4 if glu else 2), 12, 0)
     elements = {
-        "mlp": inputs + 2 * softmax + kv + psi_layer + (4 if glu else 2) * sbf + 12 * sbh + tied_grad,
+        "mlp": inputs + 2 * softmax + mlp_kv * kv + psi_layer + mlp_sbf * sbf + mlp_sbh * sbh + tied_grad,
         "attention": inputs + 3 * softmax + 2 * kv + psi_layer - psi_mlp_out + sbf + 10 * sbh + tied_grad,
         "forward": inputs + 2 * softmax + kv + psi_layer + h * V + 4 * sbh,
         "head": inputs + 3 * s * b * V + h * V + 4 * sbh,

@@ -20,10 +20,15 @@ order (:mod:`zshard.sequence`), and every query must meet every key of the seque
 Both walk the ``C`` key/value chunks of the sequence (one per source device ``j``) with an
 online softmax (Milakov & Gimelshein 2018; flash attention's merge of partial results), and skip
 the blocks a causal mask hides entirely: with the head-tail order every device computes the same
-number of ``c x c`` blocks, ``2C + 2`` ([Note: causal blocks]). Each step is under
-``jax.checkpoint``, so the backward recomputes one step's scores at a time (the scores of the whole
-sequence never exist at once). Numbers equal ``jax.nn.dot_product_attention`` on one device
-(fp32 within 1e-6, tests/test_attention.py).
+number of ``c x c`` blocks, ``2C + 2`` ([Note: causal blocks]). Inside a step the blocks are
+computed in tiles of at most ``tile`` (512) queries x keys (FlashAttention-2, Dao 2023, arXiv
+2307.08691 section 3.1: an online softmax over key tiles in ``lax.scan``), and the walk of the
+sources is one ``jax.custom_vjp`` that saves only the output and the log-sum-exp of each query
+row: the backward recomputes each tile's scores from them (their algorithm 2). One tile's scores
+exist at a time, forward and backward, and the sources are ``lax.scan`` steps (one source's
+buffers live at once), so the temporaries fall as ``1/C`` but for the gathered keys and values
+(docs/long-sequences.md, "Memory"). Numbers equal ``jax.nn.dot_product_attention`` on one
+device (fp32 within 1e-6, tests/test_attention.py).
 
 The collectives run under the named scope :data:`zshard.jaxprs.CONTEXT_SCOPE`, so
 ``zshard.report`` finds them in the compiled program (its ``context`` row).
