@@ -92,13 +92,20 @@ def _tiles(n: int, tile: int) -> tuple[int, int]:
     return -(-n // nt), nt
 
 
-def _tile_scores(q, k, qpos, kpos, qseg, kseg, kvalid, opts):
-    """One tile's logits and mask: ``q [B, tq, n_kv, G, D]``, ``k [B, tk, n_kv, D]`` ->
-    ``(s [B, tq, n_kv, G, tk] float32 (soft-capped, unmasked), mask [B | 1, tq, 1, 1, tk] bool)``."""
-    causal, window, scale, cap = opts
+def _tile_logits(q, k, opts):
+    """One tile's logits, ``q [B, tq, n_kv, G, D]``, ``k [B, tk, n_kv, D]`` -> ``[B, tq, n_kv, G, tk]``
+    float32, soft-capped, unmasked."""
+    _, _, scale, cap = opts
     s = jnp.einsum("bqhgd,bkhd->bqhgk", q, k, preferred_element_type=jnp.float32) * scale  # [B, tq, n_kv, G, tk]
     if cap is not None:  # Gemma 2's soft-cap of the logits: cap * tanh(s / cap)
         s = cap * jnp.tanh(s / cap)
+    return s
+
+
+def _tile_mask(qpos, kpos, qseg, kseg, kvalid, opts):
+    """One tile's mask, ``[B | 1, tq, 1, 1, tk]`` bool: the key is a real one, and causal, window and
+    segments let the query see it."""
+    causal, window, _, _ = opts
     dist = qpos[:, None] - kpos[None, :]  # [tq, tk]: query position - key position
     mask = jnp.broadcast_to(kvalid[None, :], dist.shape)  # padded keys are never seen
     if causal:
@@ -108,7 +115,17 @@ def _tile_scores(q, k, qpos, kpos, qseg, kseg, kvalid, opts):
     mask = mask[None, :, None, None, :]  # [1, tq, 1, 1, tk]
     if qseg is not None:
         mask = mask & (qseg[:, :, None] == kseg[:, None, :])[:, :, None, None, :]  # [B, tq, 1, 1, tk]
-    return s, mask
+    return mask
+
+
+def _unless_hidden(mask, opts, qseg, compute, skip, *args):
+    """``compute(*args)``, or ``skip(*args)`` when ``mask`` hides the whole tile (``lax.cond``: a
+    tile above the causal diagonal, past the window, or of other segments costs no FLOPs). Without
+    a causal mask, window or segments every tile has a visible key (padding is under one tile)."""
+    causal, window, _, _ = opts
+    if not causal and window is None and qseg is None:
+        return compute(*args)
+    return jax.lax.cond(jnp.any(mask), compute, skip, *args)
 
 
 def _varying(inits, *refs):
@@ -151,15 +168,20 @@ def _flash_forward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid):
         qi, qp, qs = xs  # [B, tq, n_kv, G, D], [tq], [B, tq]
 
         def key_tile(carry, j):
-            o, m, l = carry  # [B, tq, n_kv, G, Dv] unnormalised, row max and row sum [B, tq, n_kv, G]
             kj, vj, kp, ks, kval = _key_tile(j, tk, k, v, kpos, kseg, kvalid)
-            s, mask = _tile_scores(qi, kj, qp, kp, qs, ks, kval, opts)
-            m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _NEG), axis=-1))
-            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)  # [B, tq, n_kv, G, tk]
-            alpha = jnp.exp(m - m_new)
-            o = o * alpha[..., None] + jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(vj.dtype), vj,
-                                                   preferred_element_type=jnp.float32)
-            return (o, m_new, l * alpha + jnp.sum(p, axis=-1)), None
+            mask = _tile_mask(qp, kp, qs, ks, kval, opts)
+
+            def compute(carry):
+                o, m, l = carry  # [B, tq, n_kv, G, Dv] unnormalised, row max and row sum [B, tq, n_kv, G]
+                s = _tile_logits(qi, kj, opts)
+                m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _NEG), axis=-1))
+                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)  # [B, tq, n_kv, G, tk]
+                alpha = jnp.exp(m - m_new)
+                o = o * alpha[..., None] + jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(vj.dtype), vj,
+                                                       preferred_element_type=jnp.float32)
+                return o, m_new, l * alpha + jnp.sum(p, axis=-1)
+
+            return _unless_hidden(mask, opts, qs, compute, lambda carry: carry, carry), None
 
         init = (jnp.zeros((B, tq, n_kv, G, Dv), jnp.float32), jnp.full((B, tq, n_kv, G), _NEG, jnp.float32),
                 jnp.zeros((B, tq, n_kv, G), jnp.float32))
@@ -191,19 +213,27 @@ def _flash_backward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid, o, ls
         kj, vj, kp, ks, kval = ys = _key_tile(j, tk, k, v, kpos, kseg, kvalid)  # [B, tk, n_kv, D], [B, tk, n_kv, Dv], [tk], [B, tk], [tk]
 
         def query_tile(carry, xs):
-            dk, dv = carry  # [B, tk, n_kv, D], [B, tk, n_kv, Dv] float32
             qi, doi, lsei, di, qp, qs = xs
-            s, mask = _tile_scores(qi, kj, qp, kp, qs, ks, kval, opts)
-            p = jnp.where(mask, jnp.exp(s - lsei[..., None]), 0.0)  # [B, tq, n_kv, G, tk]
-            dv = dv + jnp.einsum("bqhgk,bqhgd->bkhd", p, doi, preferred_element_type=jnp.float32)
-            dp = jnp.einsum("bqhgd,bkhd->bqhgk", doi, vj, preferred_element_type=jnp.float32)
-            ds = p * (dp - di[..., None])
-            if cap is not None:  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
-                ds = ds * (1.0 - jnp.square(s / cap))
-            ds = ds * scale
-            dqi = jnp.einsum("bqhgk,bkhd->bqhgd", ds, kj, preferred_element_type=jnp.float32)
-            dk = dk + jnp.einsum("bqhgk,bqhgd->bkhd", ds, qi, preferred_element_type=jnp.float32)
-            return (dk, dv), dqi
+            mask = _tile_mask(qp, kp, qs, ks, kval, opts)
+
+            def compute(carry):
+                dk, dv = carry  # [B, tk, n_kv, D], [B, tk, n_kv, Dv] float32
+                s = _tile_logits(qi, kj, opts)
+                p = jnp.where(mask, jnp.exp(s - lsei[..., None]), 0.0)  # [B, tq, n_kv, G, tk]
+                dv = dv + jnp.einsum("bqhgk,bqhgd->bkhd", p, doi, preferred_element_type=jnp.float32)
+                dp = jnp.einsum("bqhgd,bkhd->bqhgk", doi, vj, preferred_element_type=jnp.float32)
+                ds = p * (dp - di[..., None])
+                if cap is not None:  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
+                    ds = ds * (1.0 - jnp.square(s / cap))
+                ds = ds * scale
+                dqi = jnp.einsum("bqhgk,bkhd->bqhgd", ds, kj, preferred_element_type=jnp.float32)
+                dk = dk + jnp.einsum("bqhgk,bqhgd->bkhd", ds, qi, preferred_element_type=jnp.float32)
+                return (dk, dv), dqi
+
+            def skip(carry):  # a hidden tile: no dK, dV, dQ
+                return carry, _varying(jnp.zeros(qi.shape, jnp.float32), qi, doi, kj, vj, qs, ks, carry)
+
+            return _unless_hidden(mask, opts, qs, compute, skip, carry)
 
         init = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32))
         (dk, dv), dqs = jax.lax.scan(query_tile, _varying(init, ys, queries), queries)  # dqs [nq, B, tq, n_kv, G, D]
