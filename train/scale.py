@@ -3,6 +3,7 @@
     python -m train.scale                                   # every model and strategy, 64 and 512 devices
     python -m train.scale --devices 64 --models llama-7b    # one slice of the table
     python -m train.scale --devices 512 --models llama-70b --tensor 8   # 8x8x8: TP inside each host
+    python -m train.scale --devices 64 --models llama-7b --context 4 --seq-len 32768   # 8x2x4: 32k tokens over C = 4
     python -m train.bench                                   # runs this as its section 3
 
 GPT-2 1.5B, Llama 7B and 70B shapes (``train.model.PLAN_PRESETS``), seq 2048, one sequence per
