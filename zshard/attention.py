@@ -454,8 +454,8 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
       scale: the logits' factor, default ``1 / sqrt(D)``.
       softcap: ``cap``: logits ``cap * tanh(s / cap)`` before the mask and softmax (Gemma 2,
         arXiv 2408.00118 section 2); ``None``: none. ``jax.nn.dot_product_attention`` has no such
-        option: with a soft-cap the one-device path is this module's own block (the same math
-        as on a split sequence, one block of ``L x L``).
+        option: with a soft-cap the one-device path is this module's own tiled block (the same
+        math as on a split sequence: one ``L x L`` block in tiles of ``tile``).
       impl: ``"allgather"`` (keys and values all-gathered over ``context``) or ``"ring"``
         (passed around the ring with ``ppermute``); equal in numbers, equal in bytes.
       tile: tokens per query and per key tile of the tiled (flash) block that computes each
