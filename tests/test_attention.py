@@ -58,9 +58,11 @@ def test_outside_a_split_it_is_jax_dot_product_attention(causal, segments, windo
 
 
 @functools.cache
-def _split_program(C, impl, causal, segments, window, cap=None):
+def _split_program(C, impl, causal, segments, window, cap=None, tile=None):
     """``(value, grads)`` of ``sum(W * attention**2)`` on a ``1 x 2 x C`` mesh, inputs placed in
-    the head-tail order, as one jitted program (compiled once per case)."""
+    the head-tail order, as one jitted program (compiled once per case); ``tile``: the tiled
+    block's tile size (``None``: the default, one tile per chunk at these lengths)."""
+    tiles = {} if tile is None else {"tile": tile}
     mesh = zshard.make_mesh(1, 2, context=C, devices=jax.devices()[: 2 * C])
     spec = P(("replica", "shard"), "context")
     order = head_tail_order(L, C)
@@ -69,7 +71,7 @@ def _split_program(C, impl, causal, segments, window, cap=None):
     def local(q, k, v, seg, w):
         with tracing(SequenceSplit(C, L)):
             o = zshard.attention(q, k, v, causal=causal, segment_ids=seg if segments else None, sliding_window=window,
-                                 softcap=cap, impl=impl)
+                                 softcap=cap, impl=impl, **tiles)
         return jax.lax.psum(jnp.sum(w[None, :, None, None] * o.astype(jnp.float32) ** 2), ("replica", "shard", "context")), o
 
     f = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4 + (P("context"),), out_specs=(P(), spec))
@@ -81,19 +83,24 @@ def _split_program(C, impl, causal, segments, window, cap=None):
     return np.asarray(out)[:, inverse], [np.asarray(g)[:, inverse] for g in grads]
 
 
-SPLIT_CASES = [  # C, impl, causal, segment ids, sliding window: both impls, C = 2 and 4, every option
-    (2, "allgather", True, False, None), (2, "ring", False, True, 7), (4, "allgather", True, True, 12),
-    (4, "ring", True, True, 12), (4, "ring", True, False, None), (4, "allgather", False, False, None),
+# C, impl, causal, segment ids, sliding window, tile: both impls, C = 2 and 4, every option. L = 64: chunks
+# of c = 16 (C = 2) or 8 (C = 4) tokens, 2c per device. Tiles: None (the default 512: one tile per
+# block); 8 / 4: several tiles per block, the causal and window masks hiding some tiles whole (a
+# query tile before a key tile, a window of 12 or 7 past a tile); 5: lengths no tile divides
+# (2c = 32 -> 7 tiles of 5, 3 padded keys; c = 16 -> 4 tiles of 4), rows of some tiles all padding.
+SPLIT_CASES = [
+    (2, "allgather", True, False, None, None), (2, "ring", False, True, 7, 8), (4, "allgather", True, True, 12, 5),
+    (4, "ring", True, True, 12, 4), (4, "ring", True, False, None, 5), (4, "allgather", False, False, None, 4),
 ]
 
 
-@pytest.mark.parametrize("C,impl,causal,segments,window", SPLIT_CASES)
-def test_on_a_split_sequence_forward_and_gradients_equal_one_device(C, impl, causal, segments, window):
+@pytest.mark.parametrize("C,impl,causal,segments,window,tile", SPLIT_CASES)
+def test_on_a_split_sequence_forward_and_gradients_equal_one_device(C, impl, causal, segments, window, tile):
     def loss(q, k, v):
         return jnp.sum(W[None, :, None, None] * reference(q, k, v, causal, segments, window) ** 2)
 
     want_grads = jax.grad(loss, argnums=(0, 1, 2))(Q, K, VV)
-    got, grads = _split_program(C, impl, causal, segments, window)
+    got, grads = _split_program(C, impl, causal, segments, window, tile=tile)
     assert rel(got, reference(Q, K, VV, causal, segments, window)) <= 1e-6
     for name, g, w in zip("qkv", grads, want_grads):
         assert rel(g, w) <= 1e-6, (name, rel(g, w))
@@ -103,10 +110,16 @@ def test_softcap_equals_the_written_out_formula_on_one_device_and_on_a_split():
     want = reference(Q, K, VV, True, True, 12, cap=2.0)
     assert rel(zshard.attention(Q, K, VV, segment_ids=SEG, sliding_window=12, softcap=2.0), want) <= 1e-6
     assert rel(zshard.attention(Q, K, VV, segment_ids=SEG, sliding_window=12), want) > 1e-3  # the cap matters here
-    got, grads = _split_program(2, "ring", True, True, 12, 2.0)
-    assert rel(got, want) <= 1e-6
     want_grads = jax.grad(lambda q, k, v: jnp.sum(W[None, :, None, None] * reference(q, k, v, True, True, 12, 2.0) ** 2),
                           argnums=(0, 1, 2))(Q, K, VV)
+    # one device, 64 tokens in tiles of 16 (the soft-capped path is the tiled block): forward and gradients
+    one = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(W[None, :, None, None] * zshard.attention(
+        q, k, v, segment_ids=SEG, sliding_window=12, softcap=2.0, tile=16) ** 2), argnums=(0, 1, 2)))
+    assert abs(float(one(Q, K, VV)[0]) / float(jnp.sum(W[None, :, None, None] * want**2)) - 1) <= 1e-6
+    for name, g, w in zip("qkv", one(Q, K, VV)[1], want_grads):
+        assert rel(g, w) <= 1e-6, ("one device", name, rel(g, w))
+    got, grads = _split_program(2, "ring", True, True, 12, 2.0, tile=8)  # 2c = 32: 4 x 4 tiles on the diagonal
+    assert rel(got, want) <= 1e-6
     for name, g, w in zip("qkv", grads, want_grads):
         assert rel(g, w) <= 1e-6, (name, rel(g, w))
 
@@ -116,19 +129,25 @@ def test_softcap_equals_the_written_out_formula_on_one_device_and_on_a_split():
 
 def _branch_flops(kind, c=16, g=2, hd=32):
     """FLOPs (XLA ``cost_analysis``, forward and backward) of one source step of ``kind`` for ``2c``
-    queries: the work a device's ``lax.switch`` runs for that source."""
-    from zshard.attention import _step
+    queries: the work a device's ``lax.switch`` runs for that source (one tile per block: XLA counts
+    a loop's body once)."""
+    from zshard.attention import _step, _step_grad
 
     rng = np.random.default_rng(1)
     q = rng.standard_normal((2, 2 * c, KV, g, hd)).astype(np.float32)
     k = rng.standard_normal((2, 2 * c, KV, hd)).astype(np.float32)
     pos = jnp.arange(2 * c)
+    opts = dict(causal=True, window=None, scale=0.2)
 
-    def work(q, k, v):
-        return sum(jnp.sum(x) for x in _step(kind, q, k, v, pos, pos, None, None, c=c, opts=dict(causal=True, window=None, scale=0.2)))
+    def cost(f, *args):
+        got = jax.jit(f).lower(*args).compile().cost_analysis()
+        return (got[0] if isinstance(got, list) else got)["flops"]
 
-    cost = jax.jit(jax.grad(work, argnums=(0, 1, 2))).lower(q, k, k).compile().cost_analysis()
-    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+    o, lse = jax.jit(lambda q, k: _step(kind, q, k, k, pos, pos, None, None, c=c, opts=opts))(q, k)
+    forward = cost(lambda q, k, v: _step(kind, q, k, v, pos, pos, None, None, c=c, opts=opts), q, k, k)
+    backward = cost(lambda q, k, v, o, lse: _step_grad(kind, q, k, v, pos, pos, None, None, o, lse, o, c=c, opts=opts),
+                    q, k, k, o, lse)
+    return forward + backward
 
 
 def test_head_tail_order_gives_every_device_the_same_attention_flops():
@@ -145,6 +164,35 @@ def test_head_tail_order_gives_every_device_the_same_attention_flops():
             assert [ks.count(LOWER) for ks in kinds] == list(range(C))
     # without a causal mask nothing is skipped: every source is DIAG
     assert schedule(1, 4, causal=False) == [DIAG] * 4
+
+
+# --- memory: one attention call's compiled temporaries ----------------------------------------------------
+
+
+@functools.cache
+def _call_temp(C, tile, length=1024):
+    """``memory_analysis().temp_size_in_bytes`` of one context device's attention forward and
+    backward (``context_attention`` on keys and values already gathered: no collectives), float32,
+    ``[1, length / C, 2, 8]`` queries, 2 key/value heads."""
+    split = SequenceSplit(C, length)
+    q = jax.ShapeDtypeStruct((1, length // C, 2, 8), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, length, 2, 8), jnp.float32)
+
+    def f(q, k_all, v_all):
+        o = context_attention(q, q, q, split, 0, gathered=(k_all, v_all, None), tile=tile)
+        return jnp.sum(o**2)
+
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_temporaries_fall_with_the_tile_and_as_one_over_c():
+    # one tile per block (tile >= 2c = 512): the diagonal step's [1, 512, 2, 1, 512] float32 scores, 2 MiB each
+    whole, tiled = _call_temp(2, 512), _call_temp(2, 16)
+    assert tiled < whole / 10, (whole, tiled)
+    # in tiles of 16 the temporaries are O(L / C) buffers (queries, outputs, dQ) plus the gathered keys' dK, dV
+    # (O(L), outside the 1/C): measured 404208, 210800, 116720 bytes for C = 2, 4, 8 (docs/long-sequences.md)
+    t2, t4 = _call_temp(2, 16), _call_temp(4, 16)
+    assert t4 < 0.6 * t2, (t2, t4)
 
 
 # --- positions ----------------------------------------------------------------------------------------
@@ -179,6 +227,8 @@ def test_bad_inputs_are_named():
         zshard.attention(Q, K, VV, sliding_window=0)
     with pytest.raises(ValueError, match=r"softcap=-1.0 must be a positive finite number"):
         zshard.attention(Q, K, VV, softcap=-1.0)
+    with pytest.raises(ValueError, match=r"tile=0 must be a positive int"):
+        zshard.attention(Q, K, VV, tile=0)
     with pytest.raises(ValueError, match=r"impl='flash'; choose one of 'allgather', 'ring'"):
         zshard.attention(Q, K, VV, impl="flash")
     with tracing(SequenceSplit(4, 4 * L)), pytest.raises(ValueError, match=r"must hold this device's 64 tokens"):

@@ -63,7 +63,7 @@ def _parse(argv):
         description="Compile one zshard train step of a preset model ahead of time on emulated "
         "devices and report per-device memory and communication against the ZeRO/FSDP formulas.",
     )
-    p.add_argument("--model", required=True, help="preset: gpt2-124m, gpt2-1.5b, llama-1b, llama-7b, llama-70b")
+    p.add_argument("--model", required=True, help="preset: gpt2-124m, gpt2-1.5b, llama-1b, llama-7b, llama-70b, llama-3-8b")
     p.add_argument("--mesh", required=True, metavar="RxS[xT]", help="mesh shape, e.g. 8x8 (R*S emulated devices) or 1x8x8 (R*S*T, tensor axis T)")
     p.add_argument("--tensor", type=int, default=None, metavar="T", help="tensor-parallel size (the same as a mesh RxSxT)")
     p.add_argument("--context", type=int, default=1, metavar="C",

@@ -3,6 +3,7 @@
     python -m train.scale                                   # every model and strategy, 64 and 512 devices
     python -m train.scale --devices 64 --models llama-7b    # one slice of the table
     python -m train.scale --devices 512 --models llama-70b --tensor 8   # 8x8x8: TP inside each host
+    python -m train.scale --devices 64 --models llama-7b --context 4 --seq-len 32768   # 8x2x4: 32k tokens over C = 4
     python -m train.bench                                   # runs this as its section 3
 
 GPT-2 1.5B, Llama 7B and 70B shapes (``train.model.PLAN_PRESETS``), seq 2048, one sequence per
@@ -84,7 +85,7 @@ def activation_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab
 
 def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: int, seq: int, batch: int, glu: bool,
                  psi_layer: int, psi_mlp_out: int, tied: bool, itemsize: int = 4, tensor: int = 1,
-                 vocab_split: bool = False) -> dict:
+                 vocab_split: bool = False, context: int = 1, kv_heads: int | None = None, tile: int = 512) -> dict:
     """Bytes a zshard step holds beyond its state and gradient shards (:func:`memory_formula`) at
     each instant that can set its peak, with full recomputation per block, scanned blocks,
     per-parameter all-gathers and reduce-scatters, and fp32 (``e = itemsize``).
@@ -126,17 +127,39 @@ def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: in
     replicated over ``tensor``) are not. ``psi_layer`` and ``psi_mlp_out`` are then the
     per-device (TP-local) counts.
 
+    With a context axis of ``C`` devices (``seq`` the global length; docs/long-sequences.md),
+    every per-token term has ``s -> s/C`` (Korthikanti et al.'s count on the local tokens), and
+    ``zshard.attention`` computes each context step in tiles with a custom VJP
+    (FlashAttention-2): no ``a s^2`` term; instead one tile's scores, ``a t^2 b`` with ``t =
+    min(tile, s / (2C))``, three at once in the backward (scores, probabilities, their gradient),
+    two in the forward; and the gathered keys and values ``2 b s n_kv d`` (``kv_heads``, ``d = h /
+    a``): held by the forward, twice in the MLP and the attention backward (with the buffers of
+    their gradients ``dK``, ``dV``, before the reduce-scatter). The MLP backward's terms were read
+    off the live set of Llama-7B at 32k tokens, ``C = 4``, 64 devices (``9 s b f``, ``15 s b h``;
+    docs/long-sequences.md, "Memory"); GELU MLPs (GPT-2) are not measured on a context mesh.
+
     Returns:
       ``{"mlp", "attention", "forward", "head"}``, bytes (floats).
     """
-    s, b, h, L = seq, batch, d_model, n_layers
+    C = context
+    s, b, h, L = seq / C, batch, d_model, n_layers
     a, f, V = n_heads / tensor, d_ff / tensor, vocab / tensor if vocab_split else vocab
     inputs, softmax, sbh, sbf = L * s * b * h, a * s * s * b, s * b * h, s * b * f
+    kv = 0.0
+    if C > 1:  # tiled attention: one tile's scores instead of the whole [a, s, s]; the gathered K/V
+        t = min(tile, seq / (2 * C))
+        softmax = a * t * t * b
+        kv = 2 * b * seq * (kv_heads or n_heads) / tensor * (d_model // n_heads)
     tied_grad = h * V if tied else 0
+    # the recomputed layer's MLP backward on a context mesh (read off the live set of llama-7b at 32k, C = 4, 64
+    # devices): the gathered K/V and, allocated ahead of the attention backward, its dK/dV buffers (2 kv); the
+    # gate|up gradient [s, 2f], its transpose, the two padded halves it is summed from and silu's product (9 s b f);
+    # the residual stream, norms and the attention's dQ / output buffers (15 s b h)
+    mlp_sbf, mlp_sbh, mlp_kv = ((9, 15, 2) if glu else (2, 15, 2)) if C > 1 else ((4 if glu else 2), 12, 0)
     elements = {
-        "mlp": inputs + 2 * softmax + psi_layer + (4 if glu else 2) * sbf + 12 * sbh + tied_grad,
-        "attention": inputs + 3 * softmax + psi_layer - psi_mlp_out + sbf + 10 * sbh + tied_grad,
-        "forward": inputs + 2 * softmax + psi_layer + h * V + 4 * sbh,
+        "mlp": inputs + 2 * softmax + mlp_kv * kv + psi_layer + mlp_sbf * sbf + mlp_sbh * sbh + tied_grad,
+        "attention": inputs + 3 * softmax + 2 * kv + psi_layer - psi_mlp_out + sbf + 10 * sbh + tied_grad,
+        "forward": inputs + 2 * softmax + kv + psi_layer + h * V + 4 * sbh,
         "head": inputs + 3 * s * b * V + h * V + 4 * sbh,
     }
     return {k: float(itemsize * v) for k, v in elements.items()}
@@ -254,17 +277,25 @@ def _tp_local(state, slots) -> int:
     return sum(s.param.piece_size for s in slots)
 
 
-def scale_worker(n_devices: int, models, strategies, tensor: int = 1) -> list[dict]:
+def scale_worker(n_devices: int, models, strategies, tensor: int = 1, context: int = 1, seq: int = SCALE_SEQ) -> list[dict]:
     """In a process of ``n_devices`` emulated CPU devices (:func:`train.devices.emulate_devices`):
     compile every (model, strategy) on a ``n/(8T) x 8 x T`` mesh (``8 x T`` without the unit
-    axis: ``n/8 x 8``) with abstract inputs, one sequence per data device, and measure it."""
+    axis: ``n/8 x 8``) with abstract inputs, one sequence per data device, and measure it.
+    With ``context = C > 1`` (tensor 1): a ``n/8 x 8/C x C`` mesh (each host's 8 devices ``8/C``
+    shards of ``C`` context devices), one sequence of ``seq`` tokens per ``(replica, shard)``, split
+    over ``context`` (docs/long-sequences.md)."""
     data = n_devices // tensor
-    mesh = zshard.make_mesh(data // HOST_DEVICES, HOST_DEVICES, tensor=tensor, devices=jax.devices()[:n_devices])
-    tokens = jax.ShapeDtypeStruct((data, SCALE_SEQ), jnp.int32)
-    step = zshard.make_train_step(cross_entropy_loss)
+    if context > 1:
+        mesh = zshard.make_mesh(n_devices // HOST_DEVICES, HOST_DEVICES // context, context=context,
+                                devices=jax.devices()[:n_devices])
+        data //= context
+    else:
+        mesh = zshard.make_mesh(data // HOST_DEVICES, HOST_DEVICES, tensor=tensor, devices=jax.devices()[:n_devices])
+    tokens = jax.ShapeDtypeStruct((data, seq), jnp.int32)
+    step = zshard.make_train_step(cross_entropy_loss, sequence_axis=1 if context > 1 else None)
     out = []
     for name in models:
-        cfg = dataclasses.replace(PLAN_PRESETS[name], seq_len=SCALE_SEQ)
+        cfg = dataclasses.replace(PLAN_PRESETS[name], seq_len=seq)
         plan = tensor_plan(cfg, tensor)
         for strategy in strategies:
             state = zshard.init(lambda cfg=cfg: build_model(cfg, nnx.Rngs(0)), optax.adamw(1e-4), mesh, strategy=strategy,
@@ -284,14 +315,15 @@ def scale_worker(n_devices: int, models, strategies, tensor: int = 1) -> list[di
             # the MLP output projection, row-parallel (split over T) under a TP plan; GPT's has an unsplit bias
             psi_mlp_out = d_ff * cfg.d_model // tensor + (cfg.d_model if gpt else 0)
             form = memory_formula(psi_local, state.plan.num_shards, opt_shards=state.plan.opt_shards)
-            moments = moment_bytes(cfg.d_model, cfg.n_layers, cfg.n_heads, d_ff, cfg.vocab_size, SCALE_SEQ, 1, glu=not gpt,
+            moments = moment_bytes(cfg.d_model, cfg.n_layers, cfg.n_heads, d_ff, cfg.vocab_size, seq, 1, glu=not gpt,
                                    psi_layer=psi_layer, psi_mlp_out=psi_mlp_out, tied=cfg.tie_embeddings, tensor=tensor,
-                                   vocab_split=any(k.endswith("embedding") for k in plan))
+                                   vocab_split=any(k.endswith("embedding") for k in plan), context=context,
+                                   kv_heads=getattr(cfg, "n_kv_heads", None))
             expected, moment = expected_peak(form, moments)
             peak = peak_bytes(rep.per_device_bytes)
             out.append({
                 "model": name, "devices": n_devices, "mesh": "x".join(str(n) for n in mesh.shape.values()),
-                "strategy": strategy, "tensor": tensor, "params": psi, "compile_s": compile_s, "per_device_bytes": rep.per_device_bytes,
+                "strategy": strategy, "tensor": tensor, "context": context, "seq": seq, "params": psi, "compile_s": compile_s, "per_device_bytes": rep.per_device_bytes,
                 "peak": peak, "live": live["bytes"], "live_op": live["op"], "formula": form, "moments": moments,
                 "moment": moment, "expected": expected,
                 "ratio": peak / expected, "live_ratio": live["bytes"] / expected,
@@ -302,14 +334,15 @@ def scale_worker(n_devices: int, models, strategies, tensor: int = 1) -> list[di
     return out
 
 
-def run_scale(devices, models, strategies, progress, timeout: float, tensor: int = 1) -> list[dict]:
+def run_scale(devices, models, strategies, progress, timeout: float, tensor: int = 1, context: int = 1,
+              seq: int = SCALE_SEQ) -> list[dict]:
     """One :func:`scale_worker` subprocess per device count; its rows (a failed worker's are missing)."""
     rows = []
     for n in devices:
         progress.set_description(f"scale: {n} devices" + (f", tensor {tensor}" if tensor > 1 else ""))
         env = dict(os.environ, JAX_PLATFORMS="cpu")  # the worker asks for its n devices itself
         cmd = [sys.executable, "-m", "train.scale", "--worker", str(n), "--models", ",".join(models),
-               "--strategies", ",".join(strategies), "--tensor", str(tensor)]
+               "--strategies", ",".join(strategies), "--tensor", str(tensor), "--context", str(context), "--seq-len", str(seq)]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 cwd=Path(__file__).resolve().parent.parent)
         try:
@@ -329,7 +362,10 @@ def run_scale(devices, models, strategies, progress, timeout: float, tensor: int
 def scale_table(rows) -> str:
     """The measured rows as a Markdown table: peak (what the device must hold: XLA's heap), the
     live set at the fullest instant (:func:`live_peak`), and the formula (:func:`expected_peak`)."""
-    lines = ["### Scale by simulation: seq 2048, one sequence per device, AdamW fp32, remat (recomputed blocks), "
+    r0 = rows[0] if rows else {}
+    split = (f"seq {r0.get('seq', SCALE_SEQ)} split over context {r0['context']}, one sequence per (replica, shard)"
+             if r0.get("context", 1) > 1 else f"seq {r0.get('seq', SCALE_SEQ)}, one sequence per device")
+    lines = [f"### Scale by simulation: {split}, AdamW fp32, remat (recomputed blocks), "
              "8 devices per host", "",
              "Expected = state + gradient shards + the largest moment (`train.scale.expected_peak`, `moment_bytes`). "
              "Peak = argument + output - alias + temp (`memory_analysis()`); live = the most bytes live at one instant "
@@ -384,6 +420,9 @@ def main(argv=None) -> int:
                    help=f"strategies, comma-separated, from: {', '.join(SCALE_STRATEGIES)} (default: all)")
     p.add_argument("--tensor", type=int, default=1, metavar="T",
                    help="tensor-parallel size: meshes n/(8T) x 8 x T, the models' TP plans (train.models.tensor_plan)")
+    p.add_argument("--context", type=int, default=1, metavar="C",
+                   help="context parallelism (tensor 1): meshes n/8 x 8/C x C, each sequence split over C devices")
+    p.add_argument("--seq-len", type=int, default=SCALE_SEQ, metavar="T", help="tokens per sequence (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=900.0, metavar="S", help="seconds allowed to each device count's subprocess")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows (every measured and formula term) as JSON")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # one device count, in this process
@@ -392,7 +431,7 @@ def main(argv=None) -> int:
     strategies = _csv(args.strategies, SCALE_STRATEGIES, "--strategies", p)
     if args.worker is not None:
         emulate_devices(args.worker, cpu_only=True)
-        scale_worker(args.worker, models, strategies, args.tensor)
+        scale_worker(args.worker, models, strategies, args.tensor, args.context, args.seq_len)
         return 0
     try:
         devices = [int(d) for d in args.devices.split(",") if d.strip()]
@@ -408,7 +447,9 @@ def main(argv=None) -> int:
             tensor_plan(PLAN_PRESETS[name], args.tensor)
         except ValueError as e:
             p.error(f"--tensor {args.tensor}, model {name}: {e}")
-    rows = run_scale(devices, models, strategies, _Progress(), args.timeout, args.tensor)
+    if args.context > 1 and (args.tensor > 1 or HOST_DEVICES % args.context or args.seq_len % (2 * args.context)):
+        p.error(f"--context {args.context}: needs --tensor 1, a C dividing {HOST_DEVICES} and --seq-len dividing by 2C")
+    rows = run_scale(devices, models, strategies, _Progress(), args.timeout, args.tensor, args.context, args.seq_len)
     print(scale_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

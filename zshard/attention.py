@@ -20,10 +20,15 @@ order (:mod:`zshard.sequence`), and every query must meet every key of the seque
 Both walk the ``C`` key/value chunks of the sequence (one per source device ``j``) with an
 online softmax (Milakov & Gimelshein 2018; flash attention's merge of partial results), and skip
 the blocks a causal mask hides entirely: with the head-tail order every device computes the same
-number of ``c x c`` blocks, ``2C + 2`` ([Note: causal blocks]). Each step is under
-``jax.checkpoint``, so the backward recomputes one step's scores at a time (the scores of the whole
-sequence never exist at once). Numbers equal ``jax.nn.dot_product_attention`` on one device
-(fp32 within 1e-6, tests/test_attention.py).
+number of ``c x c`` blocks, ``2C + 2`` ([Note: causal blocks]). Inside a step the blocks are
+computed in tiles of at most ``tile`` (512) queries x keys (FlashAttention-2, Dao 2023, arXiv
+2307.08691 section 3.1: an online softmax over key tiles in ``lax.scan``), and the walk of the
+sources is one ``jax.custom_vjp`` that saves only the output and the log-sum-exp of each query
+row: the backward recomputes each tile's scores from them (their algorithm 2). One tile's scores
+exist at a time, forward and backward, and the sources are ``lax.scan`` steps (one source's
+buffers live at once), so the temporaries fall as ``1/C`` but for the gathered keys and values
+(docs/long-sequences.md, "Memory"). Numbers equal ``jax.nn.dot_product_attention`` on one
+device (fp32 within 1e-6, tests/test_attention.py).
 
 The collectives run under the named scope :data:`zshard.jaxprs.CONTEXT_SCOPE`, so
 ``zshard.report`` finds them in the compiled program (its ``context`` row).
@@ -39,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zshard.collectives import varying_axes, vary
 from zshard.jaxprs import CONTEXT_SCOPE
 from zshard.mesh import CONTEXT
 from zshard.sequence import AttentionCall, SequenceSplit, active
@@ -76,47 +82,256 @@ def _kind(i, j, causal: bool):
 _NEG = float(-0.7 * np.finfo(np.float32).max)  # jax.nn.dot_product_attention's masked logit
 
 
-def _block(q, k, v, qpos, kpos, qseg, kseg, *, causal, window, scale, cap=None):
-    """Partial attention of queries ``q [B, Lq, n_kv, G, D]`` on keys / values ``[B, Lk, n_kv, D]``:
-    ``(o [B, Lq, n_kv, G, Dv] unnormalised, m [B, Lq, n_kv, G] row max, l [B, Lq, n_kv, G] row sum)``,
-    float32; a row with no visible key has ``o = l = 0`` and ``m`` the masked logit."""
-    s = jnp.einsum("bqhgd,bkhd->bqhgk", q, k, preferred_element_type=jnp.float32) * scale  # [B, Lq, n_kv, G, Lk]
+TILE = 512  # tokens per query / key tile of the tiled block (zshard.attention's ``tile``)
+
+
+def _tiles(n: int, tile: int) -> tuple[int, int]:
+    """``(t, nt)``: ``n`` tokens cut into ``nt = ceil(n / tile)`` tiles of ``t = ceil(n / nt) <= tile``
+    tokens (the last padded by ``nt t - n < nt`` masked tokens); a chunk shorter than ``tile`` is one tile."""
+    nt = -(-n // tile)
+    return -(-n // nt), nt
+
+
+def _tile_logits(q, k, opts):
+    """One tile's logits, ``q [B, tq, n_kv, G, D]``, ``k [B, tk, n_kv, D]`` -> ``[B, tq, n_kv, G, tk]``
+    float32, soft-capped, unmasked."""
+    _, _, scale, cap = opts
+    s = jnp.einsum("bqhgd,bkhd->bqhgk", q, k, preferred_element_type=jnp.float32) * scale  # [B, tq, n_kv, G, tk]
     if cap is not None:  # Gemma 2's soft-cap of the logits: cap * tanh(s / cap)
         s = cap * jnp.tanh(s / cap)
-    mask = jnp.ones((qpos.shape[0], kpos.shape[0]), bool)
-    dist = qpos[:, None] - kpos[None, :]  # [Lq, Lk]: query position - key position
+    return s
+
+
+def _tile_mask(qpos, kpos, qseg, kseg, kvalid, opts):
+    """One tile's mask, ``[B | 1, tq, 1, 1, tk]`` bool: the key is a real one, and causal, window and
+    segments let the query see it."""
+    causal, window, _, _ = opts
+    dist = qpos[:, None] - kpos[None, :]  # [tq, tk]: query position - key position
+    mask = jnp.broadcast_to(kvalid[None, :], dist.shape)  # padded keys are never seen
     if causal:
-        mask = dist >= 0
+        mask = mask & (dist >= 0)
     if window is not None:
         mask = mask & (dist < window) & (dist > -window)
-    mask = mask[None, :, None, None, :]  # [1, Lq, 1, 1, Lk]
+    mask = mask[None, :, None, None, :]  # [1, tq, 1, 1, tk]
     if qseg is not None:
-        mask = mask & (qseg[:, :, None] == kseg[:, None, :])[:, :, None, None, :]  # [B, Lq, 1, 1, Lk]
-    s = jnp.where(mask, s, _NEG)
-    m = jnp.max(s, axis=-1)  # [B, Lq, n_kv, G]
-    p = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
-    l = jnp.sum(p, axis=-1)
-    o = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o, m, l
+        mask = mask & (qseg[:, :, None] == kseg[:, None, :])[:, :, None, None, :]  # [B, tq, 1, 1, tk]
+    return mask
+
+
+def _unless_hidden(mask, opts, qseg, compute, skip, *args):
+    """``compute(*args)``, or ``skip(*args)`` when ``mask`` hides the whole tile (``lax.cond``: a
+    tile above the causal diagonal, past the window, or of other segments costs no FLOPs). Without
+    a causal mask, window or segments every tile has a visible key (padding is under one tile)."""
+    causal, window, _, _ = opts
+    if not causal and window is None and qseg is None:
+        return compute(*args)
+    return jax.lax.cond(jnp.any(mask), compute, skip, *args)
+
+
+def _varying(inits, *refs):
+    """``inits`` made varying over every mesh axis any of ``refs`` varies over (inside
+    ``shard_map``): a ``lax.scan`` carry must keep one type through its body, which mixes them."""
+    axes = tuple(sorted(frozenset().union(*(varying_axes(r) for r in jax.tree.leaves(refs)))))
+    return jax.tree.map(lambda x: vary(x, axes), inits) if axes else inits
+
+
+def _key_tile(j, t, k, v, kpos, kseg, kvalid):
+    """Key tile ``j`` (traced) of ``t`` tokens: ``[B, L, ...] --dynamic_slice--> [B, t, ...]`` of the
+    keys, values, positions, segment ids and the valid flags."""
+    cut = lambda x, axis: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * t, t, axis)  # noqa: E731
+    return cut(k, 1), cut(v, 1), cut(kpos, 0), cut(kseg, 1), cut(kvalid, 0)
+
+
+def _to_tiles(x, t):
+    """``[B, n t, ...] -> [n, B, t, ...]``: the tile index leading, for ``lax.scan`` / ``lax.map``."""
+    if x is None:
+        return None
+    return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // t, t, *x.shape[2:]), 1, 0)
+
+
+def _from_tiles(x):
+    """``[n, B, t, ...] -> [B, n t, ...]``."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def _flash_forward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid):
+    """FlashAttention-2's forward (Dao 2023, arXiv 2307.08691, section 3.1, algorithm 1): for each
+    query tile (``lax.map``) an online softmax over the key tiles (``lax.scan``); only one tile's
+    ``[B, tq, n_kv, G, tk]`` scores exist at a time. ``(o [B, Lq, n_kv, G, Dv] float32 normalised,
+    lse [B, Lq, n_kv, G] float32)``; a row that sees no key has ``o = 0``, ``lse = _NEG``."""
+    B, Lq, n_kv, G, _ = q.shape
+    Dv = v.shape[-1]
+    keys = jnp.arange(k.shape[1] // tk)  # the key tiles, sliced in the loop (no transposed copy of the keys)
+
+    def query_tile(xs):
+        qi, qp, qs = xs  # [B, tq, n_kv, G, D], [tq], [B, tq]
+
+        def key_tile(carry, j):
+            kj, vj, kp, ks, kval = _key_tile(j, tk, k, v, kpos, kseg, kvalid)
+            mask = _tile_mask(qp, kp, qs, ks, kval, opts)
+
+            def compute(carry):
+                o, m, l = carry  # [B, tq, n_kv, G, Dv] unnormalised, row max and row sum [B, tq, n_kv, G]
+                s = _tile_logits(qi, kj, opts)
+                m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _NEG), axis=-1))
+                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)  # [B, tq, n_kv, G, tk]
+                alpha = jnp.exp(m - m_new)
+                o = o * alpha[..., None] + jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(vj.dtype), vj,
+                                                       preferred_element_type=jnp.float32)
+                return o, m_new, l * alpha + jnp.sum(p, axis=-1)
+
+            return _unless_hidden(mask, opts, qs, compute, lambda carry: carry, carry), None
+
+        init = (jnp.zeros((B, tq, n_kv, G, Dv), jnp.float32), jnp.full((B, tq, n_kv, G), _NEG, jnp.float32),
+                jnp.zeros((B, tq, n_kv, G), jnp.float32))
+        (o, m, l), _ = jax.lax.scan(key_tile, _varying(init, xs, k, v, kpos, kseg), keys)
+        seen = l > 0
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), _NEG)
+        return jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0), lse
+
+    o, lse = jax.lax.map(query_tile, (_to_tiles(q, tq), qpos.reshape(-1, tq), _to_tiles(qseg, tq)))  # [nq, B, tq, ...]
+    return _from_tiles(o), _from_tiles(lse)
+
+
+def _flash_backward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid, o, lse, do):
+    """FlashAttention-2's backward (Dao 2023, arXiv 2307.08691, section 3.1, algorithm 2):
+    ``(dq, dk, dv)`` in float32 from the saved output ``o`` and log-sum-exp ``lse`` of the whole
+    softmax row (every key of the sequence, not only these) and the cotangent ``do``. Each tile's
+    scores are recomputed and ``P = exp(S - lse)`` is the row's final probability, so the tiles of
+    one context step (or of one source device) need nothing from the others:
+    ``dV = P^T dO``, ``dS = P * (dO V^T - D)`` with ``D = rowsum(dO * O)``, ``dQ = dS K``,
+    ``dK = dS^T Q`` (times the scale); soft-cap: ``dS_raw = dS * (1 - (S / cap)^2)``. Outer loop
+    over key tiles (``dK_j``, ``dV_j`` in the inner loop's carry), inner over query tiles (their
+    ``dQ_i`` summed over the outer loop), as algorithm 2."""
+    causal, window, scale, cap = opts
+    delta = jnp.sum(do * o, axis=-1)  # [B, Lq, n_kv, G]: FA2's D_i
+    queries = (_to_tiles(q, tq), _to_tiles(do, tq), _to_tiles(lse, tq), _to_tiles(delta, tq), qpos.reshape(-1, tq),
+               _to_tiles(qseg, tq))
+
+    def key_tile(dq, j):
+        kj, vj, kp, ks, kval = ys = _key_tile(j, tk, k, v, kpos, kseg, kvalid)  # [B, tk, n_kv, D], [B, tk, n_kv, Dv], [tk], [B, tk], [tk]
+
+        def query_tile(carry, xs):
+            qi, doi, lsei, di, qp, qs = xs
+            mask = _tile_mask(qp, kp, qs, ks, kval, opts)
+
+            def compute(carry):
+                dk, dv = carry  # [B, tk, n_kv, D], [B, tk, n_kv, Dv] float32
+                s = _tile_logits(qi, kj, opts)
+                p = jnp.where(mask, jnp.exp(s - lsei[..., None]), 0.0)  # [B, tq, n_kv, G, tk]
+                dv = dv + jnp.einsum("bqhgk,bqhgd->bkhd", p, doi, preferred_element_type=jnp.float32)
+                dp = jnp.einsum("bqhgd,bkhd->bqhgk", doi, vj, preferred_element_type=jnp.float32)
+                ds = p * (dp - di[..., None])
+                if cap is not None:  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
+                    ds = ds * (1.0 - jnp.square(s / cap))
+                ds = ds * scale
+                dqi = jnp.einsum("bqhgk,bkhd->bqhgd", ds, kj, preferred_element_type=jnp.float32)
+                dk = dk + jnp.einsum("bqhgk,bqhgd->bkhd", ds, qi, preferred_element_type=jnp.float32)
+                return (dk, dv), dqi
+
+            def skip(carry):  # a hidden tile: no dK, dV, dQ
+                return carry, _varying(jnp.zeros(qi.shape, jnp.float32), qi, doi, kj, vj, qs, ks, carry)
+
+            return _unless_hidden(mask, opts, qs, compute, skip, carry)
+
+        init = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32))
+        (dk, dv), dqs = jax.lax.scan(query_tile, _varying(init, ys, queries), queries)  # dqs [nq, B, tq, n_kv, G, D]
+        return dq + dqs, (dk, dv)
+
+    dq0 = _varying(jnp.zeros(queries[0].shape, jnp.float32), queries, k, v, kpos, kseg)  # [nq, B, tq, n_kv, G, D]
+    dq, (dk, dv) = jax.lax.scan(key_tile, dq0, jnp.arange(k.shape[1] // tk))
+    return _from_tiles(dq), _from_tiles(dk), _from_tiles(dv)
+
+
+def _padded(q, k, v, qpos, kpos, qseg, kseg, tile):
+    """The inputs padded to whole tiles (:func:`_tiles`): ``(tq, tk, q, k, v, qpos, kpos, qseg, kseg,
+    kvalid, pad)``, ``kvalid [Lk + pk]`` false on the padded keys, ``pad(x, n)`` the row padding."""
+    Lq, Lk = q.shape[1], k.shape[1]
+    (tq, nq), (tk, nk) = _tiles(Lq, tile), _tiles(Lk, tile)
+    pq, pk = nq * tq - Lq, nk * tk - Lk
+
+    def pad(x, n, value=0):  # [B, L, ...] -> [B, L + n, ...]
+        return x if x is None or n == 0 else jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+
+    kvalid = jnp.arange(Lk + pk) < Lk  # [nk tk]
+    return (tq, tk, pad(q, pq), pad(k, pk), pad(v, pk), jnp.pad(qpos, (0, pq)), jnp.pad(kpos, (0, pk)), pad(qseg, pq),
+            pad(kseg, pk), kvalid, functools.partial(pad, n=pq))
+
+
+def _block_forward(q, k, v, qpos, kpos, qseg, kseg, *, causal, window, scale, cap=None, tile=TILE):
+    """Attention of queries ``q [B, Lq, n_kv, G, D]`` on keys / values ``[B, Lk, n_kv, D]`` in tiles
+    of at most ``tile`` tokens (:func:`_flash_forward`): ``(o [B, Lq, n_kv, G, Dv] float32
+    normalised, lse [B, Lq, n_kv, G] float32 log-sum-exp)``; a row with no visible key has ``o = 0``
+    and ``lse`` the masked logit. Lengths that ``tile`` does not divide are cut into equal tiles
+    (:func:`_tiles`), the last padded: padded keys are masked, padded queries' rows dropped."""
+    Lq = q.shape[1]
+    tq, tk, *args, _ = _padded(q, k, v, qpos, kpos, qseg, kseg, tile)
+    o, lse = _flash_forward((causal, window, scale, cap), tq, tk, *args)
+    return o[:, :Lq], lse[:, :Lq]
+
+
+def _block_backward(q, k, v, qpos, kpos, qseg, kseg, o, lse, do, *, causal, window, scale, cap=None, tile=TILE):
+    """:func:`_flash_backward` of :func:`_block_forward`'s block, given the row's final ``o``, ``lse``
+    ``[B, Lq, ...]`` and ``do``: ``(dq, dk, dv)`` float32. Padded query rows get ``do = 0`` and an
+    ``lse`` of ``-_NEG`` (their probabilities ``exp(S - lse)`` are 0)."""
+    Lq, Lk = q.shape[1], k.shape[1]
+    tq, tk, *args, pad = _padded(q, k, v, qpos, kpos, qseg, kseg, tile)
+    dq, dk, dv = _flash_backward((causal, window, scale, cap), tq, tk, *args, pad(o), pad(lse, value=-_NEG), pad(do))
+    return dq[:, :Lq], dk[:, :Lk], dv[:, :Lk]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _block(q, k, v, qpos, kpos, qseg, kseg, opts):
+    """:func:`_block_forward` with FlashAttention-2's backward: saves only the inputs, ``o`` and
+    ``lse`` (the one-device soft-capped path). ``opts``: ``((causal, window, scale, cap), tile)``."""
+    return _block_forward(q, k, v, qpos, kpos, qseg, kseg, **_kw(opts))[0]
+
+
+def _kw(opts):
+    (causal, window, scale, cap), tile = opts
+    return dict(causal=causal, window=window, scale=scale, cap=cap, tile=tile)
+
+
+def _block_fwd(q, k, v, qpos, kpos, qseg, kseg, opts):
+    o, lse = _block_forward(q, k, v, qpos, kpos, qseg, kseg, **_kw(opts))
+    return o, (q, k, v, qpos, kpos, qseg, kseg, o, lse)
+
+
+def _block_bwd(opts, res, do):
+    q, k, v, qpos, kpos, qseg, kseg, o, lse = res
+    dq, dk, dv = _block_backward(q, k, v, qpos, kpos, qseg, kseg, o, lse, do, **_kw(opts))
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), _zero(qpos), _zero(kpos), _zero(qseg), _zero(kseg))
+
+
+_block.defvjp(_block_fwd, _block_bwd)
+
+
+def _zero(x):
+    """The cotangent of an integer input (positions, segment ids, a device index): float0 zeros."""
+    return None if x is None else np.zeros(jnp.shape(x), jax.dtypes.float0)
 
 
 def _merge(a, b):
-    """Two partial results over disjoint keys -> one (the online softmax's rescaling)."""
-    (o1, m1, l1), (o2, m2, l2) = a, b
-    m = jnp.maximum(m1, m2)
-    a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
-    return o1 * a1[..., None] + o2 * a2[..., None], m, l1 * a1 + l2 * a2
+    """Two partial results over disjoint keys -> one (the online softmax's rescaling, in
+    log-sum-exp form: ``lse = log(e^lse1 + e^lse2)``, ``o = o1 e^(lse1 - lse) + o2 e^(lse2 - lse)``)."""
+    (o1, l1), (o2, l2) = a, b
+    m = jnp.maximum(l1, l2)
+    w1, w2 = jnp.exp(l1 - m), jnp.exp(l2 - m)
+    total = w1 + w2
+    return (o1 * w1[..., None] + o2 * w2[..., None]) / total[..., None], m + jnp.log(total)
 
 
 def _empty(q, dv):
     B, Lq, H, G, _ = q.shape
-    return (jnp.zeros((B, Lq, H, G, dv), jnp.float32), jnp.full((B, Lq, H, G), _NEG, jnp.float32),
-            jnp.zeros((B, Lq, H, G), jnp.float32))
+    return jnp.zeros((B, Lq, H, G, dv), jnp.float32), jnp.full((B, Lq, H, G), _NEG, jnp.float32)
 
 
 def _step(kind, q, k, v, qpos, kpos, qseg, kseg, *, c, opts):
-    """One source's keys: the blocks of ``kind`` ([Note: causal blocks]); partials for all ``2c`` queries."""
-    block = functools.partial(_block, **opts)
+    """One source's keys, forward: the blocks of ``kind`` ([Note: causal blocks]); ``(o, lse)``
+    partials ``[B, 2c, ...]`` for all ``2c`` queries (a query that sees nothing: ``o = 0``, ``lse``
+    the masked logit)."""
+    block = functools.partial(_block_forward, **opts)
     sl = lambda x, lo, hi: None if x is None else x[:, lo:hi]  # noqa: E731  [B, L, ...] -> [B, lo:hi, ...]
 
     def diag(q, k, v, qpos, kpos, qseg, kseg):  # q[a, b] x k[both]
@@ -126,12 +341,35 @@ def _step(kind, q, k, v, qpos, kpos, qseg, kseg, *, c, opts):
         return block(q, k[:, :c], v[:, :c], qpos, kpos[:c], qseg, sl(kseg, 0, c))
 
     def upper(q, k, v, qpos, kpos, qseg, kseg):  # q[b] x k[both]; q[a] sees nothing of this source
-        ob, mb, lb = block(q[:, c:], k, v, qpos[c:], kpos, sl(qseg, c, 2 * c), kseg)
-        oa, ma, la = _empty(q[:, :c], v.shape[-1])
-        return jnp.concatenate([oa, ob], 1), jnp.concatenate([ma, mb], 1), jnp.concatenate([la, lb], 1)
+        ob, lb = block(q[:, c:], k, v, qpos[c:], kpos, sl(qseg, c, 2 * c), kseg)
+        oa, la = _empty(q[:, :c], v.shape[-1])
+        return jnp.concatenate([oa, ob], 1), jnp.concatenate([la, lb], 1)  # [B, c] + [B, c] -> [B, 2c]
 
-    branches = (diag, lower, upper)
-    args = (q, k, v, qpos, kpos, qseg, kseg)
+    return _switch(kind, (diag, lower, upper), q, k, v, qpos, kpos, qseg, kseg)
+
+
+def _step_grad(kind, q, k, v, qpos, kpos, qseg, kseg, o, lse, do, *, c, opts):
+    """One source's keys, backward (:func:`_block_backward` of the blocks of ``kind``) from the
+    final ``o``, ``lse``, ``do`` ``[B, 2c, ...]`` of this device's queries: ``(dq [B, 2c, ...], dk,
+    dv [B, 2c, ...])`` float32, zero where ``kind`` skips a chunk."""
+    grad = functools.partial(_block_backward, **opts)
+    sl = lambda x, lo, hi: None if x is None else x[:, lo:hi]  # noqa: E731  [B, L, ...] -> [B, lo:hi, ...]
+
+    def diag(q, k, v, qpos, kpos, qseg, kseg, o, lse, do):
+        return grad(q, k, v, qpos, kpos, qseg, kseg, o, lse, do)
+
+    def lower(q, k, v, qpos, kpos, qseg, kseg, o, lse, do):  # dk, dv of the second chunk: 0
+        dq, dk, dv = grad(q, k[:, :c], v[:, :c], qpos, kpos[:c], qseg, sl(kseg, 0, c), o, lse, do)
+        return dq, jnp.concatenate([dk, jnp.zeros_like(dk)], 1), jnp.concatenate([dv, jnp.zeros_like(dv)], 1)
+
+    def upper(q, k, v, qpos, kpos, qseg, kseg, o, lse, do):  # dq of the first chunk: 0
+        dq, dk, dv = grad(q[:, c:], k, v, qpos[c:], kpos, sl(qseg, c, 2 * c), kseg, o[:, c:], lse[:, c:], do[:, c:])
+        return jnp.concatenate([jnp.zeros_like(dq), dq], 1), dk, dv
+
+    return _switch(kind, (diag, lower, upper), q, k, v, qpos, kpos, qseg, kseg, o, lse, do)
+
+
+def _switch(kind, branches, *args):
     if isinstance(kind, numbers.Integral):  # known while tracing: one device's program
         return branches[kind](*args)
     return jax.lax.switch(kind, branches, *args)
@@ -163,7 +401,7 @@ def _bias(lq: int, lk: int, causal: bool, window, segment_ids):
     return bias
 
 
-def _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap=None) -> None:
+def _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap=None, tile=TILE) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if jnp.ndim(x) != 4 or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
             raise ValueError(f"zshard.attention: {name} has shape {jnp.shape(x)} ({jnp.result_type(x)}); q, k and v are "
@@ -188,6 +426,9 @@ def _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap=No
         raise ValueError(f"zshard.attention: scale={scale!r} must be a finite number (default 1/sqrt(head_dim))")
     if softcap is not None and not (isinstance(softcap, numbers.Real) and math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"zshard.attention: softcap={softcap!r} must be a positive finite number (Gemma 2: 50.0)")
+    if isinstance(tile, bool) or not isinstance(tile, numbers.Integral) or tile < 1:
+        raise ValueError(f"zshard.attention: tile={tile!r} must be a positive int (tokens per query / key tile, "
+                         f"default {TILE})")
     if impl not in IMPLS:
         raise ValueError(f"zshard.attention: impl={impl!r}; choose one of {', '.join(map(repr, IMPLS))}")
     if not isinstance(causal, bool):
@@ -195,7 +436,8 @@ def _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap=No
 
 
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window: int | None = None,
-              scale: float | None = None, softcap: float | None = None, impl: str = "allgather") -> jax.Array:
+              scale: float | None = None, softcap: float | None = None, impl: str = "allgather",
+              tile: int = TILE) -> jax.Array:
     """Scaled dot-product attention, exact on a sequence split over the ``context`` axis.
 
     Args:
@@ -212,10 +454,16 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
       scale: the logits' factor, default ``1 / sqrt(D)``.
       softcap: ``cap``: logits ``cap * tanh(s / cap)`` before the mask and softmax (Gemma 2,
         arXiv 2408.00118 section 2); ``None``: none. ``jax.nn.dot_product_attention`` has no such
-        option: with a soft-cap the one-device path is this module's own block (the same math
-        as on a split sequence, one block of ``L x L``).
+        option: with a soft-cap the one-device path is this module's own tiled block (the same
+        math as on a split sequence: one ``L x L`` block in tiles of ``tile``).
       impl: ``"allgather"`` (keys and values all-gathered over ``context``) or ``"ring"``
         (passed around the ring with ``ppermute``); equal in numbers, equal in bytes.
+      tile: tokens per query and per key tile of the tiled (flash) block that computes each
+        context step and the soft-capped one-device path (FlashAttention-2, Dao 2023, arXiv
+        2307.08691 section 3.1): one tile's ``[B, tile, H, tile]`` float32 scores exist at a
+        time, forward and backward. A chunk shorter than ``tile`` is one tile; a length ``tile``
+        does not divide is cut into ``ceil(n / tile)`` equal tiles, the last padded with masked
+        tokens. The plain one-device path (``jax.nn.dot_product_attention``) does not tile.
 
     Returns:
       ``[B, L, H, D]`` in ``q``'s dtype (logits and softmax in float32).
@@ -224,16 +472,16 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
       ValueError: shapes, dtypes or options as named above; inside a split step, ``q`` not holding
         this device's ``L_global / C`` tokens of each sequence (a model that slices its input first).
     """
-    _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap)
+    _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap, tile)
     record = active()
     split = None if record is None else record.split
     if (split is None or split.context == 1) and softcap is not None:
         B, L, H, D = q.shape
         pos = jnp.arange(L, dtype=jnp.int32)
-        o, _, l = _block(q.reshape(B, L, k.shape[2], H // k.shape[2], D), k, v, pos, pos, segment_ids, segment_ids,
-                         causal=causal, window=sliding_window, scale=float(1 / math.sqrt(D) if scale is None else scale),
-                         cap=float(softcap))  # [B, L, n_kv, G, Dv] unnormalised, l [B, L, n_kv, G]
-        return (o / l[..., None]).astype(q.dtype).reshape(B, L, H, v.shape[3])  # -> [B, L, H, Dv]
+        opts = ((causal, sliding_window, float(1 / math.sqrt(D) if scale is None else scale), float(softcap)), int(tile))
+        o = _block(q.reshape(B, L, k.shape[2], H // k.shape[2], D), k, v, pos, pos, segment_ids, segment_ids,
+                   opts)  # [B, L, n_kv, G, Dv] float32
+        return o.astype(q.dtype).reshape(B, L, H, v.shape[3])  # -> [B, L, H, Dv]
     if split is None or split.context == 1:
         # GQA: K/V repeated to the query heads, [B, S, n_kv, D] -> [B, S, H, D]: jax.nn's grouped
         # [B, n_kv, G, L, S] scores cost one scores-sized copy more in a scanned block (measured:
@@ -250,65 +498,143 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
     record.record(AttentionCall(q.shape[0], split.length, k.shape[2], k.shape[3], v.shape[3], jnp.dtype(k.dtype).itemsize,
                                 segment_ids is not None, impl))
     return context_attention(q, k, v, split, jax.lax.axis_index(CONTEXT), causal=causal, segment_ids=segment_ids,
-                             sliding_window=sliding_window, scale=scale, softcap=softcap, impl=impl)
+                             sliding_window=sliding_window, scale=scale, softcap=softcap, impl=impl, tile=tile)
 
 
 def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segment_ids=None, sliding_window=None,
-                      scale=None, softcap=None, impl="allgather", gathered=None):
+                      scale=None, softcap=None, impl="allgather", gathered=None, tile=TILE):
     """Inside ``shard_map`` (manual over ``context``): attention of context device ``index`` (traced,
     or a Python int for one device's program) on the split sequence (see :func:`attention`).
 
+    One ``jax.custom_vjp`` over the walk of the ``C`` sources: the forward merges each source's
+    tiled partial (:func:`_step`) with the online softmax and saves only this device's final
+    ``o [B, 2c, n_kv, G, Dv]`` and ``lse [B, 2c, n_kv, G]`` (float32) besides its inputs; the
+    backward walks the sources again, each step's tiles recomputing their scores from that ``lse``
+    (:func:`_step_grad`, FlashAttention-2's algorithm 2, Dao 2023 section 3.1): no source's scores
+    or partials are kept from the forward.
+
     ``gathered``: ``(k_all, v_all, seg_all)`` already in the placed order ``[B, L, ...]`` instead of
     gathering (``impl="allgather"`` only): one device's program without collectives, for counting
-    its FLOPs (``cost_analysis``)."""
+    its FLOPs (``cost_analysis``) and measuring its memory (``memory_analysis``)."""
     B, L2, H, D = q.shape
-    n_kv, C, c = k.shape[2], split.context, split.chunk
+    n_kv, C, c, Dv = k.shape[2], split.context, split.chunk, v.shape[-1]
     opts = dict(causal=causal, window=sliding_window, scale=float(1 / math.sqrt(D) if scale is None else scale),
-                cap=None if softcap is None else float(softcap))
+                cap=None if softcap is None else float(softcap), tile=int(tile))
     qg = q.reshape(B, L2, n_kv, H // n_kv, D)  # [B, 2c, H, D] -> [B, 2c, n_kv, G, D]
-    qpos = split.chunk_positions(index)
+    static = isinstance(index, numbers.Integral)  # one device's program: the kinds known while tracing
+    where = lambda idx: index if static else idx  # noqa: E731
+    step, grad = functools.partial(_step, c=c, opts=opts), functools.partial(_step_grad, c=c, opts=opts)
 
-    def step(kind, *args):  # one source under jax.checkpoint: the backward recomputes its scores
-        if isinstance(kind, numbers.Integral):
-            return jax.checkpoint(functools.partial(_step, int(kind), c=c, opts=opts))(*args)
-        return jax.checkpoint(functools.partial(_step, c=c, opts=opts))(kind, *args)
-
-    state = _empty(qg, v.shape[-1])
     if impl == "allgather":
         if gathered is None:
             with jax.named_scope(CONTEXT_SCOPE):
                 # [B, 2c, n_kv, D] --all_gather(context, tiled)--> [B, L, n_kv, D] (placed order: device j at [2c j, 2c (j+1)))
+                # its transpose, the backward's reduce-scatter of dK, dV, comes from autodiff (outside the custom VJP)
                 k_all = jax.lax.all_gather(k, CONTEXT, axis=1, tiled=True)
                 v_all = jax.lax.all_gather(v, CONTEXT, axis=1, tiled=True)
                 seg_all = None if segment_ids is None else jax.lax.all_gather(segment_ids, CONTEXT, axis=1, tiled=True)
         else:
             k_all, v_all, seg_all = gathered
-        for j in range(C):
-            window = slice(2 * c * j, 2 * c * (j + 1))  # source j's [2c] tokens of the gathered [L]
-            kseg = None if seg_all is None else seg_all[:, window]
-            part = step(_kind(index, j, causal), qg, k_all[:, window], v_all[:, window], qpos, split.chunk_positions(j),
-                        segment_ids, kseg)
-            state = _merge(state, part)
+        # source j's [2c] tokens of the gathered [L]: [B, L, ...] --dynamic_slice--> [B, 2c, ...]
+        src = lambda x, j: None if x is None else jax.lax.dynamic_slice_in_dim(x, 2 * c * j, 2 * c, 1)  # noqa: E731
+
+        def forward(qg, k_all, v_all, qseg, seg_all, idx):
+            i = where(idx)
+
+            def source(state, j):  # one source per iteration (lax.scan: one source's buffers live at a time)
+                part = step(_kind(i, j, causal), qg, src(k_all, j), src(v_all, j), split.chunk_positions(i),
+                            split.chunk_positions(j), qseg, src(seg_all, j))
+                return _merge(state, part), None
+
+            init = _varying(_empty(qg, Dv), qg, k_all, v_all, qseg, seg_all, idx)
+            return jax.lax.scan(source, init, jnp.arange(C, dtype=jnp.int32))[0]
+
+        def backward(res, do):
+            qg, k_all, v_all, qseg, seg_all, idx, o, lse = res
+            i = where(idx)
+
+            def source(dq, j):
+                dqj, dkj, dvj = grad(_kind(i, j, causal), qg, src(k_all, j), src(v_all, j), split.chunk_positions(i),
+                                     split.chunk_positions(j), qseg, src(seg_all, j), o, lse, do)
+                return dq + dqj, (dkj.astype(k_all.dtype), dvj.astype(v_all.dtype))
+
+            dq0 = _varying(jnp.zeros(qg.shape, jnp.float32), qg, k_all, v_all, qseg, seg_all, idx, do)
+            dq, (dk, dv) = jax.lax.scan(source, dq0, jnp.arange(C, dtype=jnp.int32))
+            # [C, B, 2c, n_kv, D] --> [B, L, n_kv, D]: dK, dV of the gathered keys, source j at [2c j, 2c (j+1))
+            return dq.astype(qg.dtype), _from_tiles(dk), _from_tiles(dv), _zero(qseg), _zero(seg_all), _zero(idx)
+
+        args = (qg, k_all, v_all, segment_ids, seg_all, None if static else index)
     elif impl == "ring":
-        held = (k, v, segment_ids)
         perm = [(d, (d + 1) % C) for d in range(C)]  # device d sends what it holds to d + 1
-        for t in range(C):
-            if t < C - 1:
+        back = [(d, (d - 1) % C) for d in range(C)]  # the backward: d sends to d - 1
+
+        def kind_at(i, t):  # the block kind of step t (traced): the chunk held is device (i - t)'s
+            if not causal:  # no mask to skip blocks by
+                return DIAG
+            return jnp.where(t == 0, DIAG, jnp.where(t <= i, LOWER, UPPER))  # j = i - t >= 0 exactly when t <= i
+
+        def compute(i, t, state, held, qg, qseg):
+            part = step(kind_at(i, t), qg, held[0], held[1], split.chunk_positions(i), split.chunk_positions((i - t) % C),
+                        qseg, held[2])
+            return _merge(state, part)
+
+        def walk(qg, k, v, qseg, idx):
+            i = where(idx)
+
+            def turn(carry, t):  # steps 0 .. C-2: pass the chunk on while computing it
+                state, held = carry
                 with jax.named_scope(CONTEXT_SCOPE):
                     # [B, 2c, n_kv, D] --ppermute(context, d -> d+1)--> [B, 2c, n_kv, D]: the chunk of device (i - t - 1)
                     nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, CONTEXT, perm), held)
-            j = (index - t) % C  # whose chunk this device holds at step t
-            if t == 0 or not causal:  # its own chunk, or no mask to skip blocks by
-                kind = DIAG
-            elif isinstance(index, numbers.Integral):
-                kind = _kind(index, j, causal)
-            else:  # j = i - t >= 0 exactly when t <= i
-                kind = jnp.where(t <= index, LOWER, UPPER)
-            part = step(kind, qg, held[0], held[1], qpos, split.chunk_positions(j), segment_ids, held[2])
-            state = _merge(state, part)
-            if t < C - 1:
-                held = nxt
+                return (compute(i, t, state, held, qg, qseg), nxt), held
+
+            init = (_varying(_empty(qg, Dv), qg, k, v, qseg, idx), (k, v, qseg))
+            (state, last), kept = jax.lax.scan(turn, init, jnp.arange(C - 1, dtype=jnp.int32))
+            state = compute(i, C - 1, state, last, qg, qseg)  # step C-1: nothing left to send
+            kept = jax.tree.map(lambda ks, x: jnp.concatenate([ks, x[None]]), kept, last)  # [C, B, 2c, ...]: chunk of step t
+            return state, kept
+
+        def forward(qg, k, v, qseg, idx):
+            return walk(qg, k, v, qseg, idx)[0]
+
+        def fwd_saving(qg, k, v, qseg, idx):  # saves the C chunks held (the gathered K/V's bytes), o and lse
+            (o, lse), kept = walk(qg, k, v, qseg, idx)
+            return (o, lse), (qg, qseg, idx, kept, o, lse)
+
+        def backward(res, do):
+            qg, qseg, idx, kept, o, lse = res
+            i = where(idx)
+
+            def contribution(t):
+                kt, vt, st = jax.tree.map(lambda x: x[t], kept)
+                return grad(kind_at(i, t), qg, kt, vt, split.chunk_positions(i), split.chunk_positions((i - t) % C), qseg,
+                            st, o, lse, do)
+
+            def turn(carry, t):  # t = C-1 .. 1: add step t's dK, dV and pass them on, d -> d - 1 (the forward's transpose)
+                dq, acc = carry
+                dqt, dkt, dvt = contribution(t)
+                with jax.named_scope(CONTEXT_SCOPE):
+                    # [B, 2c, n_kv, D] --ppermute(context, d -> d-1)--> [B, 2c, n_kv, D]: dK, dV of device (i - t + 1)'s chunk
+                    acc = (jax.lax.ppermute((acc[0] + dkt).astype(kept[0].dtype), CONTEXT, back),
+                           jax.lax.ppermute((acc[1] + dvt).astype(kept[1].dtype), CONTEXT, back))
+                return (dq + dqt, acc), None
+
+            zeros = (jnp.zeros(qg.shape, jnp.float32), (jnp.zeros(kept[0].shape[1:], kept[0].dtype),
+                                                        jnp.zeros(kept[1].shape[1:], kept[1].dtype)))
+            init = _varying(zeros, qg, qseg, idx, kept, do)
+            (dq, acc), _ = jax.lax.scan(turn, init, jnp.arange(C - 1, 0, -1, dtype=jnp.int32))
+            dq0, dk0, dv0 = contribution(0)  # this device's own chunk: its dK, dV stay here
+            return ((dq + dq0).astype(qg.dtype), (acc[0] + dk0).astype(kept[0].dtype), (acc[1] + dv0).astype(kept[1].dtype),
+                    _zero(qseg), _zero(idx))
+
+        args = (qg, k, v, segment_ids, None if static else index)
     else:  # pragma: no cover - checked by attention()
         raise ValueError(impl)
-    o, _, l = state
-    return (o / l[..., None]).astype(q.dtype).reshape(B, L2, H, v.shape[-1])  # [B, 2c, n_kv, G, Dv] -> [B, 2c, H, Dv]
+
+    run = jax.custom_vjp(lambda *a: forward(*a)[0])
+    if impl == "allgather":
+        run.defvjp(lambda *a: (lambda s: (s[0], (*a, *s)))(forward(*a)), backward)
+    else:
+        run.defvjp(lambda *a: (lambda out, res: (out[0], res))(*fwd_saving(*a)), backward)
+    o = run(*args)  # [B, 2c, n_kv, G, Dv] float32
+    return o.astype(q.dtype).reshape(B, L2, H, Dv)  # [B, 2c, n_kv, G, Dv] -> [B, 2c, H, Dv]
