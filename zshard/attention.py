@@ -42,9 +42,8 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from zshard.collectives import varying_axes, vary
+from zshard.flash import NEG, TILE, block, block_backward, block_forward, from_tiles, varying, zero
 from zshard.jaxprs import CONTEXT_SCOPE
 from zshard.mesh import CONTEXT
 from zshard.sequence import AttentionCall, SequenceSplit, active
@@ -79,239 +78,6 @@ def _kind(i, j, causal: bool):
     return jnp.where(i == j, DIAG, jnp.where(j < i, LOWER, UPPER))
 
 
-_NEG = float(-0.7 * np.finfo(np.float32).max)  # jax.nn.dot_product_attention's masked logit
-
-
-TILE = 512  # tokens per query / key tile of the tiled block (zshard.attention's ``tile``)
-
-
-def _tiles(n: int, tile: int) -> tuple[int, int]:
-    """``(t, nt)``: ``n`` tokens cut into ``nt = ceil(n / tile)`` tiles of ``t = ceil(n / nt) <= tile``
-    tokens (the last padded by ``nt t - n < nt`` masked tokens); a chunk shorter than ``tile`` is one tile."""
-    nt = -(-n // tile)
-    return -(-n // nt), nt
-
-
-def _tile_logits(q, k, opts):
-    """One tile's logits, ``q [B, tq, n_kv, G, D]``, ``k [B, tk, n_kv, D]`` -> ``[B, tq, n_kv, G, tk]``
-    float32, soft-capped, unmasked."""
-    _, _, scale, cap = opts
-    s = jnp.einsum("bqhgd,bkhd->bqhgk", q, k, preferred_element_type=jnp.float32) * scale  # [B, tq, n_kv, G, tk]
-    if cap is not None:  # Gemma 2's soft-cap of the logits: cap * tanh(s / cap)
-        s = cap * jnp.tanh(s / cap)
-    return s
-
-
-def _tile_mask(qpos, kpos, qseg, kseg, kvalid, opts):
-    """One tile's mask, ``[B | 1, tq, 1, 1, tk]`` bool: the key is a real one, and causal, window and
-    segments let the query see it."""
-    causal, window, _, _ = opts
-    dist = qpos[:, None] - kpos[None, :]  # [tq, tk]: query position - key position
-    mask = jnp.broadcast_to(kvalid[None, :], dist.shape)  # padded keys are never seen
-    if causal:
-        mask = mask & (dist >= 0)
-    if window is not None:
-        mask = mask & (dist < window) & (dist > -window)
-    mask = mask[None, :, None, None, :]  # [1, tq, 1, 1, tk]
-    if qseg is not None:
-        mask = mask & (qseg[:, :, None] == kseg[:, None, :])[:, :, None, None, :]  # [B, tq, 1, 1, tk]
-    return mask
-
-
-def _unless_hidden(mask, opts, qseg, compute, skip, *args):
-    """``compute(*args)``, or ``skip(*args)`` when ``mask`` hides the whole tile (``lax.cond``: a
-    tile above the causal diagonal, past the window, or of other segments costs no FLOPs). Without
-    a causal mask, window or segments every tile has a visible key (padding is under one tile)."""
-    causal, window, _, _ = opts
-    if not causal and window is None and qseg is None:
-        return compute(*args)
-    return jax.lax.cond(jnp.any(mask), compute, skip, *args)
-
-
-def _varying(inits, *refs):
-    """``inits`` made varying over every mesh axis any of ``refs`` varies over (inside
-    ``shard_map``): a ``lax.scan`` carry must keep one type through its body, which mixes them."""
-    axes = tuple(sorted(frozenset().union(*(varying_axes(r) for r in jax.tree.leaves(refs)))))
-    return jax.tree.map(lambda x: vary(x, axes), inits) if axes else inits
-
-
-def _key_tile(j, t, k, v, kpos, kseg, kvalid):
-    """Key tile ``j`` (traced) of ``t`` tokens: ``[B, L, ...] --dynamic_slice--> [B, t, ...]`` of the
-    keys, values, positions, segment ids and the valid flags."""
-    cut = lambda x, axis: None if x is None else jax.lax.dynamic_slice_in_dim(x, j * t, t, axis)  # noqa: E731
-    return cut(k, 1), cut(v, 1), cut(kpos, 0), cut(kseg, 1), cut(kvalid, 0)
-
-
-def _to_tiles(x, t):
-    """``[B, n t, ...] -> [n, B, t, ...]``: the tile index leading, for ``lax.scan`` / ``lax.map``."""
-    if x is None:
-        return None
-    return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // t, t, *x.shape[2:]), 1, 0)
-
-
-def _from_tiles(x):
-    """``[n, B, t, ...] -> [B, n t, ...]``."""
-    x = jnp.moveaxis(x, 0, 1)
-    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
-
-
-def _flash_forward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid):
-    """FlashAttention-2's forward (Dao 2023, arXiv 2307.08691, section 3.1, algorithm 1): for each
-    query tile (``lax.map``) an online softmax over the key tiles (``lax.scan``); only one tile's
-    ``[B, tq, n_kv, G, tk]`` scores exist at a time. ``(o [B, Lq, n_kv, G, Dv] float32 normalised,
-    lse [B, Lq, n_kv, G] float32)``; a row that sees no key has ``o = 0``, ``lse = _NEG``."""
-    B, Lq, n_kv, G, _ = q.shape
-    Dv = v.shape[-1]
-    keys = jnp.arange(k.shape[1] // tk)  # the key tiles, sliced in the loop (no transposed copy of the keys)
-
-    def query_tile(xs):
-        qi, qp, qs = xs  # [B, tq, n_kv, G, D], [tq], [B, tq]
-
-        def key_tile(carry, j):
-            kj, vj, kp, ks, kval = _key_tile(j, tk, k, v, kpos, kseg, kvalid)
-            mask = _tile_mask(qp, kp, qs, ks, kval, opts)
-
-            def compute(carry):
-                o, m, l = carry  # [B, tq, n_kv, G, Dv] unnormalised, row max and row sum [B, tq, n_kv, G]
-                s = _tile_logits(qi, kj, opts)
-                m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _NEG), axis=-1))
-                p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)  # [B, tq, n_kv, G, tk]
-                alpha = jnp.exp(m - m_new)
-                o = o * alpha[..., None] + jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(vj.dtype), vj,
-                                                       preferred_element_type=jnp.float32)
-                return o, m_new, l * alpha + jnp.sum(p, axis=-1)
-
-            return _unless_hidden(mask, opts, qs, compute, lambda carry: carry, carry), None
-
-        init = (jnp.zeros((B, tq, n_kv, G, Dv), jnp.float32), jnp.full((B, tq, n_kv, G), _NEG, jnp.float32),
-                jnp.zeros((B, tq, n_kv, G), jnp.float32))
-        (o, m, l), _ = jax.lax.scan(key_tile, _varying(init, xs, k, v, kpos, kseg), keys)
-        seen = l > 0
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), _NEG)
-        return jnp.where(seen[..., None], o / jnp.where(seen, l, 1.0)[..., None], 0.0), lse
-
-    o, lse = jax.lax.map(query_tile, (_to_tiles(q, tq), qpos.reshape(-1, tq), _to_tiles(qseg, tq)))  # [nq, B, tq, ...]
-    return _from_tiles(o), _from_tiles(lse)
-
-
-def _flash_backward(opts, tq, tk, q, k, v, qpos, kpos, qseg, kseg, kvalid, o, lse, do):
-    """FlashAttention-2's backward (Dao 2023, arXiv 2307.08691, section 3.1, algorithm 2):
-    ``(dq, dk, dv)`` in float32 from the saved output ``o`` and log-sum-exp ``lse`` of the whole
-    softmax row (every key of the sequence, not only these) and the cotangent ``do``. Each tile's
-    scores are recomputed and ``P = exp(S - lse)`` is the row's final probability, so the tiles of
-    one context step (or of one source device) need nothing from the others:
-    ``dV = P^T dO``, ``dS = P * (dO V^T - D)`` with ``D = rowsum(dO * O)``, ``dQ = dS K``,
-    ``dK = dS^T Q`` (times the scale); soft-cap: ``dS_raw = dS * (1 - (S / cap)^2)``. Outer loop
-    over key tiles (``dK_j``, ``dV_j`` in the inner loop's carry), inner over query tiles (their
-    ``dQ_i`` summed over the outer loop), as algorithm 2."""
-    causal, window, scale, cap = opts
-    delta = jnp.sum(do * o, axis=-1)  # [B, Lq, n_kv, G]: FA2's D_i
-    queries = (_to_tiles(q, tq), _to_tiles(do, tq), _to_tiles(lse, tq), _to_tiles(delta, tq), qpos.reshape(-1, tq),
-               _to_tiles(qseg, tq))
-
-    def key_tile(dq, j):
-        kj, vj, kp, ks, kval = ys = _key_tile(j, tk, k, v, kpos, kseg, kvalid)  # [B, tk, n_kv, D], [B, tk, n_kv, Dv], [tk], [B, tk], [tk]
-
-        def query_tile(carry, xs):
-            qi, doi, lsei, di, qp, qs = xs
-            mask = _tile_mask(qp, kp, qs, ks, kval, opts)
-
-            def compute(carry):
-                dk, dv = carry  # [B, tk, n_kv, D], [B, tk, n_kv, Dv] float32
-                s = _tile_logits(qi, kj, opts)
-                p = jnp.where(mask, jnp.exp(s - lsei[..., None]), 0.0)  # [B, tq, n_kv, G, tk]
-                dv = dv + jnp.einsum("bqhgk,bqhgd->bkhd", p, doi, preferred_element_type=jnp.float32)
-                dp = jnp.einsum("bqhgd,bkhd->bqhgk", doi, vj, preferred_element_type=jnp.float32)
-                ds = p * (dp - di[..., None])
-                if cap is not None:  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
-                    ds = ds * (1.0 - jnp.square(s / cap))
-                ds = ds * scale
-                dqi = jnp.einsum("bqhgk,bkhd->bqhgd", ds, kj, preferred_element_type=jnp.float32)
-                dk = dk + jnp.einsum("bqhgk,bqhgd->bkhd", ds, qi, preferred_element_type=jnp.float32)
-                return (dk, dv), dqi
-
-            def skip(carry):  # a hidden tile: no dK, dV, dQ
-                return carry, _varying(jnp.zeros(qi.shape, jnp.float32), qi, doi, kj, vj, qs, ks, carry)
-
-            return _unless_hidden(mask, opts, qs, compute, skip, carry)
-
-        init = (jnp.zeros(kj.shape, jnp.float32), jnp.zeros(vj.shape, jnp.float32))
-        (dk, dv), dqs = jax.lax.scan(query_tile, _varying(init, ys, queries), queries)  # dqs [nq, B, tq, n_kv, G, D]
-        return dq + dqs, (dk, dv)
-
-    dq0 = _varying(jnp.zeros(queries[0].shape, jnp.float32), queries, k, v, kpos, kseg)  # [nq, B, tq, n_kv, G, D]
-    dq, (dk, dv) = jax.lax.scan(key_tile, dq0, jnp.arange(k.shape[1] // tk))
-    return _from_tiles(dq), _from_tiles(dk), _from_tiles(dv)
-
-
-def _padded(q, k, v, qpos, kpos, qseg, kseg, tile):
-    """The inputs padded to whole tiles (:func:`_tiles`): ``(tq, tk, q, k, v, qpos, kpos, qseg, kseg,
-    kvalid, pad)``, ``kvalid [Lk + pk]`` false on the padded keys, ``pad(x, n)`` the row padding."""
-    Lq, Lk = q.shape[1], k.shape[1]
-    (tq, nq), (tk, nk) = _tiles(Lq, tile), _tiles(Lk, tile)
-    pq, pk = nq * tq - Lq, nk * tk - Lk
-
-    def pad(x, n, value=0):  # [B, L, ...] -> [B, L + n, ...]
-        return x if x is None or n == 0 else jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
-
-    kvalid = jnp.arange(Lk + pk) < Lk  # [nk tk]
-    return (tq, tk, pad(q, pq), pad(k, pk), pad(v, pk), jnp.pad(qpos, (0, pq)), jnp.pad(kpos, (0, pk)), pad(qseg, pq),
-            pad(kseg, pk), kvalid, functools.partial(pad, n=pq))
-
-
-def _block_forward(q, k, v, qpos, kpos, qseg, kseg, *, causal, window, scale, cap=None, tile=TILE):
-    """Attention of queries ``q [B, Lq, n_kv, G, D]`` on keys / values ``[B, Lk, n_kv, D]`` in tiles
-    of at most ``tile`` tokens (:func:`_flash_forward`): ``(o [B, Lq, n_kv, G, Dv] float32
-    normalised, lse [B, Lq, n_kv, G] float32 log-sum-exp)``; a row with no visible key has ``o = 0``
-    and ``lse`` the masked logit. Lengths that ``tile`` does not divide are cut into equal tiles
-    (:func:`_tiles`), the last padded: padded keys are masked, padded queries' rows dropped."""
-    Lq = q.shape[1]
-    tq, tk, *args, _ = _padded(q, k, v, qpos, kpos, qseg, kseg, tile)
-    o, lse = _flash_forward((causal, window, scale, cap), tq, tk, *args)
-    return o[:, :Lq], lse[:, :Lq]
-
-
-def _block_backward(q, k, v, qpos, kpos, qseg, kseg, o, lse, do, *, causal, window, scale, cap=None, tile=TILE):
-    """:func:`_flash_backward` of :func:`_block_forward`'s block, given the row's final ``o``, ``lse``
-    ``[B, Lq, ...]`` and ``do``: ``(dq, dk, dv)`` float32. Padded query rows get ``do = 0`` and an
-    ``lse`` of ``-_NEG`` (their probabilities ``exp(S - lse)`` are 0)."""
-    Lq, Lk = q.shape[1], k.shape[1]
-    tq, tk, *args, pad = _padded(q, k, v, qpos, kpos, qseg, kseg, tile)
-    dq, dk, dv = _flash_backward((causal, window, scale, cap), tq, tk, *args, pad(o), pad(lse, value=-_NEG), pad(do))
-    return dq[:, :Lq], dk[:, :Lk], dv[:, :Lk]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _block(q, k, v, qpos, kpos, qseg, kseg, opts):
-    """:func:`_block_forward` with FlashAttention-2's backward: saves only the inputs, ``o`` and
-    ``lse`` (the one-device soft-capped path). ``opts``: ``((causal, window, scale, cap), tile)``."""
-    return _block_forward(q, k, v, qpos, kpos, qseg, kseg, **_kw(opts))[0]
-
-
-def _kw(opts):
-    (causal, window, scale, cap), tile = opts
-    return dict(causal=causal, window=window, scale=scale, cap=cap, tile=tile)
-
-
-def _block_fwd(q, k, v, qpos, kpos, qseg, kseg, opts):
-    o, lse = _block_forward(q, k, v, qpos, kpos, qseg, kseg, **_kw(opts))
-    return o, (q, k, v, qpos, kpos, qseg, kseg, o, lse)
-
-
-def _block_bwd(opts, res, do):
-    q, k, v, qpos, kpos, qseg, kseg, o, lse = res
-    dq, dk, dv = _block_backward(q, k, v, qpos, kpos, qseg, kseg, o, lse, do, **_kw(opts))
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), _zero(qpos), _zero(kpos), _zero(qseg), _zero(kseg))
-
-
-_block.defvjp(_block_fwd, _block_bwd)
-
-
-def _zero(x):
-    """The cotangent of an integer input (positions, segment ids, a device index): float0 zeros."""
-    return None if x is None else np.zeros(jnp.shape(x), jax.dtypes.float0)
-
-
 def _merge(a, b):
     """Two partial results over disjoint keys -> one (the online softmax's rescaling, in
     log-sum-exp form: ``lse = log(e^lse1 + e^lse2)``, ``o = o1 e^(lse1 - lse) + o2 e^(lse2 - lse)``)."""
@@ -324,14 +90,14 @@ def _merge(a, b):
 
 def _empty(q, dv):
     B, Lq, H, G, _ = q.shape
-    return jnp.zeros((B, Lq, H, G, dv), jnp.float32), jnp.full((B, Lq, H, G), _NEG, jnp.float32)
+    return jnp.zeros((B, Lq, H, G, dv), jnp.float32), jnp.full((B, Lq, H, G), NEG, jnp.float32)
 
 
 def _step(kind, q, k, v, qpos, kpos, qseg, kseg, *, c, opts):
     """One source's keys, forward: the blocks of ``kind`` ([Note: causal blocks]); ``(o, lse)``
     partials ``[B, 2c, ...]`` for all ``2c`` queries (a query that sees nothing: ``o = 0``, ``lse``
     the masked logit)."""
-    block = functools.partial(_block_forward, **opts)
+    block = functools.partial(block_forward, **opts)
     sl = lambda x, lo, hi: None if x is None else x[:, lo:hi]  # noqa: E731  [B, L, ...] -> [B, lo:hi, ...]
 
     def diag(q, k, v, qpos, kpos, qseg, kseg):  # q[a, b] x k[both]
@@ -349,10 +115,10 @@ def _step(kind, q, k, v, qpos, kpos, qseg, kseg, *, c, opts):
 
 
 def _step_grad(kind, q, k, v, qpos, kpos, qseg, kseg, o, lse, do, *, c, opts):
-    """One source's keys, backward (:func:`_block_backward` of the blocks of ``kind``) from the
+    """One source's keys, backward (:func:`block_backward` of the blocks of ``kind``) from the
     final ``o``, ``lse``, ``do`` ``[B, 2c, ...]`` of this device's queries: ``(dq [B, 2c, ...], dk,
     dv [B, 2c, ...])`` float32, zero where ``kind`` skips a chunk."""
-    grad = functools.partial(_block_backward, **opts)
+    grad = functools.partial(block_backward, **opts)
     sl = lambda x, lo, hi: None if x is None else x[:, lo:hi]  # noqa: E731  [B, L, ...] -> [B, lo:hi, ...]
 
     def diag(q, k, v, qpos, kpos, qseg, kseg, o, lse, do):
@@ -393,10 +159,10 @@ def _bias(lq: int, lk: int, causal: bool, window, segment_ids):
     if window is not None:
         near = (dist < window) & (dist > -window)
         keep = near if keep is None else keep & near
-    bias = None if keep is None else jnp.where(keep, 0.0, _NEG).astype(jnp.float32)[None, None]  # [1, 1, Lq, Lk]
+    bias = None if keep is None else jnp.where(keep, 0.0, NEG).astype(jnp.float32)[None, None]  # [1, 1, Lq, Lk]
     if segment_ids is not None:
         same = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, Lq, Lk]
-        seg = jnp.where(same, 0.0, _NEG).astype(jnp.float32)
+        seg = jnp.where(same, 0.0, NEG).astype(jnp.float32)
         bias = seg if bias is None else jnp.minimum(bias, seg)
     return bias
 
@@ -479,7 +245,7 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
         B, L, H, D = q.shape
         pos = jnp.arange(L, dtype=jnp.int32)
         opts = ((causal, sliding_window, float(1 / math.sqrt(D) if scale is None else scale), float(softcap)), int(tile))
-        o = _block(q.reshape(B, L, k.shape[2], H // k.shape[2], D), k, v, pos, pos, segment_ids, segment_ids,
+        o = block(q.reshape(B, L, k.shape[2], H // k.shape[2], D), k, v, pos, pos, segment_ids, segment_ids,
                    opts)  # [B, L, n_kv, G, Dv] float32
         return o.astype(q.dtype).reshape(B, L, H, v.shape[3])  # -> [B, L, H, Dv]
     if split is None or split.context == 1:
@@ -546,7 +312,7 @@ def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segm
                             split.chunk_positions(j), qseg, src(seg_all, j))
                 return _merge(state, part), None
 
-            init = _varying(_empty(qg, Dv), qg, k_all, v_all, qseg, seg_all, idx)
+            init = varying(_empty(qg, Dv), qg, k_all, v_all, qseg, seg_all, idx)
             return jax.lax.scan(source, init, jnp.arange(C, dtype=jnp.int32))[0]
 
         def backward(res, do):
@@ -558,10 +324,10 @@ def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segm
                                      split.chunk_positions(j), qseg, src(seg_all, j), o, lse, do)
                 return dq + dqj, (dkj.astype(k_all.dtype), dvj.astype(v_all.dtype))
 
-            dq0 = _varying(jnp.zeros(qg.shape, jnp.float32), qg, k_all, v_all, qseg, seg_all, idx, do)
+            dq0 = varying(jnp.zeros(qg.shape, jnp.float32), qg, k_all, v_all, qseg, seg_all, idx, do)
             dq, (dk, dv) = jax.lax.scan(source, dq0, jnp.arange(C, dtype=jnp.int32))
             # [C, B, 2c, n_kv, D] --> [B, L, n_kv, D]: dK, dV of the gathered keys, source j at [2c j, 2c (j+1))
-            return dq.astype(qg.dtype), _from_tiles(dk), _from_tiles(dv), _zero(qseg), _zero(seg_all), _zero(idx)
+            return dq.astype(qg.dtype), from_tiles(dk), from_tiles(dv), zero(qseg), zero(seg_all), zero(idx)
 
         args = (qg, k_all, v_all, segment_ids, seg_all, None if static else index)
     elif impl == "ring":
@@ -588,7 +354,7 @@ def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segm
                     nxt = jax.tree.map(lambda x: jax.lax.ppermute(x, CONTEXT, perm), held)
                 return (compute(i, t, state, held, qg, qseg), nxt), held
 
-            init = (_varying(_empty(qg, Dv), qg, k, v, qseg, idx), (k, v, qseg))
+            init = (varying(_empty(qg, Dv), qg, k, v, qseg, idx), (k, v, qseg))
             (state, last), kept = jax.lax.scan(turn, init, jnp.arange(C - 1, dtype=jnp.int32))
             state = compute(i, C - 1, state, last, qg, qseg)  # step C-1: nothing left to send
             kept = jax.tree.map(lambda ks, x: jnp.concatenate([ks, x[None]]), kept, last)  # [C, B, 2c, ...]: chunk of step t
@@ -621,11 +387,11 @@ def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segm
 
             zeros = (jnp.zeros(qg.shape, jnp.float32), (jnp.zeros(kept[0].shape[1:], kept[0].dtype),
                                                         jnp.zeros(kept[1].shape[1:], kept[1].dtype)))
-            init = _varying(zeros, qg, qseg, idx, kept, do)
+            init = varying(zeros, qg, qseg, idx, kept, do)
             (dq, acc), _ = jax.lax.scan(turn, init, jnp.arange(C - 1, 0, -1, dtype=jnp.int32))
             dq0, dk0, dv0 = contribution(0)  # this device's own chunk: its dK, dV stay here
             return ((dq + dq0).astype(qg.dtype), (acc[0] + dk0).astype(kept[0].dtype), (acc[1] + dv0).astype(kept[1].dtype),
-                    _zero(qseg), _zero(idx))
+                    zero(qseg), zero(idx))
 
         args = (qg, k, v, segment_ids, None if static else index)
     else:  # pragma: no cover - checked by attention()
