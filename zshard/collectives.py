@@ -100,14 +100,22 @@ class UnitComm:
         """Gradients leave through gradient sinks (``ReplicaReduce.TO_SINKS``)."""
         return self.replica_reduce is ReplicaReduce.TO_SINKS
 
+    @property
+    def error_feedback(self) -> bool:
+        """``mp.reduce_format`` keeps error feedback: the sinks are the residuals ([Note: error feedback])."""
+        return self.mp.error_feedback
+
     def check_sinks(self, sinks, trainable: bool, where: str) -> None:
-        """Raise ``ValueError`` where ``sinks`` are given without :attr:`sinks`, or missing with
-        it for ``trainable`` parameters (frozen ones have no sink)."""
-        if (sinks is not None and not self.sinks) or (sinks is None and self.sinks and trainable):
+        """Raise ``ValueError`` where ``sinks`` are given without :attr:`sinks` (or
+        :attr:`error_feedback`, whose residuals travel as sinks), or missing with it for
+        ``trainable`` parameters (frozen ones have no sink)."""
+        wanted = self.sinks or self.error_feedback
+        if (sinks is not None and not wanted) or (sinks is None and wanted and trainable):
             raise ValueError(
                 f"zshard: {where} called {'with' if sinks is not None else 'without'} gradient sinks, but its UnitComm has "
-                f"replica_reduce={self.replica_reduce.name}; gradient sinks are passed exactly when the step reduces "
-                f"TO_SINKS (HYBRID_SHARD_OPT) and trainable parameters are gathered"
+                f"replica_reduce={self.replica_reduce.name}, error_feedback={self.error_feedback}; gradient sinks are "
+                f"passed exactly when the step reduces TO_SINKS (HYBRID_SHARD_OPT) or keeps error feedback, and "
+                f"trainable parameters are gathered"
             )
 
 
@@ -290,7 +298,18 @@ def gather_params(slots, shards, comm: UnitComm, ready=None) -> list[jax.Array]:
     return [full if rec.split else rec.from_storage(full) for rec, full in zip(recs, fulls)]
 
 
-def reduce_grads(slots, grads, comm: UnitComm, sink_dtypes=None) -> list[jax.Array]:
+# [Note: error feedback] With ``Quant(..., error_feedback=True)`` on ``reduce_format`` each trainable
+# parameter has a residual on every device (``ShardedState.feedback``: ``f32[..., n_pad]`` local,
+# the ones its format quantizes; ``f32[..., 0]`` placeholders for the others inside the step). The
+# residuals ride the gradient-sink plumbing (HYBRID_SHARD_OPT's, which error feedback refuses): a
+# unit call takes them as its ``sinks``, keeps them for its backward, and returns each new residual
+# (what the quantizer dropped, :func:`zshard.quant.reduce_scatter_feedback`) as the sink's
+# cotangent, so the step differentiates w.r.t. them and gets the new residuals. A parameter whose
+# gradient is reduced twice in one micro-batch (a unit called twice) would sum two residuals: not
+# supported (docs/quantized.md).
+
+
+def reduce_grads(slots, grads, comm: UnitComm, sink_dtypes=None, feedback=None):
     """The one reduce path: full-size gradients (logical shapes) -> this device's gradient shards.
 
     Each gradient is put in its stored form, varying over every axis it is summed over, and
@@ -308,16 +327,24 @@ def reduce_grads(slots, grads, comm: UnitComm, sink_dtypes=None) -> list[jax.Arr
     With ``comm.mp.reduce_format`` / ``replica_format``, the parameters they quantize take the
     all-to-all of quantized blocks instead ([Note: quantized collectives]).
 
+    ``feedback`` (error feedback, [Note: error feedback]): per parameter its residual
+    ``f32[..., n_pad]`` (``f32[..., 0]`` where its format does not quantize it).
+
     Returns:
       Per parameter ``[..., n_pad/N]`` (``TO_SINKS``: ``[..., n_pad/(R*S)]``), in the reduce dtype
-      (``TO_SINKS``: the sinks' dtypes).
+      (``TO_SINKS``: the sinks' dtypes). With ``feedback``: ``(that list, the new residuals)``.
     """
     recs = [getattr(s, "param", s) for s in slots]
     axes = comm.shard_axes + comm.vary_axes
-    shards = []
-    for rec, g in zip(recs, grads):
+    shards, residuals = [], list(feedback) if feedback is not None else None
+    for i, (rec, g) in enumerate(zip(recs, grads)):
         fmt = _format(comm.mp.reduce_format, rec, comm.shard_axes)
         dtype = comm.mp.grad_dtype(rec.dtype)
+        if feedback is not None and fmt is not None and feedback[i].shape[-1]:
+            # [..., *shape] -> [..., n_pad] (+ residual) --quantize, all_to_all(shard_axes), sum in fp32--> [..., n_pad/N]
+            shard, residuals[i] = quant.reduce_scatter_feedback(vary(rec.to_storage(g), axes), feedback[i], comm.shard_axes, fmt)
+            shards.append(shard.astype(dtype))
+            continue
         g = g if fmt is not None else g.astype(dtype)  # quantized: from the gradient as computed
         if rec.split:  # [..., *shape] split over tensor --per piece: reduce_scatter(shard_axes)--> [..., T, n_pad/N]
             shards.append(_scatter_pieces(rec, vary(g, axes), comm.shard_axes, fmt, dtype))
@@ -328,6 +355,13 @@ def reduce_grads(slots, grads, comm: UnitComm, sink_dtypes=None) -> list[jax.Arr
             shards.append(quant.reduce_scatter(full, comm.shard_axes, fmt).astype(dtype))
             continue
         shards.append(_reduce_scatter_last(full, comm.shard_axes))  # [..., n_pad] --reduce_scatter(shard_axes, tiled)--> [..., n_pad/N]
+    if residuals is not None:
+        return _replica_reduce(recs, shards, comm, sink_dtypes), residuals
+    return _replica_reduce(recs, shards, comm, sink_dtypes)
+
+
+def _replica_reduce(recs, shards, comm: UnitComm, sink_dtypes) -> list[jax.Array]:
+    """:func:`reduce_grads`'s replica decision on the shard-reduced gradients ``[..., n_pad/N]``."""
     match comm.replica_reduce:
         case ReplicaReduce.PER_UNIT:
             # [..., n_pad/N] --all_reduce(replica_axes)--> [..., n_pad/N]; replica_format: quantized per parameter
@@ -391,14 +425,16 @@ def sink_dtypes_of(sinks):
     return None if sinks is None else tuple(tuple(z.dtype for z in per_flat) for per_flat in sinks)
 
 
-def reduce_flats(flats, bufs, grads, comm: UnitComm, sink_dtypes=None):
+def reduce_flats(flats, bufs, grads, comm: UnitComm, sink_dtypes=None, feedback=None):
     """The gradients of a unit's parameters -> ``(cotangents of bufs, cotangents of sinks)``.
 
     Without sinks: each flat's gradients through :func:`reduce_grads`, as the bufs' cotangent
     (per-parameter shards, or concatenated where the unit was called with a FlatParameter
     shard); a frozen flat gets zeros. With sinks (``TO_SINKS``): the sinks' cotangent; the bufs
     get none (they are not differentiated), so only ``[n_pad/(R*S)]`` per parameter leaves the
-    unit. ``sink_dtypes``: per flat, the sinks' dtypes (``()`` for a frozen flat).
+    unit. ``sink_dtypes``: per flat, the sinks' dtypes (``()`` for a frozen flat). ``feedback``
+    (error feedback): per flat, its residuals (the sinks' values, ``()`` for a frozen flat); the
+    sinks' cotangents are then the new residuals ([Note: error feedback]).
     """
     out, to_sinks, i = [], [], 0
     for k, (f, b) in enumerate(zip(flats, bufs)):
@@ -406,6 +442,11 @@ def reduce_flats(flats, bufs, grads, comm: UnitComm, sink_dtypes=None):
         if not f.trainable:  # frozen: no gradient, no reduce-scatter
             out.append(None if sink_dtypes is not None else jax.tree.map(jnp.zeros_like, b))
             to_sinks.append(())
+        elif feedback is not None:
+            reduced, new = reduce_grads(f.slots, grads[i : i + n], comm, feedback=feedback[k])
+            shards = [g.astype(f.dtype) for g in reduced]
+            out.append(tuple(shards) if isinstance(b, (tuple, list)) else f.concat_shards(shards))
+            to_sinks.append(tuple(new))
         elif sink_dtypes is not None:
             to_sinks.append(tuple(reduce_grads(f.slots, grads[i : i + n], comm, sink_dtypes[k])))
             out.append(None)
@@ -415,7 +456,7 @@ def reduce_flats(flats, bufs, grads, comm: UnitComm, sink_dtypes=None):
             out.append(tuple(shards) if isinstance(b, (tuple, list)) else f.concat_shards(shards))
             to_sinks.append(())
         i += n
-    return tuple(out), (None if sink_dtypes is None else tuple(to_sinks))
+    return tuple(out), (None if sink_dtypes is None and feedback is None else tuple(to_sinks))
 
 
 def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], comm: UnitComm, sinks=None) -> list[jax.Array]:
@@ -438,17 +479,19 @@ def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], comm: Unit
     """
     flats = tuple(flats)
     comm.check_sinks(sinks, any(f.trainable for f in flats), "gather")
-    sink_dtypes = sink_dtypes_of(sinks)
+    ef = comm.error_feedback  # the sinks are the residuals ([Note: error feedback])
+    sink_dtypes = None if ef else sink_dtypes_of(sinks)
 
     @jax.custom_vjp
     def _gather(bufs, sinks):
         return gather_flats(flats, bufs, comm)
 
     def fwd(bufs, sinks):
-        return gather_flats(flats, bufs, comm), bufs
+        return gather_flats(flats, bufs, comm), (bufs, sinks if ef else None)
 
-    def bwd(bufs, grads):
-        return reduce_flats(flats, bufs, grads, comm, sink_dtypes)
+    def bwd(res, grads):
+        bufs, feedback = res
+        return reduce_flats(flats, bufs, grads, comm, sink_dtypes, feedback)
 
     _gather.defvjp(fwd, bwd)
     return _gather(tuple(bufs), None if sinks is None else tuple(sinks))
@@ -473,16 +516,20 @@ def gather_param(slot: ParamLayout, shard: jax.Array, comm: UnitComm, sink: jax.
       ValueError: ``sink`` given without ``comm.sinks`` or missing with it.
     """
     comm.check_sinks(sink, slot.trainable, f"gather_param ({slot.path})")
-    sink_dtypes = None if sink is None else (sink.dtype,)
+    ef = comm.error_feedback and sink is not None  # the sink is the residual ([Note: error feedback])
+    sink_dtypes = None if sink is None or ef else (sink.dtype,)
 
     @jax.custom_vjp
     def _gather(b, sink):
         return gather_params([slot], [b], comm)[0]
 
     def fwd(b, sink):
-        return gather_params([slot], [b], comm)[0], None
+        return gather_params([slot], [b], comm)[0], (sink if ef else None)
 
-    def bwd(_, g):
+    def bwd(e, g):
+        if ef:
+            (r,), (new,) = reduce_grads([slot], [g], comm, feedback=[e])
+            return r.astype(slot.dtype), new
         (r,) = reduce_grads([slot], [g], comm, sink_dtypes)
         return (None, r) if sink_dtypes is not None else (r.astype(slot.dtype), None)
 

@@ -58,7 +58,9 @@ class MixedPrecision:
         (ZeRO++ qwZ, forward and backward re-gather; fp32 masters unchanged). ``None``: ``param_dtype``.
       reduce_format: the gradient reduction over the shard axes is an all-to-all of quantized
         blocks, dequantized and summed in fp32, then cast to ``reduce_dtype`` (ZeRO++ qgZ).
-        ``None``: a reduce-scatter in ``reduce_dtype``.
+        ``None``: a reduce-scatter in ``reduce_dtype``. ``Quant(..., error_feedback=True)``: each
+        device adds the residual its previous quantization dropped before quantizing
+        (``ShardedState.feedback``, fp32, ``4 n_pad`` bytes per quantized parameter and device).
       replica_format: the gradient reduction over the replica axes (HYBRID_SHARD's all-reduce,
         HYBRID_SHARD_OPT's reduce-scatter, NO_SHARD / SHARD_OPT's all-reduce over all devices)
         likewise: across hosts is where it pays. ``None``: in ``reduce_dtype``.
@@ -69,7 +71,8 @@ class MixedPrecision:
     Raises:
       ValueError: a dtype field that is not a floating dtype (an integer ``reduce_dtype``: the
         sum would wrap; the message names ``reduce_format``); an unknown format name;
-        ``error_feedback`` (not implemented) or set on ``gather_format``.
+        ``error_feedback`` set on ``gather_format`` or ``replica_format`` (only ``reduce_format``
+        takes it).
       TypeError: a format that is not a ``Quant``, a name or ``None``.
     """
 
@@ -88,14 +91,19 @@ class MixedPrecision:
         if self.gather_format is not None and self.gather_format.error_feedback:
             raise ValueError("MixedPrecision(gather_format=Quant(..., error_feedback=True)): error feedback corrects "
                              "gradient quantization; set it on reduce_format or replica_format")
-        for field in ("reduce_format", "replica_format"):  # refused, never silently ignored
-            fmt = getattr(self, field)
-            if fmt is not None and fmt.error_feedback:
-                raise ValueError(
-                    f"MixedPrecision({field}=Quant({fmt.name!r}, error_feedback=True)): error feedback (LoCo, arXiv "
-                    "2407.04480) is not implemented in zshard yet; use Quant(..., error_feedback=False), or int8 "
-                    "(its training gap is in docs/quantized.md)"
-                )
+        fmt = self.replica_format  # refused, never silently ignored
+        if fmt is not None and fmt.error_feedback:
+            raise ValueError(
+                f"MixedPrecision(replica_format=Quant({fmt.name!r}, error_feedback=True)): error feedback is built for "
+                "the shard-axis gradient all-to-all only; set it on reduce_format=zshard.Quant(..., error_feedback=True), "
+                "and use replica_format without it (or int8 there: its error is in docs/quantized.md)"
+            )
+
+    @property
+    def error_feedback(self) -> bool:
+        """``reduce_format`` is set with ``error_feedback=True``: the step keeps a residual per
+        quantized parameter (``ShardedState.feedback``, :func:`zshard.quant.reduce_scatter_feedback`)."""
+        return self.reduce_format is not None and self.reduce_format.error_feedback
 
     def gather_dtype(self, master) -> np.dtype:
         """The dtype a FlatParameter of dtype ``master`` is all-gathered in."""

@@ -46,11 +46,14 @@ __all__ = [
     "check_plan",
     "coverage",
     "dequantize",
+    "feedback_bytes",
+    "feedback_layout",
     "moved_bytes",
     "pad_multiple",
     "quantize",
     "quantizes",
     "reduce_scatter",
+    "reduce_scatter_feedback",
     "replica_reduction",
     "wire_bytes",
 ]
@@ -74,11 +77,11 @@ class Quant:
         scale per tensor (torchao's tensorwise fp8: the absmax over all shards, one scalar
         ``pmax``). A parameter is padded to a multiple of ``N * block`` so no block straddles
         two shards.
-      error_feedback: gradients only (``reduce_format`` / ``replica_format``): keep each
-        device's quantization error and add it to the next step's gradient before quantizing
-        (error feedback, EF-SGD: Karimireddy et al. 2019, arXiv 1901.09847; LoCo, arXiv
-        2407.04480, section 3). Not implemented yet: ``True`` is refused by
-        :class:`~zshard.MixedPrecision`.
+      error_feedback: ``reduce_format`` only: each device keeps what quantizing its gradient
+        dropped (an fp32 residual ``[n_pad]`` per quantized parameter, ``ShardedState.feedback``)
+        and adds it to its next gradient before quantizing (:func:`reduce_scatter_feedback`;
+        1-bit SGD, Seide et al. 2014; EF-SGD, Karimireddy et al. 2019, arXiv 1901.09847; LoCo,
+        arXiv 2407.04480). ``replica_format`` and ``gather_format`` refuse it.
 
     Raises:
       ValueError: an unknown ``name`` (the known ones listed), a ``block`` that is not a
@@ -223,9 +226,30 @@ def reduce_scatter(g: jax.Array, axes: tuple[str, ...], fmt: Quant) -> jax.Array
     from device j) --dequantize--> f32[..., N, n/N] --sum over N--> f32[..., n/N]``. Tensorwise:
     the device's own scale travels with every chunk (``f32[..., N, 1]``).
     """
+    return _exchange(*quantize(g, fmt), g.shape, axes, fmt)
+
+
+def reduce_scatter_feedback(g: jax.Array, residual: jax.Array, axes: tuple[str, ...], fmt: Quant) -> tuple[jax.Array, jax.Array]:
+    """qgZ with error feedback: ``(gradient [..., n], residual f32[..., n])`` -> ``(f32[..., n/N],
+    new residual f32[..., n])``.
+
+    Error feedback (Seide et al. 2014, "1-bit SGD", section 3; Karimireddy et al. 2019, EF-SGD,
+    arXiv 1901.09847, algorithm 2; LoCo, Xie et al., arXiv 2407.04480, section 3, for ZeRO++'s
+    int4 all-to-all): this device quantizes ``x = g + e`` (fp32), sends it as :func:`reduce_scatter`
+    does, and keeps what the quantizer dropped, ``e' = x - dequantize(quantize(x))``, for the next
+    reduction. Only the uncompensated form (LoCo without its moving average and its low-bit
+    storage of ``e``): the residual stays fp32, ``4 n`` bytes per device.
+    """
+    x = g.astype(jnp.float32) + residual  # [..., n] + [..., n], fp32
+    payload, scales = quantize(x, fmt)
+    dropped = x - dequantize(payload, scales, fmt, jnp.float32)  # [..., n]: what the wire does not carry
+    return _exchange(payload, scales, g.shape, axes, fmt), dropped
+
+
+def _exchange(payload: jax.Array, scales: jax.Array, shape: tuple, axes: tuple[str, ...], fmt: Quant) -> jax.Array:
+    """The all-to-all and fp32 sum of :func:`reduce_scatter`, from the quantized ``[..., n]``."""
     n_dev = jax.lax.axis_size(axes)
-    lead, n = g.shape[:-1], g.shape[-1]
-    payload, scales = quantize(g, fmt)
+    lead = shape[:-1]
     payload = payload.reshape(lead + (n_dev, -1))  # u8[..., n] -> u8[..., N, n/N]
     if fmt.block:
         scales = scales.reshape(lead + (n_dev, -1))  # f32[..., n/B] -> f32[..., N, n/(N B)]
@@ -347,6 +371,31 @@ def coverage(plan) -> dict:
     return out
 
 
+def feedback_layout(plan) -> dict:
+    """Error feedback: ``path -> (global shape, PartitionSpec)`` of each residual
+    (``ShardedState.feedback``), one per trainable parameter ``reduce_format`` quantizes; ``{}``
+    without ``error_feedback``.
+
+    Every device keeps its own residual of its whole gradient before the reduction,
+    ``f32[n_pad]`` (``[L, n_pad]`` stacked): globally ``[..., W * n_pad]`` with
+    ``PartitionSpec(..., data_axes)`` on the last dimension (``W``: the data devices).
+    """
+    if not plan.mp.error_feedback:
+        return {}
+    fmt, world, axes = plan.mp.reduce_format, plan.world, plan.data_axes
+    out = {}
+    for p, rec in plan.layouts.items():
+        if rec.trainable and quantizes(fmt, rec, plan.num_shards):
+            out[p] = (rec.lead + (world * rec.padded,), jax.sharding.PartitionSpec(*([None] * len(rec.lead)), axes))
+    return out
+
+
+def feedback_bytes(plan) -> int:
+    """Bytes of the error-feedback residuals on one device: ``4 n_pad`` per quantized trainable
+    parameter (``4 L n_pad`` stacked); 0 without ``error_feedback``."""
+    return sum(4 * int(np.prod(shape)) // plan.world for shape, _ in feedback_layout(plan).values())
+
+
 def check_plan(plan) -> None:
     """Refuse, before compiling, a format that would apply to nothing.
 
@@ -354,9 +403,24 @@ def check_plan(plan) -> None:
       ValueError: ``gather_format`` / ``reduce_format`` on a strategy without shard axes
         (NO_SHARD, SHARD_OPT: nothing is gathered or reduce-scattered), ``replica_format`` on one
         without replica axes (FULL_SHARD, SHARD_GRAD_OP), or a format that quantizes no parameter
-        (every one too small for its block): each names the strategy or the largest parameter and the fix.
+        (every one too small for its block): each names the strategy or the largest parameter and the fix;
+        ``error_feedback`` with HYBRID_SHARD_OPT (its gradient sinks) or a parameter split over ``tensor``.
     """
     mp, st = plan.mp, plan.strategy
+    if mp.error_feedback and st.scatters_replica:
+        raise ValueError(
+            f"MixedPrecision(reduce_format=Quant({mp.reduce_format.name!r}, error_feedback=True)): {st.value} reduces "
+            "gradients into its optimizer slices (gradient sinks), which error feedback does not support yet; use "
+            "HYBRID_SHARD or FULL_SHARD, or error_feedback=False"
+        )
+    if mp.error_feedback:
+        split = [r for r in plan.layouts.values() if r.split and r.trainable and quantizes(mp.reduce_format, r, plan.num_shards)]
+        if split:
+            raise ValueError(
+                f"MixedPrecision(reduce_format=Quant({mp.reduce_format.name!r}, error_feedback=True)): parameter "
+                f"{'.'.join(map(str, split[0].path))} is split over tensor; error feedback is not built for tensor-parallel "
+                "parameters; use error_feedback=False, or no tensor split for it"
+            )
     if not plan.shard_axes:
         for field in ("gather_format", "reduce_format"):
             if getattr(mp, field) is not None:

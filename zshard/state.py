@@ -28,6 +28,7 @@ from zshard.offload import (
 from zshard.optim import init_optimizer
 from zshard.planner import Plan, Unit, make_plan
 from zshard.precision import MixedPrecision
+from zshard.quant import feedback_layout
 from zshard.strategy import Strategy
 from zshard.tp import check_logical_rules
 from zshard.weights import check_weights, place_weights
@@ -60,6 +61,12 @@ class ShardedState:
       device_params: with ``offload="optimizer+master"``, the ``param_dtype`` copy in device
         memory of each master that lives on the host (nested like ``params``, those paths only;
         ``[n_pad]`` with the parameter's PartitionSpec): what the all-gathers read. Else ``{}``.
+      feedback: with ``reduce_format=zshard.Quant(..., error_feedback=True)``, per trainable
+        parameter the format quantizes (nested like ``params``, those paths only), every
+        device's residual of what quantizing its gradient dropped: float32, global
+        ``[..., W * n_pad]`` with ``PartitionSpec(..., data_axes)`` (local ``[..., n_pad]``, ``W``
+        the data devices; :func:`zshard.quant.feedback_layout`), zeros at ``init``. Checkpoints
+        store it. Else ``{}``.
 
     With ``offload`` (:mod:`zshard.offload`) the optimizer-state leaves with a dimension (and
     the masters) are in ``pinned_host`` memory (``leaf.sharding.memory_kind``).
@@ -71,12 +78,14 @@ class ShardedState:
     plan: Plan = dataclasses.field(metadata=dict(static=True))
     variables: dict = dataclasses.field(default_factory=dict)
     device_params: dict = dataclasses.field(default_factory=dict)
+    feedback: dict = dataclasses.field(default_factory=dict)
 
     def specs(self) -> "ShardedState":
         """The PartitionSpec tree of this state (``tensor`` included where a parameter is split
         over it: :func:`zshard.mesh.sharded_map` takes these as its in/out specs)."""
         var_specs = traverse_util.unflatten_dict({p: P() for p in self.plan.variable_paths}) if self.plan.var_template else {}
-        return ShardedState(self.plan.param_specs, self.plan.opt_specs, P(), self.plan, var_specs, device_param_specs(self.plan))
+        fb_specs = traverse_util.unflatten_dict({p: spec for p, (_, spec) in feedback_layout(self.plan).items()}) if self.feedback else {}
+        return ShardedState(self.plan.param_specs, self.plan.opt_specs, P(), self.plan, var_specs, device_param_specs(self.plan), fb_specs)
 
     def shardings(self) -> "ShardedState":
         """Every leaf's ``NamedSharding`` (:meth:`specs` on the plan's mesh): the sharding each
@@ -285,8 +294,22 @@ def init(
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     else:
         step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-    state = ShardedState(values, opt_state, step, plan, variables)
+    state = ShardedState(values, opt_state, step, plan, variables, feedback=init_feedback(plan, abstract))
     return _offload_masters(state) if plan.offload == "optimizer+master" else state
+
+
+def init_feedback(plan: Plan, abstract: bool = False) -> dict:
+    """The error-feedback residuals of ``plan`` (``ShardedState.feedback``): float32 zeros
+    ``[..., W * n_pad]`` split over the data axes (abstract: ``jax.ShapeDtypeStruct``); ``{}``
+    without ``error_feedback``."""
+    out = {}
+    for p, (shape, spec) in feedback_layout(plan).items():
+        sh = NamedSharding(plan.mesh, spec)
+        if abstract:
+            out[p] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)
+        else:
+            out[p] = jax.jit(lambda s=shape: jnp.zeros(s, jnp.float32), out_shardings=sh)()
+    return traverse_util.unflatten_dict(out) if out else {}
 
 
 def _offload_masters(state: ShardedState) -> ShardedState:

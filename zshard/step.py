@@ -131,7 +131,8 @@ def _sync_variables(plan: Plan, new: dict, old: dict) -> dict:
     return out
 
 
-def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, batch, k: int, reduce: ReplicaReduce, dtypes=None):
+def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, batch, k: int, reduce: ReplicaReduce, dtypes=None,
+                feedback=None):
     """Gradient accumulation over ``k`` micro-batches (``lax.scan``), on the shards.
 
     ``params``: what ``objective`` differentiates: the trainable shards, or HYBRID_SHARD_OPT's
@@ -145,7 +146,11 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
     variables (BatchNorm statistics, RNG counts) are carried from one micro-batch to the next.
     ``dtypes``: a tree like ``params`` whose leaves' dtypes the gradients are returned in
     (default ``params``; the masters' with ``offload="optimizer+master"``, whose ``params`` are
-    the ``param_dtype`` copies). Returns ``((loss total, count total), aux summed, variables, grads)``.
+    the ``param_dtype`` copies). ``feedback`` (error feedback): the residual sinks, carried from
+    one micro-batch to the next (each micro-batch's quantized reduction adds the residual the
+    previous one left, [Note: error feedback]); ``objective`` then takes ``(params, feedback)``.
+    Returns ``((loss total, count total), aux summed, variables, grads)``, and with ``feedback``
+    the residuals after the last micro-batch.
     """
     replica = plan.replica_axes
     # Differentiating w.r.t. replica-varying parameters lets each micro-batch's gradient
@@ -154,21 +159,25 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
     micro = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)  # [B/W] -> [k, B/(W k), ...]
 
     def body(carry, mb):
-        acc, totals, aux_sum, variables = carry
-        (_, (step_totals, aux, variables)), grads = jax.value_and_grad(objective, has_aux=True)(params, variables, mb)
+        acc, totals, aux_sum, variables, fb = carry
+        wrt = params if feedback is None else (params, fb)
+        (_, (step_totals, aux, variables)), grads = jax.value_and_grad(objective, has_aux=True)(wrt, variables, mb)
+        if feedback is not None:
+            grads, fb = grads  # the sinks' cotangents: the new residuals
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
         aux_sum = jax.tree.map(lambda a, x: a + jnp.asarray(x).astype(a.dtype), aux_sum, aux)
-        return (acc, jax.tree.map(jnp.add, totals, step_totals), aux_sum, variables), None
+        return (acc, jax.tree.map(jnp.add, totals, step_totals), aux_sum, variables, fb), None
 
     zeros = jax.tree.map(lambda p: vary(jnp.zeros(p.shape, jnp.float32), plan.shard_axes + replica), params)
     axes = plan.data_axes
     zero = vary(jnp.zeros((), jnp.float32), axes)
-    aux_shape = jax.eval_shape(lambda p, v, b: objective(p, v, b)[1][1], params, variables, jax.tree.map(lambda x: x[0], micro))
+    wrt0 = params if feedback is None else (params, feedback)
+    aux_shape = jax.eval_shape(lambda p, v, b: objective(p, v, b)[1][1], wrt0, variables, jax.tree.map(lambda x: x[0], micro))
     aux_zero = jax.tree.map(
         lambda a: vary(jnp.zeros(a.shape, jnp.float32 if jnp.issubdtype(a.dtype, jnp.inexact) else jnp.int32), axes), aux_shape
     )
     variables = jax.tree.map(lambda v: vary(v, axes), variables)
-    (acc, totals, aux_sum, variables), _ = jax.lax.scan(body, (zeros, (zero, zero), aux_zero, variables), micro)
+    (acc, totals, aux_sum, variables, feedback), _ = jax.lax.scan(body, (zeros, (zero, zero), aux_zero, variables, feedback), micro)
     match reduce:
         case ReplicaReduce.PER_STEP:  # [n_pad/N] --all_reduce(replica)--> [n_pad/N], once per step
             acc = all_reduce_replicas(plan, acc)  # one psum (replica_format: quantized per parameter)
@@ -178,7 +187,8 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
             raise ValueError(f"zshard: gradient accumulation under replica reduction {reduce!r}")
     # floating aux: mean over micro-batches; integer aux: summed
     aux = jax.tree.map(lambda a: a / k if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux_sum)
-    return totals, aux, variables, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params if dtypes is None else dtypes)
+    grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params if dtypes is None else dtypes)
+    return (totals, aux, variables, grads) if feedback is None else (totals, aux, variables, grads, feedback)
 
 
 def gradient_sinks(plan: Plan, train: dict) -> dict:
@@ -189,6 +199,17 @@ def gradient_sinks(plan: Plan, train: dict) -> dict:
     (:func:`zshard.unit_call.run_unit`). Unread, they are dropped from the compiled loop."""
     parts = plan.opt_shards // plan.num_shards
     return jax.tree.map(lambda p: vary(jnp.zeros(p.shape[:-1] + (p.shape[-1] // parts,), p.dtype), plan.data_axes), train)
+
+
+def feedback_sinks(plan: Plan, train: dict, feedback: dict) -> dict:
+    """Error feedback: the sinks the units read their residuals from ([Note: error feedback] in
+    zshard/collectives.py), nested like ``train``: each quantized parameter's residual
+    ``f32[..., n_pad]`` (``ShardedState.feedback``), an ``f32[..., 0]`` placeholder for the
+    others, varying over every data axis."""
+    fb = traverse_util.flatten_dict(feedback)
+    axes = plan.data_axes
+    out = {p: fb[p] if p in fb else vary(jnp.zeros(x.shape[:-1] + (0,), jnp.float32), axes) for p, x in traverse_util.flatten_dict(train).items()}
+    return traverse_util.unflatten_dict(out)
 
 
 def warn_positions(split: SequenceSplit | None, record) -> None:
@@ -253,13 +274,32 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
 
         def differentiated(sinks, variables, batch):
             return objective(compute, variables, batch, sinks)
+    elif comm.error_feedback:
+        # Error feedback: the residuals enter as sinks, their cotangents are the new residuals.
+        sinks = feedback_sinks(plan, train, state.feedback)
+
+        def differentiated(wrt, variables, batch):
+            return objective(wrt[0], variables, batch, wrt[1])
+
+        wrt = compute
     else:
         wrt, differentiated = compute, objective
-    if k == 1:
+    feedback = state.feedback
+    if k == 1 and comm.error_feedback:
+        (_, (totals, aux, new_variables)), (grads, new_sinks) = jax.value_and_grad(differentiated, has_aux=True)(
+            (wrt, sinks), variables, batch
+        )
+    elif k == 1:
         (_, (totals, aux, new_variables)), grads = jax.value_and_grad(differentiated, has_aux=True)(wrt, variables, batch)
     else:
         dtypes = train if compute is not train else None  # offload="optimizer+master": gradients in the masters' dtype
-        totals, aux, new_variables, grads = _accumulate(plan, differentiated, wrt, variables, batch, k, comm.replica_reduce, dtypes)
+        out = _accumulate(plan, differentiated, wrt, variables, batch, k, comm.replica_reduce, dtypes,
+                          sinks if comm.error_feedback else None)  # fmt: skip
+        totals, aux, new_variables, grads = out[:4]
+        new_sinks = out[4] if comm.error_feedback else None
+    if comm.error_feedback:  # the residuals of the quantized parameters (the placeholders dropped)
+        flat_sinks = traverse_util.flatten_dict(new_sinks)
+        feedback = traverse_util.unflatten_dict({p: flat_sinks[p] for p in traverse_util.flatten_dict(state.feedback)})
     loss_total, count = (jax.lax.psum(t, plan.data_axes) for t in totals)
     if token_weighted:  # global token mean across devices and micro-batches
         loss = loss_total / count
@@ -287,6 +327,7 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
         if plan.offload is None:
             params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         new_variables = keep(new_variables, variables)
+        feedback = keep(feedback, state.feedback)
         taken = finite.astype(jnp.int32)  # a skipped step is not an optimizer step
     new_state = dataclasses.replace(
         state,
@@ -295,6 +336,7 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
         step=state.step + taken,
         variables=traverse_util.unflatten_dict(new_variables) if new_variables else state.variables,
         device_params=device_params,
+        feedback=feedback,
     )
     metrics = {"loss": loss, "grad_norm": grad_norm, "nonfinite": (~finite).astype(jnp.int32)}
     if token_weighted:

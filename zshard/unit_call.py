@@ -111,12 +111,15 @@ class Residuals(NamedTuple):
       inputs: the call's inputs (a pytree of arrays).
       saved: the activations the remat policy saved (``remat != "block"``): the pullback's
         leaves that are not gathered weights, in order; ``[]`` for ``remat="block"``.
+      feedback: error feedback: per FlatParameter, the residuals ``f32[n_pad]`` the call was
+        given as its sinks ([Note: error feedback] in zshard/collectives.py), else ``None``.
     """
 
     shards: tuple
     kept: list
     inputs: Any
     saved: list
+    feedback: Any = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -163,7 +166,7 @@ class UnitCall:
     layout: PullbackLayout = dataclasses.field(default_factory=PullbackLayout)
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, bufs, inputs, after_token):
+    def forward(self, bufs, inputs, after_token, feedback=None):
         """Gather, run the unit, keep :class:`Residuals`; returns ``((out, out_token), res)``."""
         comm = self.comm
         # The gather may not start before the unit's input exists (or, prefetching, the input of
@@ -174,14 +177,14 @@ class UnitCall:
         kept = [] if comm.reshard else params
         out_token = schedule_token(inputs)
         if comm.remat == "block":
-            return (self.apply(params, inputs), out_token), Residuals(bufs, kept, inputs, [])
+            return (self.apply(params, inputs), out_token), Residuals(bufs, kept, inputs, [], feedback)
         out, pullback = jax.vjp(checkpointed(self.apply, comm.remat), params, inputs)
         # The pullback's leaves are the saved activations plus the gathered weights; keep the
         # activations, drop the weights (backward gathers them again, or kept has them).
         leaves, self.layout.treedef = jax.tree.flatten(pullback)
         self.layout.weight = [next((j for j, p in enumerate(params) if leaf is p), None) for leaf in leaves]
         saved = [leaf for leaf, j in zip(leaves, self.layout.weight) if j is None]
-        return (out, out_token), Residuals(bufs, kept, inputs, saved)
+        return (out, out_token), Residuals(bufs, kept, inputs, saved, feedback)
 
     # -- re-gather -----------------------------------------------------------------------------
     def regather(self, res: Residuals, g, g_token):
@@ -212,7 +215,7 @@ class UnitCall:
     # -- reduce --------------------------------------------------------------------------------
     def reduce(self, res: Residuals, d_params):
         """Parameter gradients -> ``(cotangents of the shards, cotangents of the sinks)``."""
-        return reduce_flats(self.flats, res.shards, d_params, self.comm, self.sink_dtypes)
+        return reduce_flats(self.flats, res.shards, d_params, self.comm, self.sink_dtypes, res.feedback)
 
     def backward(self, res: Residuals, cts):
         g, g_token = cts
@@ -263,7 +266,9 @@ def run_unit(
         per flat, a tuple of per-parameter arrays ``[n_pad/(R*S)]`` of the parameter dtype
         whose values are never read (``()`` for a frozen flat). The caller differentiates
         with respect to them; backward returns the gradient reduce-scattered over ``shard``
-        and ``replica`` as their cotangent.
+        and ``replica`` as their cotangent. With error feedback (``comm.error_feedback``): per
+        flat the residuals ``f32[n_pad]`` (``f32[0]`` where not quantized); backward adds them
+        before quantizing and returns the new residuals as their cotangent.
 
     Returns:
       ``apply``'s outputs. Residuals: :class:`Residuals`.
@@ -273,8 +278,9 @@ def run_unit(
     """
     flats = tuple(flats)
     comm.check_sinks(sinks, any(f.trainable for f in flats), f"run_unit ({name})")
+    ef = comm.error_feedback  # the sinks are the residuals, read by backward ([Note: error feedback])
     call = UnitCall(
-        apply, flats, comm, name, after, link if link is not None else PrefetchLink(), sink_dtypes_of(sinks),
+        apply, flats, comm, name, after, link if link is not None else PrefetchLink(), None if ef else sink_dtypes_of(sinks),
         frozenset() if after is None else varying_axes(after.token),
     )
 
@@ -282,9 +288,9 @@ def run_unit(
     def _unit(bufs, sinks, inputs, after_token):
         return apply(gather_flats(flats, bufs, comm), inputs), schedule_token(inputs)
 
-    def fwd(bufs, sinks, inputs, after_token):  # the sinks' values are never read
+    def fwd(bufs, sinks, inputs, after_token):  # the sinks' values are read only as residuals (error feedback)
         with jax.named_scope(unit_scope(name, "forward")):
-            return call.forward(bufs, inputs, after_token)
+            return call.forward(bufs, inputs, after_token, sinks if ef else None)
 
     def bwd(res, cts):
         with jax.named_scope(unit_scope(name, "backward")), in_backward():
