@@ -79,10 +79,9 @@ def test_formats_and_bad_input_are_refused_by_name():
             Quant("int8", block=block)
     with pytest.raises(ValueError, match="int4 packs two values per byte, so the block must be even"):
         Quant("int4", block=33)
-    # error feedback is not built: refused, never ignored
-    for field in ("reduce_format", "replica_format"):
-        with pytest.raises(ValueError, match=f"{field}=Quant.'int4', error_feedback=True.*not implemented"):
-            zshard.MixedPrecision(**{field: Quant("int4", error_feedback=True)})
+    # error feedback is built for reduce_format only (tests/test_feedback.py): refused elsewhere, never ignored
+    with pytest.raises(ValueError, match="replica_format=Quant.'int4', error_feedback=True.*shard-axis gradient all-to-all only"):
+        zshard.MixedPrecision(replica_format=Quant("int4", error_feedback=True))
     with pytest.raises(ValueError, match="error feedback corrects gradient quantization"):
         zshard.MixedPrecision(gather_format=Quant("int8", error_feedback=True))
     # an integer reduction without dequantization: the sum would wrap

@@ -9,9 +9,11 @@ renamed when complete, read back onto any mesh and strategy.
 from __future__ import annotations
 
 import inspect
+import dataclasses
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ from zshard.checkpoint.layout import (
     variables_from_tree,
 )
 from zshard.offload import memory_kind, to_device, with_device_params
-from zshard.state import ShardedState, init
+from zshard.state import ShardedState, init, init_feedback
 from zshard.units import path_str
 
 __all__ = ["Checkpointer", "restore", "save"]
@@ -323,10 +325,35 @@ class Checkpointer:
         return self._restore_into(target, step)
 
     def _restore_into(self, target: ShardedState, step: int) -> tuple[ShardedState, Any]:
+        """Error-feedback residuals (``ShardedState.feedback``) are restored bit for bit where the
+        checkpoint has them at the target's shapes (same data devices, same format); otherwise
+        they are reset: zeros where the target keeps error feedback, dropped where it does not,
+        with a warning naming why (DeepSpeed's 1-bit Adam resets its error buffers on load too).
+        A reset costs the correction of one step; nothing else changes."""
+        where = str(self.directory / str(step))
+        stored = self.stored_arrays(step)
+        want = {e.key: (tuple(e.shape), np.dtype(e.dtype)) for e in logical_layout(target)[0] if e.key[0] == "feedback"}
+        have = {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in stored.items() if k[0] == "feedback"}
+        if want == have:
+            return self._restore_arrays(target, step, stored)
+        if not want:
+            why = "the target has no error feedback (reduce_format without error_feedback=True): they are dropped"
+        elif not have:
+            why = "the checkpoint has none (saved without error feedback): they start at zero"
+        else:
+            why = ("they were saved for another mesh or format (shapes differ: each device's residual belongs to its "
+                   "device and its gradient's layout): they start at zero")
+        warnings.warn(f"zshard.checkpoint: checkpoint {where!r}: the error-feedback residuals are not restored; {why}",
+                      stacklevel=3)
+        skipped = {k: m for k, m in stored.items() if k[0] == "feedback"}  # read (Orbax restores whole trees) and dropped
+        stored = {k: m for k, m in stored.items() if k[0] != "feedback"}
+        state, extra = self._restore_arrays(dataclasses.replace(target, feedback={}), step, stored, skipped)
+        return dataclasses.replace(state, feedback=init_feedback(target.plan) if want else {}), extra
+
+    def _restore_arrays(self, target: ShardedState, step: int, stored: dict, skipped=None) -> tuple[ShardedState, Any]:
         meta = self.read_meta(step)
         mngr = self._mngr(create=False)
         where = str(self.directory / str(step))
-        stored = self.stored_arrays(step)
         entries, treedef = logical_layout(target)
         self._check_match(entries, stored, where)
         auto = auto_axes(target.plan.mesh)
@@ -339,6 +366,12 @@ class Checkpointer:
                 for e, k in zip(entries, kinds)
             ],
         )
+        if skipped:  # stored arrays the target does not take (Orbax restores whole trees): read split over the mesh, dropped
+            flat = traverse_util.flatten_dict(abstract)
+            for key, m in skipped.items():
+                spec = logical_spec(auto, tuple(m.shape), target.plan.data_axes)
+                flat[key] = jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=NamedSharding(auto, spec))
+            abstract = traverse_util.unflatten_dict(flat)
         try:
             restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
         except Exception as e:
@@ -356,7 +389,8 @@ class Checkpointer:
             out_shardings=[NamedSharding(auto, leaf.sharding.spec, memory_kind=k) for leaf, k in zip(leaves, kinds)],
         )
         values = jax.tree.unflatten(treedef, [jax.device_put(x, leaf.sharding) for x, leaf in zip(to_state(logical), leaves)])
-        state = ShardedState(values["params"], values["opt_state"], values["step"], target.plan, variables_from_tree(values, target))
+        state = ShardedState(values["params"], values["opt_state"], values["step"], target.plan, variables_from_tree(values, target),
+                             feedback=values.get("feedback", {}))
         return with_device_params(state), meta["extra"]  # offload="optimizer+master": the masters' device copies
 
     @staticmethod

@@ -1,10 +1,11 @@
 """The logical layout of a sharded state: what a zshard checkpoint stores, and the programs
 that go between the state's padded shards and the logical arrays.
 
-One :class:`Entry` per leaf of ``{"params", "opt_state", "step", "variables"}``: a parameter
+One :class:`Entry` per leaf of ``{"params", "opt_state", "step", "variables", "feedback"}``: a parameter
 (and each optimizer-state leaf of a parameter) is stored under its path in its logical
 shape, unpadded; scalar leaves (step counts) and the model's non-parameter variables
-(replicated: BatchNorm statistics, RNG keys as their data and counts) as they are. ``to_logical_fn`` turns the state's
+(replicated: BatchNorm statistics, RNG keys as their data and counts) as they are, and the
+error-feedback residuals (``ShardedState.feedback``, one per device) as they are, ``[..., W n_pad]``. ``to_logical_fn`` turns the state's
 ``[n_pad]`` / ``[L, n_pad]`` shards into logical arrays, split over the same mesh axes along
 a dimension that divides evenly; :func:`pad_to_state` is its inverse at restore. The
 checksums stored beside catch a flipped byte that Orbax restores silently.
@@ -103,6 +104,8 @@ def state_tree(state) -> dict:
     tree = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
     if state.variables:
         tree["variables"] = jax.tree.map(_key_data, state.variables)
+    if state.feedback:  # error feedback: every device's residual, stored as it is ([..., W n_pad])
+        tree["feedback"] = state.feedback
     return tree
 
 
@@ -123,8 +126,9 @@ def logical_layout(state: ShardedState) -> tuple[list[Entry], Any]:
     dtypes and the plan are read. Cached per plan.
     """
     plan = state.plan
-    if plan in _LAYOUTS:
-        return _LAYOUTS[plan]
+    cached = _LAYOUTS.setdefault(plan, {})  # keyed by whether the state carries error-feedback residuals
+    if bool(state.feedback) in cached:
+        return cached[bool(state.feedback)]
     records = plan.layouts
     # Which optimizer leaves belong to which parameter: Optax's own map over params-like
     # subtrees (the same one zshard.init uses for the PartitionSpecs).
@@ -162,13 +166,15 @@ def logical_layout(state: ShardedState) -> tuple[list[Entry], Any]:
                 entry = Entry(key, rec.logical_shape, dtype, rec, opt_axes)
             else:
                 entry = Entry(key, shape, dtype, None, ())
+        elif key[0] == "feedback":  # [..., W n_pad], split over the data axes along its last dimension
+            entry = Entry(key, shape, dtype, None, plan.data_axes)
         else:
             entry = Entry(key, shape, dtype, None, ())
         if key in seen:  # pragma: no cover - two pytree keys with the same string form
             raise ValueError(f"two state leaves share the checkpoint name {'.'.join(key)}: {seen[key]} and {kpath}")
         seen[key] = kpath
         entries.append(entry)
-    _LAYOUTS[plan] = (entries, treedef)
+    cached[bool(state.feedback)] = (entries, treedef)
     return entries, treedef
 
 
