@@ -258,6 +258,12 @@ class Config:
         strategy has (no shard-axis gather without shard axes, no replica reduction without replicas)."""
         pr, strategy = self.precision, zshard.Strategy.parse(self.strategy())
         at_least("precision.block", pr.block, 0)
+        if pr.error_feedback and pr.reduce_format is None:
+            raise ConfigError(key_of("precision.error_feedback"), "corrects the quantized gradient reduction; set "
+                              "precision.reduce_format too (int4 is where it pays: docs/quantized.md)")
+        if pr.error_feedback and strategy.scatters_replica:
+            raise ConfigError(key_of("precision.error_feedback"), f"{strategy.value} reduces gradients into its optimizer "
+                              "slices, which error feedback does not support; use HYBRID_SHARD or FULL_SHARD")
         for name in ("gather_format", "reduce_format", "replica_format"):
             value = getattr(pr, name)
             if value is None:
@@ -277,7 +283,7 @@ class Config:
         """The run's ``zshard.MixedPrecision`` (``[training]`` dtypes, ``[precision]`` formats), or
         ``None`` when nothing is set (full precision)."""
         t, pr = self.training, self.precision
-        formats = {k: zshard.Quant(v, block=pr.block or None) if v else None
+        formats = {k: zshard.Quant(v, block=pr.block or None, error_feedback=pr.error_feedback and k == "reduce_format") if v else None
                    for k, v in (("gather_format", pr.gather_format), ("reduce_format", pr.reduce_format),
                                 ("replica_format", pr.replica_format))}
         if not (t.param_dtype or t.reduce_dtype or any(formats.values())):

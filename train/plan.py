@@ -86,6 +86,9 @@ def _parse(argv):
                         "the shard axes (an all-to-all of quantized blocks)"), ("replica", "the gradient reduction over replica")):
         p.add_argument(f"--{what}-format", default=None, choices=["int8", "int4", "float8_e4m3fn", "float8_e5m2"],
                        help=f"quantized wire format of {help_} (zshard.Quant, docs/quantized.md); default: unquantized")
+    p.add_argument("--error-feedback", action="store_true",
+                   help="with --reduce-format: keep every device's fp32 residual of its quantized gradient (4 bytes per "
+                   "quantized parameter element on each device, in the model state)")
     p.add_argument("--quant-block", type=int, default=256, metavar="B",
                    help="elements per float32 scale of the formats (0: one scale per tensor); default 256")
     p.add_argument("--device-memory-gb", type=float, default=80.0, metavar="GB", help="memory of one device, GB (10^9 bytes)")
@@ -138,10 +141,12 @@ def main(argv=None) -> int:
         parser.error(f"--batch-size {batch} must divide by the {data} data devices of the {mesh_name} mesh")
     dtype = jnp.dtype(args.param_dtype)
     try:
-        formats = {f"{k}_format": zshard.Quant(v, block=args.quant_block or None) if v else None
-                   for k, v in (("gather", args.gather_format), ("reduce", args.reduce_format), ("replica", args.replica_format))}
+        formats = {f"{k}_format": zshard.Quant(v, block=args.quant_block or None, error_feedback=args.error_feedback and k == "reduce")
+                   if v else None for k, v in (("gather", args.gather_format), ("reduce", args.reduce_format), ("replica", args.replica_format))}
     except ValueError as e:
         parser.error(f"--quant-block: {e}")
+    if args.error_feedback and not args.reduce_format:
+        parser.error("--error-feedback corrects the quantized gradient reduction: give --reduce-format too")
     mp = zshard.MixedPrecision(**formats) if any(formats.values()) else None
     if args.offload == "optimizer+master":  # the masters stay float32, the gathers and compute in bf16
         if dtype != jnp.float32:

@@ -134,6 +134,8 @@ class PrecisionConfig:
     """int8, int4, float8_e4m3fn or float8_e5m2: the gradient reduction over the shard axes is an all-to-all of quantized blocks, summed in float32; unset: a reduce-scatter in reduce_dtype"""
     replica_format: str | None = None
     """the same for the gradient reduction over the replica axis (HYBRID_SHARD*, NO_SHARD, SHARD_OPT: the all-reduce); unset: reduce_dtype"""
+    error_feedback: bool = False
+    """with reduce_format: each device adds the residual its last quantized gradient dropped before quantizing the next (error feedback: EF-SGD, LoCo); costs 4 bytes per quantized parameter element on every device (float32, in the checkpoints)"""
     block: int = dataclasses.field(default=256, metadata=_flag("block", "--quant-block"))
     """elements per float32 scale of every format (ZeRO++ block quantization); 0: one scale per tensor (tensorwise)"""
 

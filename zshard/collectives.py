@@ -107,10 +107,11 @@ class UnitComm:
 
     def check_sinks(self, sinks, trainable: bool, where: str) -> None:
         """Raise ``ValueError`` where ``sinks`` are given without :attr:`sinks` (or
-        :attr:`error_feedback`, whose residuals travel as sinks), or missing with it for
-        ``trainable`` parameters (frozen ones have no sink)."""
+        :attr:`error_feedback`, whose residuals travel as sinks), or missing with :attr:`sinks`
+        for ``trainable`` parameters (frozen ones have no sink). Error feedback's residuals may
+        be missing: a forward-only pass (evaluation) reduces no gradient."""
         wanted = self.sinks or self.error_feedback
-        if (sinks is not None and not wanted) or (sinks is None and wanted and trainable):
+        if (sinks is not None and not wanted) or (sinks is None and self.sinks and trainable):
             raise ValueError(
                 f"zshard: {where} called {'with' if sinks is not None else 'without'} gradient sinks, but its UnitComm has "
                 f"replica_reduce={self.replica_reduce.name}, error_feedback={self.error_feedback}; gradient sinks are "

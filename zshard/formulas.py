@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from zshard.mesh import CONTEXT, TENSOR
 from zshard.offload import _itemsize, master_paths
 from zshard.optim import optimizer_grad_specs, optimizer_program
-from zshard.quant import moved_bytes
+from zshard.quant import feedback_bytes, moved_bytes
 from zshard.strategy import Strategy
 from zshard.hlo import _axis_name, parse_collectives
 
@@ -187,7 +187,11 @@ def _state_formula(plan) -> dict:
     tensor-parallel parameters over ``T``, arXiv 1909.08053 section 3): each parameter over the
     devices of its shard axes (``N``) and, split over ``tensor``, its ``T`` pieces; each
     optimizer leaf shaped like a parameter likewise over the optimizer's axes; leaves held whole
-    (counts, Adafactor's factors) on every device."""
+    (counts, Adafactor's factors) on every device. With error feedback (``reduce_format=Quant(...,
+    error_feedback=True)``) the fp32 residuals are not sharded: ``4 n_pad`` bytes per device for
+    each quantized trainable parameter (``feedback``, counted in ``total``;
+    :func:`zshard.quant.feedback_bytes`): the whole gradient of those parameters on every
+    device, against the ``16 Psi / N`` of Adam's fp32 model state (EF-SGD, arXiv 1901.09847, keeps one per worker)."""
     T, N, N_opt = plan.tensor, plan.num_shards, plan.opt_shards
     params = sum(
         int(np.prod(rec.logical_shape, dtype=np.int64)) * rec.dtype.itemsize / (N * (T if rec.split else 1))
@@ -220,7 +224,11 @@ def _state_formula(plan) -> dict:
     masters = [plan.layouts[p] for p in master_paths(plan)]
     host_masters = sum(per(rec, rec.dtype.itemsize) for rec in masters)
     copies = sum(per(rec, np.dtype(plan.mp.gather_dtype(rec.dtype)).itemsize) for rec in masters)
-    return {"params": params, "opt_state": opt, "total": params + opt, "opt_state_host": opt_host, "masters": host_masters, "copies": copies}
+    out = {"params": params, "opt_state": opt, "total": params + opt, "opt_state_host": opt_host, "masters": host_masters, "copies": copies}
+    if plan.mp.error_feedback:
+        out["feedback"] = float(feedback_bytes(plan))
+        out["total"] += out["feedback"]
+    return out
 
 
 class _Ref:

@@ -50,7 +50,8 @@ class Report:
       per_device_bytes: ``memory_analysis()``: ``argument``, ``output``, ``temp``, ``alias``.
       model_state_bytes: ``measured`` and ``formula`` dicts of ``params``, ``opt_state``,
         ``total`` (gradients are step temporaries in JAX, never persistent state), and
-        ``ratio`` of the totals.
+        ``ratio`` of the totals; with error feedback also ``feedback`` (the fp32 residuals,
+        in ``total``).
       comm_bytes_per_step: per mesh axis (``shard``, ``replica``, ``world``): ``measured``,
         ``formula``, ``ratio``; the formula includes the optimizer's (``optimizer["formula"]``).
       collectives: per ``(kind, axis)``: ``count`` (executions per step) and ``bytes``.
@@ -114,7 +115,10 @@ class Report:
             "| memory per device | MiB |",
             "|---|---:|",
             *(f"| {k} (memory_analysis) | {mib(v)} |" for k, v in self.per_device_bytes.items()),
-            f"| model state measured (params + optimizer) | {mib(ms['measured']['total'])} |",
+            f"| model state measured (params + optimizer{' + error feedback' if 'feedback' in ms['measured'] else ''}) | "
+            f"{mib(ms['measured']['total'])} |",
+            *([f"| error-feedback residuals (fp32, measured / formula) | {mib(ms['measured']['feedback'])} / "
+               f"{mib(ms['formula']['feedback'])} |"] if "feedback" in ms["measured"] else []),
             f"| model state formula | {mib(ms['formula']['total'])} |",
             f"| ratio | {ms['ratio']:.4f} |",
             "",
@@ -195,6 +199,9 @@ def report(step, state, batch) -> Report:
         "opt_state": sum(_local_bytes(x) for x in jax.tree.leaves(state.opt_state)),
     }
     measured["total"] = measured["params"] + measured["opt_state"]
+    if plan.mp.error_feedback:  # the fp32 residuals, [n_pad] per quantized parameter on every device
+        measured["feedback"] = sum(_local_bytes(x) for x in jax.tree.leaves(state.feedback))
+        measured["total"] += measured["feedback"]
     formula = _state_formula(plan)
     split = {k: formula.pop(k) for k in ("opt_state_host", "masters", "copies")}  # the offload lines' formula
 

@@ -39,8 +39,10 @@ def _parse(argv):
     p.add_argument("--configs", default="S,P", help="section 1 configurations, comma-separated (S, P)")
     p.add_argument("--no-depth", action="store_true", help="skip the depth sweep")
     p.add_argument("--no-scale", action="store_true", help="skip scale by simulation")
-    p.add_argument("--no-quantized", action="store_true", help="skip the quantized collectives (five python -m train runs)")
+    p.add_argument("--no-quantized", action="store_true", help="skip the quantized collectives (six python -m train runs)")
     p.add_argument("--quant-steps", type=int, default=300, metavar="N", help="steps of each quantized-collectives run (default 300)")
+    p.add_argument("--quant-only", default=None, metavar="WORDS",
+                   help="only the quantized runs whose names contain one of these comma-separated words (e.g. int4), and the exact peer")
     p.add_argument("--scale-timeout", type=float, default=900.0, metavar="S", help="seconds allowed to each scale subprocess")
     p.add_argument("--offload", action="store_true", help="only the host-offload measurement on one GPU (train/bench/offload.py: HBM "
                    "saved, step-time overhead against the pinned-transfer bound); skipped without a GPU")
@@ -108,7 +110,8 @@ def main(argv=None) -> int:
                 results["scale"] += run_scale([n], [model], scale_strats, progress, args.scale_timeout, tensor=tensor)
             report(scale_table(results["scale"]) + "\n", progress)
         if do_quant:
-            results["quantized"] = quantized_section(out / "quantized", args.quant_steps, progress)
+            only = [w for w in (args.quant_only or "").split(",") if w]
+            results["quantized"] = quantized_section(out / "quantized", args.quant_steps, progress, only=only)
             report(quantized_table(results["quantized"]) + "\n", progress)
     if jax.default_backend() == "gpu":
         results["gpu"] = gpu_section(args.repeats or 10)
