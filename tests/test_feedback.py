@@ -208,3 +208,23 @@ def test_checkpoints_store_the_residuals_bitwise_and_reset_them_with_a_warning(t
     with pytest.warns(UserWarning, match="the checkpoint has none .saved without error feedback.: they start at zero"):
         back, _ = zshard.checkpoint.Checkpointer(tmp_path / "plain").restore(mesh, model=gpt, tx=optax.sgd(LR), mixed_precision=EF)
     assert all(not np.any(x) for x in jax.tree.leaves(_host(back.feedback)))
+
+
+# --- the main job ------------------------------------------------------------------------------------
+
+
+def test_the_main_job_takes_error_feedback_in_precision():
+    from train import config as C  # noqa: PLC0415
+    from train.cli import build_parser  # noqa: PLC0415
+
+    cfg = build_parser().parse_args(["--reduce-format", "int4", "--error-feedback"]).run.validate()
+    assert cfg.mixed_precision() == zshard.MixedPrecision(reduce_format=Quant("int4", 256, error_feedback=True))
+    assert C.Config.from_dict({"precision": {"reduce_format": "int4"}}).validate().mixed_precision() == \
+        zshard.MixedPrecision(reduce_format=Quant("int4", 256))
+    for raw, needle in (
+        ({"precision": {"error_feedback": True}}, r"precision.error_feedback \(--error-feedback\).*set precision.reduce_format too"),
+        ({"precision": {"error_feedback": True, "reduce_format": "int4"}, "mesh": {"shape": "2x4", "strategy": "HYBRID_SHARD_OPT"}},
+         "precision.error_feedback.*HYBRID_SHARD_OPT reduces gradients into its optimizer slices"),
+    ):
+        with pytest.raises(C.ConfigError, match=needle):
+            C.Config.from_dict(raw).validate()
