@@ -57,13 +57,20 @@ def _run(mesh_shape=(1, 8), strategy="FULL_SHARD", grad_accum=1, scan=False, mp=
     return state.plan, snaps, losses, state
 
 
+@functools.cache
+def _grad_fn(scan: bool):
+    """One compiled one-device gradient of the mean loss: ``(nnx state of the parameters, batch) -> grads``."""
+    graphdef, _, rest = nnx.split(gpt(scan), nnx.Param, ...)
+    return jax.jit(lambda params, batch: nnx.grad(lambda m: cross_entropy_loss(m, batch))(nnx.merge(graphdef, params, rest)))
+
+
 def _reference_grad(plan, params: dict, batch) -> dict:
     """The exact gradient of the global mean loss at ``params`` (stored form), on one device:
     ``path -> logical array``."""
-    model = gpt(scan=any(rec.layers for rec in plan.layouts.values()))
+    scan = any(rec.layers for rec in plan.layouts.values())
     flat = traverse_util.flatten_dict(params)
-    nnx.update(model, nnx.from_flat_state([(p, plan.layouts[p].from_storage(flat[p])) for p in plan.layouts]))
-    grads = nnx.grad(lambda m: cross_entropy_loss(m, jax.tree.map(jnp.asarray, batch)))(model)
+    logical = nnx.from_flat_state([(p, nnx.Param(jnp.asarray(plan.layouts[p].from_storage(flat[p])))) for p in plan.layouts])
+    grads = _grad_fn(scan)(logical, jax.tree.map(jnp.asarray, batch))
     return {p: np.asarray(v) for p, v in traverse_util.flatten_dict(nnx.to_pure_dict(grads)).items()}
 
 
