@@ -32,6 +32,7 @@ from zshard import quant
 from zshard.flat import FlatParameter, ParamLayout
 from zshard.mesh import TENSOR
 from zshard.precision import FULL_PRECISION, MixedPrecision
+from zshard.quant import replica_slices
 from zshard.strategy import ReplicaReduce
 
 __all__ = [
@@ -100,23 +101,15 @@ class UnitComm:
         """Gradients leave through gradient sinks (``ReplicaReduce.TO_SINKS``)."""
         return self.replica_reduce is ReplicaReduce.TO_SINKS
 
-    @property
-    def error_feedback(self) -> bool:
-        """``mp.reduce_format`` keeps error feedback: the sinks are the residuals ([Note: error feedback])."""
-        return self.mp.error_feedback
-
     def check_sinks(self, sinks, trainable: bool, where: str) -> None:
-        """Raise ``ValueError`` where ``sinks`` are given without :attr:`sinks` (or
-        :attr:`error_feedback`, whose residuals travel as sinks), or missing with :attr:`sinks`
-        for ``trainable`` parameters (frozen ones have no sink). Error feedback's residuals may
-        be missing: a forward-only pass (evaluation) reduces no gradient."""
-        wanted = self.sinks or self.error_feedback
-        if (sinks is not None and not wanted) or (sinks is None and self.sinks and trainable):
+        """Raise ``ValueError`` where ``sinks`` are given without :attr:`sinks` (or error feedback's
+        residuals, zshard/feedback.py, which may also be missing), or missing with it for
+        ``trainable`` parameters (frozen ones have no sink)."""
+        if (sinks is not None and not (self.sinks or self.mp.error_feedback)) or (sinks is None and self.sinks and trainable):
             raise ValueError(
                 f"zshard: {where} called {'with' if sinks is not None else 'without'} gradient sinks, but its UnitComm has "
-                f"replica_reduce={self.replica_reduce.name}, error_feedback={self.error_feedback}; gradient sinks are "
-                f"passed exactly when the step reduces TO_SINKS (HYBRID_SHARD_OPT) or keeps error feedback, and "
-                f"trainable parameters are gathered"
+                f"replica_reduce={self.replica_reduce.name}; gradient sinks are passed exactly when the step reduces "
+                f"TO_SINKS (HYBRID_SHARD_OPT) or keeps error feedback, and trainable parameters are gathered"
             )
 
 
@@ -299,17 +292,6 @@ def gather_params(slots, shards, comm: UnitComm, ready=None) -> list[jax.Array]:
     return [full if rec.split else rec.from_storage(full) for rec, full in zip(recs, fulls)]
 
 
-# [Note: error feedback] With ``Quant(..., error_feedback=True)`` on ``reduce_format`` each trainable
-# parameter has a residual on every device (``ShardedState.feedback``: ``f32[..., n_pad]`` local,
-# the ones its format quantizes; ``f32[..., 0]`` placeholders for the others inside the step). The
-# residuals ride the gradient-sink plumbing (HYBRID_SHARD_OPT's, which error feedback refuses): a
-# unit call takes them as its ``sinks``, keeps them for its backward, and returns each new residual
-# (what the quantizer dropped, :func:`zshard.quant.reduce_scatter_feedback`) as the sink's
-# cotangent, so the step differentiates w.r.t. them and gets the new residuals. A parameter whose
-# gradient is reduced twice in one micro-batch (a unit called twice) would sum two residuals: not
-# supported (docs/quantized.md).
-
-
 def reduce_grads(slots, grads, comm: UnitComm, sink_dtypes=None, feedback=None):
     """The one reduce path: full-size gradients (logical shapes) -> this device's gradient shards.
 
@@ -328,8 +310,8 @@ def reduce_grads(slots, grads, comm: UnitComm, sink_dtypes=None, feedback=None):
     With ``comm.mp.reduce_format`` / ``replica_format``, the parameters they quantize take the
     all-to-all of quantized blocks instead ([Note: quantized collectives]).
 
-    ``feedback`` (error feedback, [Note: error feedback]): per parameter its residual
-    ``f32[..., n_pad]`` (``f32[..., 0]`` where its format does not quantize it).
+    ``feedback`` (error feedback, zshard/feedback.py): per parameter its residual ``f32[..., n_pad]``
+    (``f32[..., 0]`` where its format does not quantize it).
 
     Returns:
       Per parameter ``[..., n_pad/N]`` (``TO_SINKS``: ``[..., n_pad/(R*S)]``), in the reduce dtype
@@ -379,32 +361,6 @@ def _replica_reduce(recs, shards, comm: UnitComm, sink_dtypes) -> list[jax.Array
             raise ValueError(f"zshard: unknown replica reduction {comm.replica_reduce!r}")
 
 
-def replica_slices(slots_shards: Sequence[jax.Array], axes: tuple[str, ...], parts: int) -> list[jax.Array]:
-    """HYBRID_SHARD_OPT: gradient shards summed over ``shard`` -> this device's optimizer
-    slices, summed over ``axes`` too (one reduce-scatter for all of them).
-
-    Args:
-      slots_shards: per parameter ``[..., n_pad/S]`` (``n_pad`` a multiple of ``S*parts``),
-        in the reduce dtype, varying over ``axes`` (each replica's own sum).
-      axes / parts: the replica axes and ``R``, the devices along them.
-
-    Returns:
-      Per parameter ``[..., n_pad/(R*S)]``: row ``r`` (this device's index along ``axes``)
-      of ``[..., R, n_pad/(R*S)]``, summed over ``axes`` (``opt_axes = (shard, replica)``,
-      docs/memory.md).
-    """
-    # each [..., n_pad/S] -> [..., R, n_pad/(R S)]; side by side: [..., R, L/(R S)]
-    rows = [vary(g.reshape(g.shape[:-1] + (parts, g.shape[-1] // parts)), axes) for g in slots_shards]
-    both = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=-1)
-    # [..., R, L/(R S)] --reduce_scatter(replica)--> [..., L/(R S)]
-    mine = jax.lax.psum_scatter(both, axes, scatter_dimension=both.ndim - 2, tiled=False)
-    out, at = [], 0
-    for r in rows:  # [..., L/(R S)] -> ([..., n_pad_p/(R S)], ...)
-        out.append(mine[..., at : at + r.shape[-1]])
-        at += r.shape[-1]
-    return out
-
-
 # --- a unit's FlatParameters -------------------------------------------------------------------------
 
 
@@ -433,9 +389,8 @@ def reduce_flats(flats, bufs, grads, comm: UnitComm, sink_dtypes=None, feedback=
     (per-parameter shards, or concatenated where the unit was called with a FlatParameter
     shard); a frozen flat gets zeros. With sinks (``TO_SINKS``): the sinks' cotangent; the bufs
     get none (they are not differentiated), so only ``[n_pad/(R*S)]`` per parameter leaves the
-    unit. ``sink_dtypes``: per flat, the sinks' dtypes (``()`` for a frozen flat). ``feedback``
-    (error feedback): per flat, its residuals (the sinks' values, ``()`` for a frozen flat); the
-    sinks' cotangents are then the new residuals ([Note: error feedback]).
+    unit. ``sink_dtypes``: per flat, the sinks' dtypes (``()`` for a frozen flat). ``feedback``:
+    per flat, its residuals (the sinks' values); their cotangents are the new ones (zshard/feedback.py).
     """
     out, to_sinks, i = [], [], 0
     for k, (f, b) in enumerate(zip(flats, bufs)):
@@ -480,7 +435,7 @@ def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], comm: Unit
     """
     flats = tuple(flats)
     comm.check_sinks(sinks, any(f.trainable for f in flats), "gather")
-    ef = comm.error_feedback  # the sinks are the residuals ([Note: error feedback])
+    ef = comm.mp.error_feedback  # the sinks are the residuals (zshard/feedback.py)
     sink_dtypes = None if ef else sink_dtypes_of(sinks)
 
     @jax.custom_vjp
@@ -517,7 +472,7 @@ def gather_param(slot: ParamLayout, shard: jax.Array, comm: UnitComm, sink: jax.
       ValueError: ``sink`` given without ``comm.sinks`` or missing with it.
     """
     comm.check_sinks(sink, slot.trainable, f"gather_param ({slot.path})")
-    ef = comm.error_feedback and sink is not None  # the sink is the residual ([Note: error feedback])
+    ef = comm.mp.error_feedback and sink is not None  # the sink is the residual (zshard/feedback.py)
     sink_dtypes = None if sink is None or ef else (sink.dtype,)
 
     @jax.custom_vjp

@@ -55,6 +55,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_feedback",
     "replica_reduction",
+    "replica_slices",
     "wire_bytes",
 ]
 
@@ -78,8 +79,8 @@ class Quant:
         ``pmax``). A parameter is padded to a multiple of ``N * block`` so no block straddles
         two shards.
       error_feedback: ``reduce_format`` only: each device keeps what quantizing its gradient
-        dropped (an fp32 residual ``[n_pad]`` per quantized parameter, ``ShardedState.feedback``)
-        and adds it to its next gradient before quantizing (:func:`reduce_scatter_feedback`;
+        dropped (an fp32 residual ``[n_pad]`` per quantized parameter, ``ShardedState.feedback``,
+        zshard/feedback.py) and adds it to its next gradient before quantizing (:func:`reduce_scatter_feedback`;
         1-bit SGD, Seide et al. 2014; EF-SGD, Karimireddy et al. 2019, arXiv 1901.09847; LoCo,
         arXiv 2407.04480). ``replica_format`` and ``gather_format`` refuse it.
 
@@ -288,6 +289,34 @@ def replica_reduction(recs, shards, comm, plain, *, scatter: bool = False) -> li
             out[i] = reduce_scatter(shards[i], comm.replica_axes, f)
         elif f is not None:  # [..., n_pad/N] --all_to_all + all_gather(replica), quantized--> [..., n_pad/N]
             out[i] = all_reduce(shards[i], comm.replica_axes, f).astype(shards[i].dtype)
+    return out
+
+
+def replica_slices(slots_shards: Sequence[jax.Array], axes: tuple[str, ...], parts: int) -> list[jax.Array]:
+    """HYBRID_SHARD_OPT: gradient shards summed over ``shard`` -> this device's optimizer
+    slices, summed over ``axes`` too (one reduce-scatter for all of them).
+
+    Args:
+      slots_shards: per parameter ``[..., n_pad/S]`` (``n_pad`` a multiple of ``S*parts``),
+        in the reduce dtype, varying over ``axes`` (each replica's own sum).
+      axes / parts: the replica axes and ``R``, the devices along them.
+
+    Returns:
+      Per parameter ``[..., n_pad/(R*S)]``: row ``r`` (this device's index along ``axes``)
+      of ``[..., R, n_pad/(R*S)]``, summed over ``axes`` (``opt_axes = (shard, replica)``,
+      docs/memory.md).
+    """
+    from zshard.collectives import vary  # noqa: PLC0415  (collectives imports this module)
+
+    # each [..., n_pad/S] -> [..., R, n_pad/(R S)]; side by side: [..., R, L/(R S)]
+    rows = [vary(g.reshape(g.shape[:-1] + (parts, g.shape[-1] // parts)), axes) for g in slots_shards]
+    both = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=-1)
+    # [..., R, L/(R S)] --reduce_scatter(replica)--> [..., L/(R S)]
+    mine = jax.lax.psum_scatter(both, axes, scatter_dimension=both.ndim - 2, tiled=False)
+    out, at = [], 0
+    for r in rows:  # [..., L/(R S)] -> ([..., n_pad_p/(R S)], ...)
+        out.append(mine[..., at : at + r.shape[-1]])
+        at += r.shape[-1]
     return out
 
 

@@ -28,6 +28,7 @@ from zshard.offload import (
 from zshard.optim import init_optimizer
 from zshard.planner import Plan, Unit, make_plan
 from zshard.precision import MixedPrecision
+from zshard.feedback import init_feedback
 from zshard.quant import feedback_layout
 from zshard.strategy import Strategy
 from zshard.tp import check_logical_rules
@@ -296,20 +297,6 @@ def init(
         step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
     state = ShardedState(values, opt_state, step, plan, variables, feedback=init_feedback(plan, abstract))
     return _offload_masters(state) if plan.offload == "optimizer+master" else state
-
-
-def init_feedback(plan: Plan, abstract: bool = False) -> dict:
-    """The error-feedback residuals of ``plan`` (``ShardedState.feedback``): float32 zeros
-    ``[..., W * n_pad]`` split over the data axes (abstract: ``jax.ShapeDtypeStruct``); ``{}``
-    without ``error_feedback``."""
-    out = {}
-    for p, (shape, spec) in feedback_layout(plan).items():
-        sh = NamedSharding(plan.mesh, spec)
-        if abstract:
-            out[p] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)
-        else:
-            out[p] = jax.jit(lambda s=shape: jnp.zeros(s, jnp.float32), out_shardings=sh)()
-    return traverse_util.unflatten_dict(out) if out else {}
 
 
 def _offload_masters(state: ShardedState) -> ShardedState:

@@ -31,6 +31,7 @@ from flax import nnx, traverse_util
 from jax.sharding import PartitionSpec as P
 
 from zshard.checks import check_traced, traced
+from zshard.feedback import feedback_sinks, new_feedback
 from zshard.collectives import vary
 from zshard.intercept import materialize, read_variables
 from zshard.jaxprs import LOSS_SCOPE
@@ -131,8 +132,7 @@ def _sync_variables(plan: Plan, new: dict, old: dict) -> dict:
     return out
 
 
-def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, batch, k: int, reduce: ReplicaReduce, dtypes=None,
-                feedback=None):
+def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, batch, k: int, reduce, dtypes=None, feedback=None):
     """Gradient accumulation over ``k`` micro-batches (``lax.scan``), on the shards.
 
     ``params``: what ``objective`` differentiates: the trainable shards, or HYBRID_SHARD_OPT's
@@ -146,11 +146,9 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
     variables (BatchNorm statistics, RNG counts) are carried from one micro-batch to the next.
     ``dtypes``: a tree like ``params`` whose leaves' dtypes the gradients are returned in
     (default ``params``; the masters' with ``offload="optimizer+master"``, whose ``params`` are
-    the ``param_dtype`` copies). ``feedback`` (error feedback): the residual sinks, carried from
-    one micro-batch to the next (each micro-batch's quantized reduction adds the residual the
-    previous one left, [Note: error feedback]); ``objective`` then takes ``(params, feedback)``.
-    Returns ``((loss total, count total), aux summed, variables, grads)``, and with ``feedback``
-    the residuals after the last micro-batch.
+    the ``param_dtype`` copies). ``feedback``: error feedback's residual sinks, carried from one
+    micro-batch to the next (zshard/feedback.py); ``objective`` then takes ``(params, feedback)``.
+    Returns ``((loss total, count total), aux summed, variables, grads, feedback after the last)``.
     """
     replica = plan.replica_axes
     # Differentiating w.r.t. replica-varying parameters lets each micro-batch's gradient
@@ -162,8 +160,7 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
         acc, totals, aux_sum, variables, fb = carry
         wrt = params if feedback is None else (params, fb)
         (_, (step_totals, aux, variables)), grads = jax.value_and_grad(objective, has_aux=True)(wrt, variables, mb)
-        if feedback is not None:
-            grads, fb = grads  # the sinks' cotangents: the new residuals
+        grads, fb = (grads, fb) if feedback is None else grads  # error feedback: the sinks' cotangents, the new residuals
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
         aux_sum = jax.tree.map(lambda a, x: a + jnp.asarray(x).astype(a.dtype), aux_sum, aux)
         return (acc, jax.tree.map(jnp.add, totals, step_totals), aux_sum, variables, fb), None
@@ -187,8 +184,7 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
             raise ValueError(f"zshard: gradient accumulation under replica reduction {reduce!r}")
     # floating aux: mean over micro-batches; integer aux: summed
     aux = jax.tree.map(lambda a: a / k if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux_sum)
-    grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params if dtypes is None else dtypes)
-    return (totals, aux, variables, grads) if feedback is None else (totals, aux, variables, grads, feedback)
+    return totals, aux, variables, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params if dtypes is None else dtypes), feedback
 
 
 def gradient_sinks(plan: Plan, train: dict) -> dict:
@@ -199,17 +195,6 @@ def gradient_sinks(plan: Plan, train: dict) -> dict:
     (:func:`zshard.unit_call.run_unit`). Unread, they are dropped from the compiled loop."""
     parts = plan.opt_shards // plan.num_shards
     return jax.tree.map(lambda p: vary(jnp.zeros(p.shape[:-1] + (p.shape[-1] // parts,), p.dtype), plan.data_axes), train)
-
-
-def feedback_sinks(plan: Plan, train: dict, feedback: dict) -> dict:
-    """Error feedback: the sinks the units read their residuals from ([Note: error feedback] in
-    zshard/collectives.py), nested like ``train``: each quantized parameter's residual
-    ``f32[..., n_pad]`` (``ShardedState.feedback``), an ``f32[..., 0]`` placeholder for the
-    others, varying over every data axis."""
-    fb = traverse_util.flatten_dict(feedback)
-    axes = plan.data_axes
-    out = {p: fb[p] if p in fb else vary(jnp.zeros(x.shape[:-1] + (0,), jnp.float32), axes) for p, x in traverse_util.flatten_dict(train).items()}
-    return traverse_util.unflatten_dict(out)
 
 
 def warn_positions(split: SequenceSplit | None, record) -> None:
@@ -270,36 +255,22 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
         # HYBRID_SHARD_OPT: differentiate w.r.t. gradient sinks [n_pad/(R S)]; every unit's
         # backward reduce-scatters its gradient over shard and then replica into them, so no
         # [n_pad/S] gradient outlives its unit (docs/memory.md, "Gradient sinks").
-        wrt = gradient_sinks(plan, train)
+        wrt, sinks = gradient_sinks(plan, train), None
 
         def differentiated(sinks, variables, batch):
             return objective(compute, variables, batch, sinks)
-    elif comm.error_feedback:
-        # Error feedback: the residuals enter as sinks, their cotangents are the new residuals.
-        sinks = feedback_sinks(plan, train, state.feedback)
-
-        def differentiated(wrt, variables, batch):
-            return objective(wrt[0], variables, batch, wrt[1])
-
-        wrt = compute
+    elif plan.mp.error_feedback:  # the residuals enter as sinks, their cotangents are the new ones (zshard/feedback.py)
+        wrt, sinks = compute, feedback_sinks(plan, train, state.feedback)
+        differentiated = lambda w, v, b: objective(w[0], v, b, w[1])  # noqa: E731
     else:
-        wrt, differentiated = compute, objective
-    feedback = state.feedback
-    if k == 1 and comm.error_feedback:
-        (_, (totals, aux, new_variables)), (grads, new_sinks) = jax.value_and_grad(differentiated, has_aux=True)(
-            (wrt, sinks), variables, batch
-        )
-    elif k == 1:
-        (_, (totals, aux, new_variables)), grads = jax.value_and_grad(differentiated, has_aux=True)(wrt, variables, batch)
+        wrt, differentiated, sinks = compute, objective, None
+    if k == 1:
+        (_, (totals, aux, new_variables)), grads = jax.value_and_grad(differentiated, has_aux=True)(wrt if sinks is None else (wrt, sinks), variables, batch)
+        grads, sinks = (grads, None) if sinks is None else grads
     else:
         dtypes = train if compute is not train else None  # offload="optimizer+master": gradients in the masters' dtype
-        out = _accumulate(plan, differentiated, wrt, variables, batch, k, comm.replica_reduce, dtypes,
-                          sinks if comm.error_feedback else None)  # fmt: skip
-        totals, aux, new_variables, grads = out[:4]
-        new_sinks = out[4] if comm.error_feedback else None
-    if comm.error_feedback:  # the residuals of the quantized parameters (the placeholders dropped)
-        flat_sinks = traverse_util.flatten_dict(new_sinks)
-        feedback = traverse_util.unflatten_dict({p: flat_sinks[p] for p in traverse_util.flatten_dict(state.feedback)})
+        totals, aux, new_variables, grads, sinks = _accumulate(plan, differentiated, wrt, variables, batch, k, comm.replica_reduce, dtypes, sinks)
+    feedback = state.feedback if sinks is None else new_feedback(state.feedback, sinks)
     loss_total, count = (jax.lax.psum(t, plan.data_axes) for t in totals)
     if token_weighted:  # global token mean across devices and micro-batches
         loss = loss_total / count

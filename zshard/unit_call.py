@@ -112,7 +112,7 @@ class Residuals(NamedTuple):
       saved: the activations the remat policy saved (``remat != "block"``): the pullback's
         leaves that are not gathered weights, in order; ``[]`` for ``remat="block"``.
       feedback: error feedback: per FlatParameter, the residuals ``f32[n_pad]`` the call was
-        given as its sinks ([Note: error feedback] in zshard/collectives.py), else ``None``.
+        given as its sinks (zshard/feedback.py), else ``None``.
     """
 
     shards: tuple
@@ -266,7 +266,7 @@ def run_unit(
         per flat, a tuple of per-parameter arrays ``[n_pad/(R*S)]`` of the parameter dtype
         whose values are never read (``()`` for a frozen flat). The caller differentiates
         with respect to them; backward returns the gradient reduce-scattered over ``shard``
-        and ``replica`` as their cotangent. With error feedback (``comm.error_feedback``): per
+        and ``replica`` as their cotangent. With error feedback (``comm.mp.error_feedback``): per
         flat the residuals ``f32[n_pad]`` (``f32[0]`` where not quantized); backward adds them
         before quantizing and returns the new residuals as their cotangent.
 
@@ -278,7 +278,7 @@ def run_unit(
     """
     flats = tuple(flats)
     comm.check_sinks(sinks, any(f.trainable for f in flats), f"run_unit ({name})")
-    ef = comm.error_feedback  # the sinks are the residuals, read by backward ([Note: error feedback])
+    ef = comm.mp.error_feedback  # the sinks are the residuals, read by backward (zshard/feedback.py)
     call = UnitCall(
         apply, flats, comm, name, after, link if link is not None else PrefetchLink(), None if ef else sink_dtypes_of(sinks),
         frozenset() if after is None else varying_axes(after.token),

@@ -1,0 +1,64 @@
+"""Error feedback for the quantized gradient reduction: the residuals' state and their way through the step.
+
+With ``reduce_format=zshard.Quant(..., error_feedback=True)`` every device keeps, per trainable
+parameter the format quantizes, a residual ``e`` of what quantizing its gradient dropped, adds it
+to its next gradient before quantizing, and keeps the new one
+(:func:`zshard.quant.reduce_scatter_feedback`: 1-bit SGD, Seide et al. 2014, section 3; EF-SGD,
+Karimireddy et al. 2019, arXiv 1901.09847, algorithm 2; LoCo, arXiv 2407.04480, section 3).
+
+[Note: error feedback] The residuals live in ``ShardedState.feedback`` (float32, global
+``[..., W * n_pad]``, ``PartitionSpec(..., data_axes)``, local ``[..., n_pad]``:
+:func:`zshard.quant.feedback_layout`). Inside the step they ride the gradient-sink plumbing
+(HYBRID_SHARD_OPT's, which error feedback refuses): :func:`feedback_sinks` gives every trainable
+parameter a sink (its residual, or an ``f32[..., 0]`` placeholder where the format does not
+quantize it); a unit call (:func:`zshard.unit_call.run_unit`, the root's
+:func:`zshard.collectives.gather`, :func:`zshard.collectives.gather_param`) takes them as its
+``sinks``, keeps them for its backward, and returns each new residual as the sink's cotangent,
+so the step differentiates w.r.t. them and :func:`new_feedback` keeps the new residuals. Under
+gradient accumulation the sinks are carried from one micro-batch to the next (each micro-batch's
+reduction adds the residual the previous one left). A parameter whose gradient is reduced twice
+in one micro-batch (a unit called twice per forward) would sum two residuals: not supported
+(docs/quantized.md). A forward-only pass (evaluation) passes no residuals.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+from jax.sharding import NamedSharding
+
+from zshard.collectives import vary
+from zshard.quant import feedback_layout
+
+__all__ = ["feedback_sinks", "init_feedback", "new_feedback"]
+
+
+def init_feedback(plan, abstract: bool = False) -> dict:
+    """The error-feedback residuals of ``plan`` (``ShardedState.feedback``): float32 zeros
+    ``[..., W * n_pad]`` split over the data axes (abstract: ``jax.ShapeDtypeStruct``); ``{}``
+    without ``error_feedback``."""
+    out = {}
+    for p, (shape, spec) in feedback_layout(plan).items():
+        sh = NamedSharding(plan.mesh, spec)
+        if abstract:
+            out[p] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)
+        else:
+            out[p] = jax.jit(lambda s=shape: jnp.zeros(s, jnp.float32), out_shardings=sh)()
+    return traverse_util.unflatten_dict(out) if out else {}
+
+
+def feedback_sinks(plan, train: dict, feedback: dict) -> dict:
+    """Inside the step: the sinks the units read their residuals from, nested like ``train``:
+    each quantized parameter's residual ``f32[..., n_pad]`` (``feedback``, local), an
+    ``f32[..., 0]`` placeholder for the others, varying over every data axis."""
+    fb = traverse_util.flatten_dict(feedback)
+    flat = traverse_util.flatten_dict(train)  # path -> [..., n_pad/N]
+    out = {p: fb[p] if p in fb else vary(jnp.zeros(x.shape[:-1] + (0,), jnp.float32), plan.data_axes) for p, x in flat.items()}
+    return traverse_util.unflatten_dict(out)
+
+
+def new_feedback(feedback: dict, sinks: dict) -> dict:
+    """The sinks' cotangents (the new residuals) of the paths ``feedback`` has; placeholders dropped."""
+    flat = traverse_util.flatten_dict(sinks)
+    return traverse_util.unflatten_dict({p: flat[p] for p in traverse_util.flatten_dict(feedback)})
