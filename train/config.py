@@ -175,13 +175,10 @@ class Config:
             if shapes:
                 fix = f"use a mesh of {n} devices ({shapes}{ctx})"
             else:  # context x tensor does not divide the devices: no RxS fits, the inner axes must change
-                def sizes(xs):  # [1, 2, 4] -> "1, 2 or 4"
-                    return " or ".join(filter(None, [", ".join(map(str, xs[:-1])), str(xs[-1])]))
-
                 contexts = [c for c in range(1, n + 1) if n % (c * tensor) == 0]
-                fix = (f"context {context} x tensor {tensor} = {inner} does not divide {n}: use --context {sizes(contexts)}"
+                fix = (f"context {context} x tensor {tensor} = {inner} does not divide {n}: use --context {_alternatives(contexts)}"
                        if contexts else f"tensor {tensor} does not divide {n}: use a tensor size of "
-                       f"{sizes([t for t in range(1, n + 1) if n % t == 0])}")
+                       f"{_alternatives([t for t in range(1, n + 1) if n % t == 0])}")
             raise ConfigError(
                 key_of("mesh.shape" if me.shape is not None else "mesh.context" if context > 1 else "mesh.tensor"),
                 f"{me.shape or f'tensor = {tensor}'!r} is {replica}x{shard}{f'x{tensor}' if tensor > 1 else ''}{ctx} = "
@@ -358,6 +355,11 @@ class Config:
         if r.data.path is not None:
             r.data.path = str(Path(r.data.path).resolve())
         return r
+
+
+def _alternatives(sizes: list[int]) -> str:
+    """``[1, 2, 4] -> "1, 2 or 4"``: the sizes an error suggests."""
+    return " or ".join(filter(None, [", ".join(map(str, sizes[:-1])), str(sizes[-1])]))
 
 
 def from_args(args: argparse.Namespace, file_raw: dict | None = None, source: str = "config") -> Config:
