@@ -363,7 +363,7 @@ def test_main_job_with_a_context_axis_equals_the_1x8_run(tmp_path):
     for name, flags in (("context", ["--mesh", "1x4", "--context", "2"]), ("rows", ["--mesh", "1x8"])):
         out = tmp_path / name
         res = subprocess.run([sys.executable, "-m", "train", "--model", "nano", "--steps", "4", "--seq-len", "32", "--batch-size", "8",
-                              "--data", str(corpus), "--eval-every", "2", "--out", str(out), *flags],
+                              "--data", str(corpus), "--eval-every", "2", "--sample-tokens", "4", "--out", str(out), *flags],
                              cwd=root, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stderr[-3000:]
         runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -340,7 +340,7 @@ def test_python_m_train_with_offload_runs(tmp_path, corpus):
     out = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "train", "--model", "nano", "--steps", "3", "--seq-len", "32", "--batch-size", "16",
                           "--data", str(corpus), "--eval-every", "0", "--offload", "optimizer+master", "--param-dtype", "bfloat16",
-                          "--report", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                          "--report", "--sample-tokens", "4", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["report"]["offload"]["mode"] == "optimizer+master"

@@ -18,7 +18,7 @@ def run(tmp_path, *args, timeout=600):
 def test_train_writes_metrics_summary_and_report(tmp_path, corpus):
     out = tmp_path / "run"
     res = run(tmp_path, "--model", "nano", "--steps", "30", "--seq-len", "32", "--batch-size", "16", "--mesh", "2x4",
-              "--strategy", "HYBRID_SHARD", "--data", str(corpus), "--eval-every", "15", "--report", "--grad-accum", "2",
+              "--strategy", "HYBRID_SHARD", "--data", str(corpus), "--eval-every", "15", "--report", "--grad-accum", "2", "--sample-tokens", "4",
               "--out", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
