@@ -1,0 +1,118 @@
+"""ZeRO++ hpZ: hierarchical partitioning of the backward re-gather (Wang et al., arXiv 2306.10209 section 3.2).
+
+Under FULL_SHARD a unit's parameters rest as ``[n_pad/N]`` per device, ``N = R*S`` over
+``(replica, shard)`` (``replica`` spans nodes, ``shard`` is inside one). The forward all-gathers
+them over the world, as without hpZ; then each device also keeps, as a residual of the unit,
+its *secondary partition*: its slice of the gathered parameter split over ``shard`` only,
+``[n_pad/S]`` in the gather dtype (``param_dtype``; the dequantized values when a
+``gather_format`` is set, so backward computes with exactly the forward's weights). The backward
+re-gather then all-gathers that slice over ``shard`` only (inside a node) instead of the
+master shard over the world. The gradient reduce-scatter is unchanged.
+
+Per unit of ``M`` bytes in the gather dtype: the backward gather's volume over the slow
+(``replica``, cross-node) link is ``0`` instead of ``M`` (ZeRO++ section 3.2; each device
+receives ``M (S-1)/S`` over ``shard``, inside its node), and the secondary slices hold ``M/S``
+more bytes from forward to backward (DeepSpeed ``zero_hpz_partition_size = S``). On a mesh with a ``context``
+axis the secondary partition is over ``(shard, context)`` (the data axes inside a node).
+
+``make_train_step(loss_fn, hpz=True)`` turns it on; :func:`check_hpz` refuses it where it
+makes no sense, before anything compiles.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from zshard.collectives import UnitComm, _gather_one, after, all_gather_last, param_shards
+from zshard.mesh import REPLICA, TENSOR
+from zshard.strategy import Strategy
+
+__all__ = ["check_hpz", "gather_keeping_secondary", "regather_secondary", "secondary_axes"]
+
+
+def secondary_axes(comm: UnitComm) -> tuple[str, ...]:
+    """The axes the secondary partition is split over: ``comm.shard_axes`` without ``replica``
+    (``("shard",)``, or ``("shard", "context")`` on a mesh with a context axis)."""
+    return tuple(a for a in comm.shard_axes if a != REPLICA)
+
+
+def _slots_and_shards(flats, bufs):
+    slots = [s for f in flats for s in f.slots]
+    shards = [b for f, buf in zip(flats, bufs) for b in param_shards(f, buf)]  # [n_pad_p/N] each
+    return [getattr(s, "param", s) for s in slots], shards
+
+
+def gather_keeping_secondary(flats, bufs, comm: UnitComm, ready=None):
+    """The forward gather of a unit with hpZ: ``(params, secondary)``.
+
+    Args:
+      flats / bufs: the unit's FlatParameters and, per flat, this device's shards
+        ``([n_pad/N], ...)``, ``PartitionSpec(("replica", "shard"))`` outside.
+      comm: the step's record (``comm.hpz`` set).
+      ready: as :func:`zshard.collectives.gather_params` (prefetch).
+
+    Returns:
+      ``params``: the parameters in logical shapes, in the gather dtype, exactly as
+      :func:`zshard.collectives.gather_flats` returns them; ``secondary``: per parameter (slot
+      order, all flats), this device's ``[n_pad/S]`` of the gathered ``[n_pad]``, the slice
+      ``axis_index(shard) * n_pad/S`` of it, in the gather dtype: ``PartitionSpec("shard")``
+      over the parameter, replicated over ``replica``.
+    """
+    recs, shards = _slots_and_shards(flats, bufs)
+    axes = secondary_axes(comm)
+    me = jax.lax.axis_index(axes)  # this device's place along (shard[, context])
+    fulls = [_gather_one(rec, b, comm) for rec, b in zip(recs, shards)]  # [n_pad/N] --all_gather(world)--> [n_pad]
+    parts = jax.lax.axis_size(axes)
+    # [n_pad] --slice(axis_index(shard))--> [n_pad/S]: the secondary partition, kept for backward
+    secondary = [jax.lax.dynamic_slice_in_dim(full, me * (full.shape[-1] // parts), full.shape[-1] // parts, axis=-1)
+                 for full in fulls]
+    if ready is not None:
+        fulls = after(fulls, ready)  # prefetched: the views wait for ``ready``
+    return [rec.from_storage(full) for rec, full in zip(recs, fulls)], secondary
+
+
+def regather_secondary(flats, secondary, comm: UnitComm, ready=None) -> list[jax.Array]:
+    """The backward re-gather with hpZ: the secondary slices ``[n_pad/S]`` all-gathered over
+    ``shard`` only (intra-node) -> the parameters in logical shapes, bit-identical to the
+    forward's (``ready``: as :func:`zshard.collectives.gather_params`)."""
+    recs = [getattr(s, "param", s) for f in flats for s in f.slots]
+    axes = secondary_axes(comm)
+    fulls = [all_gather_last(s, axes) for s in secondary]  # [n_pad/S] --all_gather(shard)--> [n_pad]
+    if ready is not None:
+        fulls = after(fulls, ready)
+    return [rec.from_storage(full) for rec, full in zip(recs, fulls)]
+
+
+def check_hpz(plan) -> None:
+    """Refuse ``hpz=True`` where it makes no sense, before anything compiles.
+
+    Raises:
+      ValueError: a strategy other than FULL_SHARD (HYBRID_SHARD / HYBRID_SHARD_OPT gather over
+        ``shard`` only already; SHARD_GRAD_OP / HYBRID_SHARD_ZERO2 keep the gathered weights
+        from forward to backward; NO_SHARD / SHARD_OPT gather nothing), a mesh with
+        ``replica = 1`` (the world gather is already intra-node: hpZ would only add ``M/S``
+        bytes), a mesh with a ``tensor`` axis (not built).
+    """
+    st = plan.strategy
+    if st is not Strategy.FULL_SHARD:
+        why = {
+            Strategy.HYBRID_SHARD: "already gathers over shard only (the backward re-gather never crosses replica)",
+            Strategy.HYBRID_SHARD_OPT: "already gathers over shard only (the backward re-gather never crosses replica)",
+            Strategy.SHARD_GRAD_OP: "keeps the gathered weights from forward to backward (there is no re-gather)",
+            Strategy.HYBRID_SHARD_ZERO2: "keeps the gathered weights from forward to backward (there is no re-gather)",
+        }.get(st, "keeps every parameter whole (there is no gather)")
+        raise ValueError(
+            f"hpz=True (ZeRO++ hierarchical partitioning) with strategy {st.value}: {st.value} {why}. hpZ applies to "
+            "FULL_SHARD only: use strategy='FULL_SHARD' with hpz=True, or drop hpz=True"
+        )
+    if plan.mesh.shape.get(REPLICA, 1) == 1:
+        raise ValueError(
+            f"hpz=True (ZeRO++ hierarchical partitioning) on the mesh {dict(plan.mesh.shape)} with replica=1: the world "
+            "all-gather is already inside one node, so hpZ would move the same bytes and only hold M/S more. Drop hpz=True, "
+            "or put the nodes on a replica axis (zshard.make_mesh(nodes, devices_per_node))"
+        )
+    if TENSOR in plan.mesh.axis_names:
+        raise ValueError(
+            f"hpz=True (ZeRO++ hierarchical partitioning) on the mesh {dict(plan.mesh.shape)} with a tensor axis: not "
+            "built (the pieces split over tensor are gathered inside their own shard_map). Drop hpz=True, or the tensor axis"
+        )
