@@ -38,7 +38,10 @@ CASES = {  # name -> (model, loss, data, mixed precision, make_train_step option
     "none_prefetch0_accum2": (mlp, mse_loss, MLP_DATA, None, dict(remat="none", prefetch=0, grad_accum=2)),
     "int8_gather": (mlp, mse_loss, MLP_DATA, INT8, dict(remat="block", prefetch=1)),
     "scan": (gpt_scan, cross_entropy_loss, GPT_DATA, None, dict(remat="block")),
+    # a context axis: the secondary partition is over (shard, context), the data axes inside a node
+    "context": (mlp, mse_loss, MLP_DATA, None, dict(remat="block", prefetch=0, mesh=(2, 2, 1), context=2)),
 }
+SAME_REFERENCE = {"none_prefetch0_accum2": "block_prefetch1", "int8_gather": "block_prefetch1", "context": "block_prefetch1"}
 
 
 @functools.cache
@@ -47,10 +50,14 @@ def _run(case: str, hpz: bool):
     all-gathers per axis in the emitted program)``."""
     make, loss_fn, data, mp, options = CASES[case]
     kw = {} if mp is None else dict(mixed_precision=mp)
-    state = zshard.init(make, optax.adam(1e-2), zshard.make_mesh(*MESH), strategy="FULL_SHARD", **kw)
+    options = dict(options)
+    mesh = zshard.make_mesh(*options.pop("mesh", MESH), context=options.pop("context", 1))
+    state = zshard.init(make, optax.adam(1e-2), mesh, strategy="FULL_SHARD", **kw)
     step = zshard.make_train_step(loss_fn, hpz=hpz, **options)
     colls = parse_collectives(step.lower(state, data[0]).as_text(dialect="hlo"), state.plan.mesh)
-    gathers = {axis: sum(c.kind == "all-gather" and c.axis == axis for c in colls) for axis in ("world", "shard")}
+    inside = "shard+context" if "context" in mesh.axis_names else "shard"
+    gathers = {axis: sum(c.kind == "all-gather" and c.axis == axis for c in colls) for axis in ("world", inside)}
+    gathers["shard"] = gathers.pop(inside)
     gathers["block params"] = len(_block_params(state.plan))
     losses, norms = [], []
     for b in data:
@@ -63,6 +70,7 @@ def _run(case: str, hpz: bool):
 
 @functools.cache
 def _reference(case: str):
+    case = SAME_REFERENCE.get(case, case)  # the same model, optimizer and global batches
     make, loss_fn, data, _, _ = CASES[case]
     return reference_run(make, optax.adam(1e-2), loss_fn, data)
 
