@@ -178,3 +178,15 @@ def test_hpz_is_refused_where_it_makes_no_sense(strategy, mesh, match):
         step.lower(state, MLP_DATA[0])
     with pytest.raises(TypeError, match="hpz='yes': must be True or False"):
         zshard.make_train_step(mse_loss, hpz="yes")
+
+
+def test_python_m_train_carries_hpz_and_refuses_it_by_key():
+    from train import config as C
+    from train.cli import build_parser
+
+    run = build_parser().parse_args(["--training.hpz", "--mesh", "2x4"]).run
+    assert run.training.hpz is True and run.validate(8).training.hpz
+    for raw, needle in [({"mesh": {"shape": "1x8"}}, "replica = 1"), ({"mesh": {"shape": "2x4", "strategy": "HYBRID_SHARD"}},
+                                                                         "mesh.strategy is HYBRID_SHARD")]:
+        with pytest.raises(C.ConfigError, match=f"training.hpz.*{needle}.*or unset training.hpz"):
+            C.Config.from_dict({**raw, "training": {"hpz": True}}).validate(8)
