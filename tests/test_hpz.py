@@ -29,6 +29,13 @@ def mlp():
     return ResMLP(13, 19, 3, n_blocks=2, rngs=nnx.Rngs(0))  # 19x19 kernels: 361 elements, padded
 
 
+def mlp_tp():
+    return ResMLP(13, 32, 3, n_blocks=2, rngs=nnx.Rngs(0))
+
+
+TP_PLAN = {"blocks.*.lin.kernel": -1, "blocks.*.lin.bias": 0}  # column-parallel blocks: [32, 16] pieces
+
+
 def gpt_scan():
     return GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, scan=True), rngs=nnx.Rngs(0))
 
@@ -40,6 +47,8 @@ CASES = {  # name -> (model, loss, data, mixed precision, make_train_step option
     "scan": (gpt_scan, cross_entropy_loss, GPT_DATA, None, dict(remat="block")),
     # a context axis: the secondary partition is over (shard, context), the data axes inside a node
     "context": (mlp, mse_loss, MLP_DATA, None, dict(remat="block", prefetch=0, mesh=(2, 2, 1), context=2)),
+    # a tensor axis: each piece's secondary slice [T, n_pad/S] kept and gathered over shard in its own shard_map
+    "tensor": (mlp_tp, mse_loss, MLP_DATA, None, dict(remat="block", prefetch=1, mesh=(2, 2, 2), tensor_parallel=TP_PLAN)),
 }
 SAME_REFERENCE = {"none_prefetch0_accum2": "block_prefetch1", "int8_gather": "block_prefetch1", "context": "block_prefetch1"}
 
@@ -51,6 +60,8 @@ def _run(case: str, hpz: bool):
     make, loss_fn, data, mp, options = CASES[case]
     kw = {} if mp is None else dict(mixed_precision=mp)
     options = dict(options)
+    if "tensor_parallel" in options:
+        kw["tensor_parallel"] = options.pop("tensor_parallel")
     mesh = zshard.make_mesh(*options.pop("mesh", MESH), context=options.pop("context", 1))
     state = zshard.init(make, optax.adam(1e-2), mesh, strategy="FULL_SHARD", **kw)
     step = zshard.make_train_step(loss_fn, hpz=hpz, **options)
@@ -169,7 +180,6 @@ def test_secondary_slices_cost_their_bytes_in_temp_memory():
     ("NO_SHARD", (2, 4), "NO_SHARD keeps every parameter whole"),
     ("SHARD_OPT", (2, 4), "SHARD_OPT keeps every parameter whole"),
     ("FULL_SHARD", (1, 8), "replica=1: the world all-gather is already inside one node"),
-    ("FULL_SHARD", (2, 2, 2), "with a tensor axis: not built"),
 ])
 def test_hpz_is_refused_where_it_makes_no_sense(strategy, mesh, match):
     state = zshard.init(mlp, optax.sgd(0.1), zshard.make_mesh(*mesh), strategy=strategy, abstract=True)

@@ -476,7 +476,7 @@ def make_train_step(
     Raises:
       ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive,
         ``remat`` not a known policy, ``prefetch`` negative. When the step is traced: ``hpz``
-        with another strategy than FULL_SHARD, ``replica = 1`` or a ``tensor`` axis; a
+        with another strategy than FULL_SHARD or on ``replica = 1``; a
         non-scalar loss (named with its shape); a tuple returned without ``has_aux``
         (``TypeError``); a unit under device-dependent control flow; a block unit's raw
         shard used as a value in ``loss_fn``, e.g. an L2 penalty over

@@ -15,7 +15,8 @@ time (FSDP's ``pre_forward`` / ``post_forward`` / ``pre_backward`` / ``post_back
   :func:`zshard.collectives.reduce_flats` (reduce-scatter, then the step's replica decision).
 
 The gathered weights are never residuals under reshard-after-forward (ZeRO-3 / FSDP
-``reshard_after_forward=True``). Remat policies (:func:`checkpointed`) and the prefetch chain
+``reshard_after_forward=True``); with ZeRO++ hpZ (``comm.hpz``, zshard/hpz.py) the forward keeps
+their ``[n_pad/S]`` slices instead, and the re-gather is over ``shard`` only. Remat policies (:func:`checkpointed`) and the prefetch chain
 (:class:`PrefetchLink`, [Note: prefetch chain], docs/design.md 8.2) live here too.
 """
 
