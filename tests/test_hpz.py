@@ -117,7 +117,7 @@ def _program(hpz: bool, blocks: int = 4):
     state = zshard.init(make, optax.sgd(0.1), zshard.make_mesh(*MESH), strategy="FULL_SHARD", abstract=True)
     step = zshard.make_train_step(mse_loss, hpz=hpz, remat="block", prefetch=0)
     compiled = step.lower(state, mlp_batches(1, batch=16)[0]).compile()
-    return state.plan, parse_collectives(compiled.as_text(), state.plan.mesh), compiled.memory_analysis()
+    return state.plan, parse_collectives(compiled.as_text(), state.plan.mesh), compiled.memory_analysis(), (step, state)
 
 
 def _block_params(plan):
@@ -126,8 +126,8 @@ def _block_params(plan):
 
 
 def test_backward_regathers_the_secondary_slices_over_shard_only():
-    plan, plain, _ = _program(False)
-    _, hpz, _ = _program(True)
+    plan, plain, _, _ = _program(False)
+    _, hpz, _, _ = _program(True)
     gathers = lambda cs, axis: sorted((c.buffer_bytes, c.group_size) for c in cs if c.kind == "all-gather" and c.axis == axis)  # noqa: E731
     blocks = _block_params(plan)
     # without hpZ every gather is over the world (replica x shard): the root once, each block parameter twice
@@ -147,6 +147,15 @@ def test_backward_regathers_the_secondary_slices_over_shard_only():
     # the gradient path is unchanged: the same reduce-scatters (and the loss all-reduce)
     others = lambda cs: sorted((c.kind, c.axis, c.buffer_bytes) for c in cs if c.kind != "all-gather")  # noqa: E731
     assert others(hpz) == others(plain)
+
+
+def test_report_counts_the_regathers_on_shard_against_the_formula():
+    step, state = _program(True)[3]
+    comm = zshard.report(step, state, mlp_batches(1, batch=16)[0]).comm_bytes_per_step
+    # per step: the world keeps the forward gathers and the reduce-scatters (fp32, ring 7/8); shard
+    # moves the blocks' re-gathers, 4 B x 66,048 elements x 3/4 = 198,144 B (as parse_collectives counts)
+    assert comm["shard"]["measured"] == pytest.approx(198_144) and comm["shard"]["ratio"] == pytest.approx(1.0, rel=1e-3)
+    assert comm["world"]["ratio"] == pytest.approx(1.0, rel=1e-3) and comm["replica"]["measured"] == 0
 
 
 def _root_params(plan):
