@@ -126,8 +126,8 @@ def regather_secondary(flats, secondary, comm: UnitComm, ready=None) -> list[jax
     forward's (``ready``: as :func:`zshard.collectives.gather_params`)."""
     recs = [getattr(s, "param", s) for f in flats for s in f.slots]
     axes = secondary_axes(comm)
-    fulls = [_regather_pieces(rec, sec, axes) if rec.split else all_gather_last(sec, axes)  # [n_pad/S] --all_gather(shard)--> [n_pad]
-             for rec, sec in zip(recs, secondary)]
+    # [n_pad/S] --all_gather(shard)--> [n_pad] (split over tensor: per piece, [T, n_pad/S] -> the logical value)
+    fulls = [_regather_pieces(rec, sec, axes) if rec.split else all_gather_last(sec, axes) for rec, sec in zip(recs, secondary)]
     if ready is not None:
         fulls = after(fulls, ready)
     return [full if rec.split else rec.from_storage(full) for rec, full in zip(recs, fulls)]
