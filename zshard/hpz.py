@@ -60,7 +60,9 @@ def gather_keeping_secondary(flats, bufs, comm: UnitComm, ready=None):
       :func:`zshard.collectives.gather_flats` returns them; ``secondary``: per parameter (slot
       order, all flats), this device's ``[n_pad/S]`` of the gathered ``[n_pad]``, the slice
       ``axis_index(shard) * n_pad/S`` of it, in the gather dtype: ``PartitionSpec("shard")``
-      over the parameter, replicated over ``replica``.
+      over the parameter, replicated over ``replica``; ``n_pad/S * itemsize`` bytes per
+      parameter held to backward (``M/S`` per unit of ``M`` bytes). A parameter split over
+      ``tensor``: ``[..., T, n_pad/S]`` (per device its piece's slice).
     """
     recs, shards = _slots_and_shards(flats, bufs)
     whole = [i for i, rec in enumerate(recs) if not rec.split]

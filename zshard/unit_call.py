@@ -116,7 +116,8 @@ class Residuals(NamedTuple):
       feedback: error feedback: per FlatParameter, the residuals ``f32[n_pad]`` the call was
         given as its sinks (zshard/feedback.py), else ``None``.
       secondary: hpZ (``comm.hpz``, zshard/hpz.py): per parameter (slot order), this device's
-        ``[n_pad/S]`` of the gathered weights in the gather dtype, split over ``shard`` only;
+        ``[n_pad/S]`` (split over tensor: ``[T, n_pad/S]``) of the gathered weights in the gather
+        dtype, split over ``shard`` only (``M/S`` bytes per unit of ``M``);
         backward gathers them over ``shard`` instead of the shards over the world. Else ``None``.
     """
 
