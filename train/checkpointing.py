@@ -33,7 +33,7 @@ SUBDIR = "checkpoints"
 """Checkpoints live in ``OUT/checkpoints/<step>``."""
 
 MAY_DIFFER_ON_RESUME = ("mesh.", "checkpoint.", "distributed.", "logging.", "data.eval_batches", "training.eval_every",
-                        "training.prefetch", "training.fit_check", "training.watchdog")
+                        "training.prefetch", "training.hpz", "training.fit_check", "training.watchdog")
 """Settings (``section.field`` or a ``section.`` prefix) a resumed run may change: where and
 how it runs, what it logs, not what it computes."""
 

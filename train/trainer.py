@@ -155,7 +155,7 @@ class Trainer:
         sequence_axis = 1 if run.context() > 1 else None
         self.step = zshard.make_train_step(loss_fn, has_aux=has_aux, grad_accum=t_cfg.grad_accum, clip_norm=run.optimizer.clip_norm,
                                            skip_nonfinite=t_cfg.skip_nonfinite, remat=t_cfg.remat, prefetch=t_cfg.prefetch,
-                                           sequence_axis=sequence_axis)
+                                           sequence_axis=sequence_axis, hpz=t_cfg.hpz)
         self.batch = next(self.batches)
 
         t0 = time.perf_counter()

@@ -67,6 +67,7 @@ class UnitComm:
         quantized on the wire where its formats say: [Note: quantized collectives]).
       remat: the activation-checkpointing policy inside a unit (:func:`zshard.unit_call.checkpointed`).
       reshard: reshard after forward (FULL_SHARD, HYBRID_SHARD): backward gathers again.
+      hpz: ZeRO++ hpZ (zshard/hpz.py): forward keeps ``[n_pad/S]`` slices; backward gathers them over ``shard``.
     """
 
     shard_axes: tuple[str, ...]
@@ -76,6 +77,7 @@ class UnitComm:
     mp: MixedPrecision = FULL_PRECISION
     remat: Any = "block"
     reshard: bool = True
+    hpz: bool = False
 
     @classmethod
     def of(cls, plan, replica_reduce: ReplicaReduce, remat: Any = "block") -> "UnitComm":

@@ -37,7 +37,8 @@ from zshard.jaxprs import LOSS_SCOPE
 from zshard.mesh import sharded_map
 from zshard.sequence import tracing
 from zshard.state import ShardedState
-from zshard.step import TokenMean, warn_positions
+from zshard.sequence import warn_positions
+from zshard.step import TokenMean
 from zshard.step_config import StepConfig, batch_specs, put_batch, sequence_split, trace_key
 
 __all__ = ["EvalStep", "Forward", "forward", "make_eval_step", "make_forward"]

@@ -19,16 +19,16 @@ from flax import traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.mesh import CONTEXT, TENSOR
+from zshard.mesh import CONTEXT, REPLICA, TENSOR
 from zshard.offload import _itemsize, master_paths
 from zshard.optim import optimizer_grad_specs, optimizer_program
-from zshard.quant import feedback_bytes, moved_bytes
+from zshard.quant import feedback_bytes, moved_bytes, wire_bytes
 from zshard.strategy import Strategy
 from zshard.hlo import _axis_name, parse_collectives
 
 __all__ = ["PARAM_CONTEXT", "context_formula", "optimizer_report"]
 
-def _formula_comm(plan, k: int = 1) -> dict[str, float]:
+def _formula_comm(plan, k: int = 1, hpz: bool = False) -> dict[str, float]:
     """Bytes one device sends per step, docs/design.md section 3 (ring algorithm).
 
     ``Psi * b`` is counted per collective in the dtype it moves: gathers in the mixed
@@ -39,7 +39,10 @@ def _formula_comm(plan, k: int = 1) -> dict[str, float]:
     accumulation) the per-unit gathers and reduce-scatters run once per micro-batch and the
     cross-replica all-reduce once per step; gathers that do not depend on the micro-batch
     (the root unit's, and every unrolled unit's under SHARD_GRAD_OP) are loop-invariant and
-    XLA hoists them out of the micro-batch loop, so they count once.
+    XLA hoists them out of the micro-batch loop, so they count once. With ``hpz`` (ZeRO++ hpZ,
+    zshard/hpz.py; FULL_SHARD) the block units' backward gathers leave the world and move their
+    ``[n_pad/S]`` slices over ``shard`` (x ``context``) in the gather dtype, unquantized:
+    ``k Psi_blocks b (S-1)/S`` there, the world keeping the forward gathers and the reductions.
     """
     mesh = plan.mesh
     size = lambda axes: int(np.prod([mesh.shape[a] for a in axes]))  # noqa: E731
@@ -67,6 +70,12 @@ def _formula_comm(plan, k: int = 1) -> dict[str, float]:
         return {name(plan.opt_axes): (2 * rr + master) * ring(size(plan.opt_axes))}
     # AG forward (+ AG backward for resharding strategies; the root unit is gathered once and
     # kept through backward, as FSDP keeps its root) + RS of the gradients.
+    if hpz:  # ZeRO++ hpZ: backward re-gathers of the block units over the axes inside a node only
+        inside = tuple(a for a in plan.shard_axes if a != REPLICA)
+        regather = sum((u.layers or 1) * wire_bytes(None, s.param.piece_size, plan.mp.gather_dtype(s.param.dtype))
+                       for u in plan.units if u.path for f in u.flats for s in f.slots)
+        world = (k * (ag - ag_root) + ag_root + k * rs) * ring(plan.num_shards)
+        return {name(plan.shard_axes): world, name(inside): k * regather * ring(size(inside))}
     if st.reshard_after_forward:
         gathers = k * 2 * (ag - ag_root) + ag_root
     else:  # stacked units gather inside their own scan, which is not hoisted: once per micro-batch
@@ -97,9 +106,10 @@ def _param_axis(mesh, axes) -> str:
     return PARAM_CONTEXT if axis == CONTEXT else axis
 
 
-def _moves(plan) -> dict:
+def _moves(plan, hpz: bool = False) -> dict:
     """Per mesh axis, what its collectives move (the dtype, or the quantized format; XLA:CPU
-    widens a bfloat16 collective to float32 while compiling, never a ``u8`` payload)."""
+    widens a bfloat16 collective to float32 while compiling, never a ``u8`` payload); ``hpz``:
+    the axes inside a node also move the backward re-gathers in the gather dtype."""
     mp = plan.mp
     dt = lambda d: np.dtype(d).name  # noqa: E731
     master = next(iter(plan.layouts.values())).dtype if plan.layouts else np.dtype("float32")
@@ -111,6 +121,8 @@ def _moves(plan) -> dict:
         out[_axis_name(plan.mesh, plan.shard_axes)] = f"gather {gather}, reduce {reduce}"
     if plan.replica_axes:
         out[_axis_name(plan.mesh, plan.replica_axes)] = f"reduce {replica}"
+    if hpz:
+        out[_axis_name(plan.mesh, tuple(a for a in plan.shard_axes if a != REPLICA))] = f"hpZ re-gather {dt(mp.gather_dtype(master))}"
     return out
 
 

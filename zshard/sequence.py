@@ -28,6 +28,7 @@ import contextlib
 import contextvars
 import dataclasses
 import numbers
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ import numpy as np
 
 from zshard.mesh import CONTEXT
 
-__all__ = ["AttentionCall", "SequenceSplit", "SequenceTrace", "active", "head_tail_order", "in_backward", "in_unit", "positions", "tracing"]
+__all__ = ["AttentionCall", "SequenceSplit", "SequenceTrace", "active", "head_tail_order", "in_backward", "in_unit", "positions", "tracing", "warn_positions"]
 
 
 def head_tail_order(length: int, context: int) -> np.ndarray:
@@ -224,3 +225,18 @@ def positions(length: int | None = None) -> jax.Array:
     if split.context == 1:
         return jnp.arange(split.local, dtype=jnp.int32)
     return split.chunk_positions(jax.lax.axis_index(CONTEXT))
+
+
+def warn_positions(split: SequenceSplit | None, record) -> None:
+    """Warn when a step split its sequences over ``context`` but the model never asked for
+    :func:`zshard.positions`: a model that numbers its tokens ``jnp.arange(T)`` (RoPE, learned
+    position embeddings, its own causal mask) then computes with the wrong positions."""
+    if split is not None and split.context > 1 and not record.asked:
+        warnings.warn(
+            f"zshard: the sequences are split over context={split.context} (each device holds 2 of {2 * split.context} "
+            f"chunks of every sequence of {split.length} tokens, zshard.sequence), but loss_fn never called "
+            "zshard.positions(): a model that builds positions from its local length (jnp.arange(x.shape[1]) for RoPE, a "
+            "position embedding or a causal mask) computes with the wrong ones. Fix: positions = "
+            "zshard.positions(x.shape[1]) (the global position of each local token), and zshard.attention for attention",
+            stacklevel=2,
+        )

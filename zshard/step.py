@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from typing import Any, Callable
 
 import jax
@@ -39,7 +38,7 @@ from zshard.mesh import sharded_map
 from zshard.offload import check_placement, compute_params, traced_naming_host_leaf, update_offloaded
 from zshard.optim import apply_optimizer, global_norm
 from zshard.quant import all_reduce_replicas
-from zshard.sequence import SequenceSplit, tracing
+from zshard.sequence import SequenceSplit, tracing, warn_positions
 from zshard.state import Plan, ShardedState
 from zshard.step_config import StepConfig, batch_specs, default_prefetch, put_batch, sequence_split, trace_key
 from zshard.strategy import ReplicaReduce
@@ -197,21 +196,6 @@ def gradient_sinks(plan: Plan, train: dict) -> dict:
     return jax.tree.map(lambda p: vary(jnp.zeros(p.shape[:-1] + (p.shape[-1] // parts,), p.dtype), plan.data_axes), train)
 
 
-def warn_positions(split: SequenceSplit | None, record) -> None:
-    """Warn when a step split its sequences over ``context`` but the model never asked for
-    :func:`zshard.positions`: a model that numbers its tokens ``jnp.arange(T)`` (RoPE, learned
-    position embeddings, its own causal mask) then computes with the wrong positions."""
-    if split is not None and split.context > 1 and not record.asked:
-        warnings.warn(
-            f"zshard: the sequences are split over context={split.context} (each device holds 2 of {2 * split.context} "
-            f"chunks of every sequence of {split.length} tokens, zshard.sequence), but loss_fn never called "
-            "zshard.positions(): a model that builds positions from its local length (jnp.arange(x.shape[1]) for RoPE, a "
-            "position embedding or a causal mask) computes with the wrong ones. Fix: positions = "
-            "zshard.positions(x.shape[1]) (the global position of each local token), and zshard.attention for attention",
-            stacklevel=2,
-        )
-
-
 def _local_step(plan: Plan, config: StepConfig, state: ShardedState, batch, split: SequenceSplit | None = None):
     """One optimizer step on this device's shards (inside ``shard_map``); ``split``: how the batch's
     sequences are split over ``context`` (:mod:`zshard.sequence`), for ``zshard.positions`` and
@@ -360,6 +344,7 @@ class TrainStep:
     skip_nonfinite = property(lambda self: self.config.skip_nonfinite)
     remat = property(lambda self: self.config.remat)
     has_aux = property(lambda self: self.config.has_aux)
+    hpz = property(lambda self: self.config.hpz)
 
     @property
     def prefetch(self) -> int:
@@ -429,6 +414,7 @@ def make_train_step(
     prefetch: int | None = None,
     has_aux: bool = False,
     sequence_axis=None,
+    hpz: bool = False,
 ) -> TrainStep:
     """Build the sharded step for ``loss_fn(model, batch) -> scalar mean loss``.
 
@@ -479,10 +465,18 @@ def make_train_step(
         and attends with :func:`zshard.attention`; leaves without a sequence axis are the same on
         every context device. The loss scale is ``1 / (R*S*C)`` (every device holds as many
         tokens). ``None`` (default): the rows are split over every data axis, ``context`` too.
+      hpz: ZeRO++ hierarchical partitioning (arXiv 2306.10209 section 3.2; DeepSpeed's
+        ``zero_hpz_partition_size`` = the ``shard`` axis size), FULL_SHARD on a mesh with
+        ``replica > 1`` only: each unit's forward gathers over the world as before and also keeps
+        its ``[n_pad/S]`` slice of the gathered weights (in ``param_dtype``, dequantized when a
+        ``gather_format`` is set); the backward re-gathers that slice over ``shard`` only (inside
+        a node). Cross-node backward gather volume 0 instead of M, memory + M/S per unit
+        (:mod:`zshard.hpz`, docs/quantized.md "hpZ").
 
     Raises:
       ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive,
-        ``remat`` not a known policy, ``prefetch`` negative. When the step is traced: a
+        ``remat`` not a known policy, ``prefetch`` negative. When the step is traced: ``hpz``
+        with another strategy than FULL_SHARD or on ``replica = 1``; a
         non-scalar loss (named with its shape); a tuple returned without ``has_aux``
         (``TypeError``); a unit under device-dependent control flow; a block unit's raw
         shard used as a value in ``loss_fn``, e.g. an L2 penalty over
@@ -495,6 +489,6 @@ def make_train_step(
     return TrainStep(
         StepConfig(
             loss_fn, has_aux=has_aux, grad_accum=grad_accum, clip_norm=clip_norm, skip_nonfinite=skip_nonfinite,
-            remat=remat, prefetch=prefetch, sequence_axis=sequence_axis,
+            remat=remat, prefetch=prefetch, sequence_axis=sequence_axis, hpz=hpz,
         )
     )

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zshard.collectives import UnitComm
+from zshard.hpz import check_hpz
 from zshard.mesh import AXES, CONTEXT, context_size, data_axes
 from zshard.sequence import SequenceSplit, head_tail_order
 from zshard.strategy import ReplicaReduce
@@ -102,6 +103,9 @@ class StepConfig:
       sequence_axis: the batch's sequence dimension (:class:`SequenceAxes`), or ``None``: no
         leaf is split along its sequence (on a ``context`` mesh the rows are then split over the
         context devices too).
+      hpz: ZeRO++ hierarchical partitioning (zshard/hpz.py): each unit's forward keeps its
+        ``[n_pad/S]`` slice of the gathered weights and backward re-gathers it over ``shard`` only.
+        Checked against the plan when the step is traced (:func:`zshard.hpz.check_hpz`).
 
     Raises:
       ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive and finite,
@@ -117,6 +121,7 @@ class StepConfig:
     remat: Any = "block"
     prefetch: int | None = None
     sequence_axis: Any = None
+    hpz: bool = False
 
     def __post_init__(self):
         if not callable(self.fn):
@@ -124,6 +129,8 @@ class StepConfig:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen: validated values only)
         set_("remat", remat_policy(self.remat))
         set_("has_aux", bool(self.has_aux))
+        if not isinstance(self.hpz, bool):
+            raise TypeError(f"hpz={self.hpz!r}: must be True or False (ZeRO++ hierarchical partitioning of the backward gather)")
         set_("skip_nonfinite", bool(self.skip_nonfinite))
         set_("grad_accum", _positive_int("grad_accum", self.grad_accum, "micro-batches per step"))
         p = self.prefetch
@@ -144,7 +151,11 @@ class StepConfig:
         """The units' :class:`~zshard.collectives.UnitComm` for this step on ``plan``: the one
         :class:`~zshard.strategy.ReplicaReduce` decision of the step, resolved here."""
         reduce = ReplicaReduce.resolve(plan.strategy, self.grad_accum, differentiated=differentiated)
-        return UnitComm.of(plan, reduce, self.remat)
+        comm = UnitComm.of(plan, reduce, self.remat)
+        if not (self.hpz and differentiated):  # a forward-only step has no backward re-gather
+            return comm
+        check_hpz(plan)  # before compiling: named, with the fix
+        return dataclasses.replace(comm, hpz=True)
 
 
 def trace_key(state, batch) -> tuple:

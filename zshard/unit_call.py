@@ -15,7 +15,8 @@ time (FSDP's ``pre_forward`` / ``post_forward`` / ``pre_backward`` / ``post_back
   :func:`zshard.collectives.reduce_flats` (reduce-scatter, then the step's replica decision).
 
 The gathered weights are never residuals under reshard-after-forward (ZeRO-3 / FSDP
-``reshard_after_forward=True``). Remat policies (:func:`checkpointed`) and the prefetch chain
+``reshard_after_forward=True``); with ZeRO++ hpZ (``comm.hpz``, zshard/hpz.py) the forward keeps
+their ``[n_pad/S]`` slices instead, and the re-gather is over ``shard`` only. Remat policies (:func:`checkpointed`) and the prefetch chain
 (:class:`PrefetchLink`, [Note: prefetch chain], docs/design.md 8.2) live here too.
 """
 
@@ -39,6 +40,7 @@ from zshard.collectives import (
     varying_axes,
 )
 from zshard.flat import FlatParameter
+from zshard.hpz import gather_keeping_secondary, regather_secondary
 from zshard.jaxprs import unit_scope
 from zshard.sequence import in_backward
 
@@ -113,6 +115,10 @@ class Residuals(NamedTuple):
         leaves that are not gathered weights, in order; ``[]`` for ``remat="block"``.
       feedback: error feedback: per FlatParameter, the residuals ``f32[n_pad]`` the call was
         given as its sinks (zshard/feedback.py), else ``None``.
+      secondary: hpZ (``comm.hpz``, zshard/hpz.py): per parameter (slot order), this device's
+        ``[n_pad/S]`` (split over tensor: ``[T, n_pad/S]``) of the gathered weights in the gather
+        dtype, split over ``shard`` only (``M/S`` bytes per unit of ``M``);
+        backward gathers them over ``shard`` instead of the shards over the world. Else ``None``.
     """
 
     shards: tuple
@@ -120,6 +126,7 @@ class Residuals(NamedTuple):
     inputs: Any
     saved: list
     feedback: Any = None
+    secondary: Any = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -173,18 +180,23 @@ class UnitCall:
         # the earlier unit call), so the gathered copy is alive only around this unit (and the one
         # before it). [Note: forced schedule]
         ready = None if self.after is None else inputs  # prefetched: slice only once this unit's input exists
-        params = gather_flats(self.flats, after(bufs, inputs if self.after is None else after_token), comm, ready)
+        bufs_now = after(bufs, inputs if self.after is None else after_token)
+        secondary = None
+        if comm.hpz:  # ZeRO++ hpZ: also keep this device's [n_pad/S] of the gathered weights (zshard/hpz.py)
+            params, secondary = gather_keeping_secondary(self.flats, bufs_now, comm, ready)
+        else:
+            params = gather_flats(self.flats, bufs_now, comm, ready)
         kept = [] if comm.reshard else params
         out_token = schedule_token(inputs)
         if comm.remat == "block":
-            return (self.apply(params, inputs), out_token), Residuals(bufs, kept, inputs, [], feedback)
+            return (self.apply(params, inputs), out_token), Residuals(bufs, kept, inputs, [], feedback, secondary)
         out, pullback = jax.vjp(checkpointed(self.apply, comm.remat), params, inputs)
         # The pullback's leaves are the saved activations plus the gathered weights; keep the
         # activations, drop the weights (backward gathers them again, or kept has them).
         leaves, self.layout.treedef = jax.tree.flatten(pullback)
         self.layout.weight = [next((j for j, p in enumerate(params) if leaf is p), None) for leaf in leaves]
         saved = [leaf for leaf, j in zip(leaves, self.layout.weight) if j is None]
-        return (out, out_token), Residuals(bufs, kept, inputs, saved, feedback)
+        return (out, out_token), Residuals(bufs, kept, inputs, saved, feedback, secondary)
 
     # -- re-gather -----------------------------------------------------------------------------
     def regather(self, res: Residuals, g, g_token):
@@ -195,6 +207,9 @@ class UnitCall:
             # as its own backward began.
             taken = self.link.taken
             ready = g if taken else None  # prefetched: slice only once this unit's cotangent exists
+            if res.secondary is not None:  # hpZ: [n_pad/S] --all_gather(shard)--> [n_pad], inside the node
+                params = regather_secondary(self.flats, after(res.secondary, g_token if taken else g), self.comm, ready)
+                return params, res.inputs, res.saved
             return gather_flats(self.flats, after(res.shards, g_token if taken else g), self.comm, ready), res.inputs, res.saved
         # Kept weights: make the recompute depend on the cotangent instead, or XLA folds it into
         # the forward pass and keeps every activation alive.
