@@ -168,14 +168,19 @@ def zshard_run(init_arg, tx, mesh, strategy, loss_fn, batches, **init_kw) -> Tra
 
     state = zshard.init(init_arg, tx, mesh, strategy=strategy, **init_kw)
     # prefetch=1 (the GPU / TPU default): CPU's default, 0, would leave the prefetch chain untested
-    step = zshard.make_train_step(loss_fn, prefetch=1)
+    state, losses, norms = run_steps(zshard.make_train_step(loss_fn, prefetch=1), state, batches)
+    model = zshard.unshard(state)
+    return Trajectory(losses, norms, flat_params(model), model)
+
+
+def run_steps(step, state, batches):
+    """``step`` over ``batches``: ``(final state, losses, grad norms)``, the metrics as floats."""
     losses, norms = [], []
     for b in batches:
         state, metrics = step(state, b)
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
-    model = zshard.unshard(state)
-    return Trajectory(losses, norms, flat_params(model), model)
+    return state, losses, norms
 
 
 def assert_same_training(got: Trajectory, want: Trajectory, tol: float = 1e-5) -> None:

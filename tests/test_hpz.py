@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import ResMLP, assert_same_training, gpt_batches, mlp_batches, mse_loss, reference_run, Trajectory, flat_params
+from conftest import ResMLP, Trajectory, assert_same_training, flat_params, gpt_batches, mlp_batches, mse_loss, reference_run, run_steps
 from flax import nnx
 
 import zshard
@@ -71,11 +71,7 @@ def _run(case: str, hpz: bool):
     gathers = {axis: sum(c.kind == "all-gather" and c.axis == axis for c in colls) for axis in ("world", inside)}
     gathers["shard"] = gathers.pop(inside)
     gathers["block params"] = len(_block_params(state.plan))
-    losses, norms = [], []
-    for b in data:
-        state, m = step(state, b)
-        losses.append(float(m["loss"]))
-        norms.append(float(m["grad_norm"]))
+    state, losses, norms = run_steps(step, state, data)
     model = zshard.unshard(state)
     return jax.device_get((state.params, state.opt_state)), Trajectory(losses, norms, flat_params(model), model), gathers
 
