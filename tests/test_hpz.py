@@ -170,10 +170,13 @@ def test_secondary_slices_cost_their_bytes_in_temp_memory():
     temp = {(h, n): _program(h, n)[2].temp_size_in_bytes for h in (False, True) for n in (4, 8)}
     plan = _program(False, 4)[0]
     per_block = sum(4 * n // S for n in _block_params(plan)) // 4  # 4 B x (16,384 + 128) / 4 = 16,512 B
-    grown = (temp[True, 8] - temp[True, 4]) - (temp[False, 8] - temp[False, 4])
-    # measured (jax 0.10.2, XLA:CPU): temp 135,056 -> 155,216 B (4 blocks), 135,568 -> 217,616 B (8 blocks):
-    # 4 blocks more cost 61,888 B more with hpZ, for 66,048 B of slices (94%)
-    assert 0.85 * 4 * per_block <= grown <= 1.1 * 4 * per_block, (temp, per_block)
+    grown, base = temp[True, 8] - temp[True, 4], temp[False, 8] - temp[False, 4]
+    # measured, temp 4 -> 8 blocks without / with hpZ: jax 0.10.2 135,056 -> 135,568 / 155,216 -> 217,616 B;
+    # jax 0.12.0.1 159,696 -> 192,720 / 167,952 -> 230,736 B. 4 blocks more cost 62,400 (0.10) and 62,784 B
+    # (0.12) with hpZ, for 66,048 B of slices: at least the slices (95%), at most the slices and what the 4
+    # blocks cost without hpZ (0.12 keeps 33,024 B more per 4 blocks there; 0.10 512 B). Keeping the whole
+    # gathered weights instead (a slice fused into its reader) costs up to S = 4 times the slices.
+    assert 0.85 * 4 * per_block <= grown <= 1.1 * 4 * per_block + base, (temp, per_block)
     assert temp[True, 4] > temp[False, 4]
     # the state (arguments) is untouched
     assert _program(True, 4)[2].argument_size_in_bytes == _program(False, 4)[2].argument_size_in_bytes
