@@ -193,6 +193,7 @@ def test_secondary_slices_cost_their_bytes_in_temp_memory():
     ("NO_SHARD", (2, 4), "NO_SHARD keeps every parameter whole"),
     ("SHARD_OPT", (2, 4), "SHARD_OPT keeps every parameter whole"),
     ("FULL_SHARD", (1, 8), "replica=1: the world all-gather is already inside one node"),
+    ("FULL_SHARD", (8, 1), "shard=1: the secondary partition over shard would be the whole weights.*SHARD_GRAD_OP"),
 ])
 def test_hpz_is_refused_where_it_makes_no_sense(strategy, mesh, match):
     state = zshard.init(mlp, optax.sgd(0.1), zshard.make_mesh(*mesh), strategy=strategy, abstract=True)
@@ -209,7 +210,7 @@ def test_python_m_train_carries_hpz_and_refuses_it_by_key():
 
     run = build_parser().parse_args(["--training.hpz", "--mesh", "2x4"]).run
     assert run.training.hpz is True and run.validate(8).training.hpz
-    for raw, needle in [({"mesh": {"shape": "1x8"}}, "replica = 1"), ({"mesh": {"shape": "2x4", "strategy": "HYBRID_SHARD"}},
-                                                                         "mesh.strategy is HYBRID_SHARD")]:
+    for raw, needle in [({"mesh": {"shape": "1x8"}}, "replica = 1"), ({"mesh": {"shape": "8x1"}}, "shard = 1"),
+                        ({"mesh": {"shape": "2x4", "strategy": "HYBRID_SHARD"}}, "mesh.strategy is HYBRID_SHARD")]:
         with pytest.raises(C.ConfigError, match=f"training.hpz.*{needle}.*or unset training.hpz"):
             C.Config.from_dict({**raw, "training": {"hpz": True}}).validate(8)

@@ -219,11 +219,12 @@ class Config:
                 )
         if t.prefetch is not None:
             at_least("training.prefetch", t.prefetch, 0)
-        if t.hpz and (self.strategy() != "FULL_SHARD" or replica == 1):
+        if t.hpz and (self.strategy() != "FULL_SHARD" or replica == 1 or shard * context == 1):
             why = (f"mesh.strategy is {self.strategy()}" if self.strategy() != "FULL_SHARD" else
-                   "the mesh has replica = 1 (the world gather is inside one node already)")
+                   "the mesh has replica = 1 (the world gather is inside one node already)" if replica == 1 else
+                   "the mesh has shard = 1 (the secondary partition would be the whole weights: SHARD_GRAD_OP)")
             raise ConfigError(key_of("training.hpz"), f"hpZ re-gathers FULL_SHARD's weights inside a node, but {why}; use "
-                              "mesh.strategy FULL_SHARD on a mesh with replica > 1, or unset training.hpz")
+                              "mesh.strategy FULL_SHARD on a mesh with replica > 1 and shard > 1, or unset training.hpz")
         at_least("training.seed", t.seed, 0)
         at_least("training.eval_every", t.eval_every, 0)
         at_least("training.watchdog", t.watchdog, 0)

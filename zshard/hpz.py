@@ -153,7 +153,8 @@ def check_hpz(plan) -> None:
         ``shard`` only already; SHARD_GRAD_OP / HYBRID_SHARD_ZERO2 keep the gathered weights
         from forward to backward; NO_SHARD / SHARD_OPT gather nothing), a mesh with
         ``replica = 1`` (the world gather is already intra-node: hpZ would only add ``M/S``
-        bytes).
+        bytes), or with ``shard = 1`` (and no context axis: the secondary partition would be the
+        whole weights, SHARD_GRAD_OP's memory).
     """
     st = plan.strategy
     if st is not Strategy.FULL_SHARD:
@@ -172,4 +173,10 @@ def check_hpz(plan) -> None:
             f"hpz=True (ZeRO++ hierarchical partitioning) on the mesh {dict(plan.mesh.shape)} with replica=1: the world "
             "all-gather is already inside one node, so hpZ would move the same bytes and only hold M/S more. Drop hpz=True, "
             "or put the nodes on a replica axis (zshard.make_mesh(nodes, devices_per_node))"
+        )
+    if all(plan.mesh.shape[a] == 1 for a in plan.data_axes if a != REPLICA):
+        raise ValueError(
+            f"hpz=True (ZeRO++ hierarchical partitioning) on the mesh {dict(plan.mesh.shape)} with shard=1: the secondary "
+            "partition over shard would be the whole weights, kept from forward to backward, which is SHARD_GRAD_OP. Use "
+            "strategy='SHARD_GRAD_OP', or give each node's devices the shard axis (zshard.make_mesh(nodes, devices_per_node))"
         )
