@@ -200,9 +200,10 @@ def _format(fmt: quant.Quant | None, rec: ParamLayout, axes: tuple[str, ...]) ->
     return fmt if quant.quantizes(fmt, rec, jax.lax.axis_size(axes)) else None
 
 
-def _gather_one(rec: ParamLayout, shard: jax.Array, comm: UnitComm) -> jax.Array:
+def _gather_one(rec: ParamLayout, shard: jax.Array, comm: UnitComm, keep=None) -> jax.Array:
     """One parameter's shard ``[..., n_pad/N]`` -> its stored form ``[..., n_pad]`` in the gather
-    dtype; split over ``tensor`` (``[..., T, n_pad/N]``): its logical value, split over ``tensor``."""
+    dtype; split over ``tensor`` (``[..., T, n_pad/N]``): its logical value, split over ``tensor``
+    (and, with ``keep``, ``keep`` of each gathered piece: :func:`_gather_pieces`)."""
     # Marking the shard varying over replica *before* the gather keeps autodiff from inserting a
     # broadcast whose transpose would all-reduce the full gradient across replicas ("the
     # replica trap"); the backward sums only the shard instead (reduce_grads).
@@ -211,11 +212,11 @@ def _gather_one(rec: ParamLayout, shard: jax.Array, comm: UnitComm) -> jax.Array
     if fmt is not None:  # [Note: quantized collectives]: the master shard is quantized, no cast first
         dtype = comm.mp.gather_dtype(rec.dtype)
         if rec.split:
-            return _gather_pieces(rec, b, comm.shard_axes, fmt, dtype)
+            return _gather_pieces(rec, b, comm.shard_axes, fmt, dtype, keep)
         return quant.all_gather(b, comm.shard_axes, fmt, dtype)  # [..., n_pad/N] --quantized all_gather--> [..., n_pad]
     b = b.astype(comm.mp.gather_dtype(rec.dtype))
     if rec.split:
-        return _gather_pieces(rec, b, comm.shard_axes)
+        return _gather_pieces(rec, b, comm.shard_axes, keep=keep)
     return all_gather_last(b, comm.shard_axes)  # [..., n_pad/N] --all_gather(shard_axes, tiled)--> [..., n_pad]
 
 
@@ -231,9 +232,10 @@ def _piece_spec(lead: int) -> P:
     return P(*([None] * lead), TENSOR, None)
 
 
-def _gather_pieces(rec: ParamLayout, b: jax.Array, axes: tuple[str, ...], fmt=None, dtype=None) -> jax.Array:
+def _gather_pieces(rec: ParamLayout, b: jax.Array, axes: tuple[str, ...], fmt=None, dtype=None, keep=None):
     """``[..., T, n_pad/N]`` -> the logical value ``[..., *shape]``, split over ``tensor`` along
-    ``tp_dim`` (``fmt``: each piece quantized on the wire, dequantized to ``dtype``)."""
+    ``tp_dim`` (``fmt``: each piece quantized on the wire, dequantized to ``dtype``). ``keep``: also
+    ``keep(piece [..., n_pad]) -> [..., m]`` per piece, returned ``[..., T, m]`` (hpZ's slice)."""
     lead = b.ndim - 2
 
     def piece(x):  # this tensor device's piece, [..., 1, n_pad/N]
@@ -244,9 +246,12 @@ def _gather_pieces(rec: ParamLayout, b: jax.Array, axes: tuple[str, ...], fmt=No
             x = all_gather_last(x, axes)  # [..., n_pad/N] --all_gather(shard axes, tiled)--> [..., n_pad]
         else:  # [..., n_pad/N] --quantize, all_gather(shard axes), dequantize--> [..., n_pad]
             x = quant.all_gather(x, axes, fmt, dtype)
+        if keep is not None:
+            return rec.piece_from_storage(x), jnp.expand_dims(keep(x), lead)  # and [..., m] -> [..., 1, m]
         return rec.piece_from_storage(x)  # [..., n_pad] -> [..., *piece_shape]
 
-    return jax.shard_map(piece, in_specs=_piece_spec(lead), out_specs=rec.tp_spec(lead), axis_names={TENSOR})(b)
+    out_specs = rec.tp_spec(lead) if keep is None else (rec.tp_spec(lead), _piece_spec(lead))
+    return jax.shard_map(piece, in_specs=_piece_spec(lead), out_specs=out_specs, axis_names={TENSOR})(b)
 
 
 def _scatter_pieces(rec: ParamLayout, g: jax.Array, axes: tuple[str, ...], fmt=None, dtype=None) -> jax.Array:

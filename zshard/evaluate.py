@@ -35,9 +35,8 @@ from zshard.offload import gather_source
 from zshard.intercept import materialize
 from zshard.jaxprs import LOSS_SCOPE
 from zshard.mesh import sharded_map
-from zshard.sequence import tracing
 from zshard.state import ShardedState
-from zshard.sequence import warn_positions
+from zshard.sequence import tracing, warn_positions
 from zshard.step import TokenMean
 from zshard.step_config import StepConfig, batch_specs, put_batch, sequence_split, trace_key
 

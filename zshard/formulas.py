@@ -19,7 +19,8 @@ from flax import traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.mesh import CONTEXT, REPLICA, TENSOR
+from zshard.hpz import secondary_axes
+from zshard.mesh import CONTEXT, TENSOR
 from zshard.offload import _itemsize, master_paths
 from zshard.optim import optimizer_grad_specs, optimizer_program
 from zshard.quant import feedback_bytes, moved_bytes, wire_bytes
@@ -71,7 +72,7 @@ def _formula_comm(plan, k: int = 1, hpz: bool = False) -> dict[str, float]:
     # AG forward (+ AG backward for resharding strategies; the root unit is gathered once and
     # kept through backward, as FSDP keeps its root) + RS of the gradients.
     if hpz:  # ZeRO++ hpZ: backward re-gathers of the block units over the axes inside a node only
-        inside = tuple(a for a in plan.shard_axes if a != REPLICA)
+        inside = secondary_axes(plan.shard_axes)
         regather = sum((u.layers or 1) * wire_bytes(None, s.param.piece_size, plan.mp.gather_dtype(s.param.dtype))
                        for u in plan.units if u.path for f in u.flats for s in f.slots)
         world = (k * (ag - ag_root) + ag_root + k * rs) * ring(plan.num_shards)
@@ -122,7 +123,7 @@ def _moves(plan, hpz: bool = False) -> dict:
     if plan.replica_axes:
         out[_axis_name(plan.mesh, plan.replica_axes)] = f"reduce {replica}"
     if hpz:
-        out[_axis_name(plan.mesh, tuple(a for a in plan.shard_axes if a != REPLICA))] = f"hpZ re-gather {dt(mp.gather_dtype(master))}"
+        out[_axis_name(plan.mesh, secondary_axes(plan.shard_axes))] = f"hpZ re-gather {dt(mp.gather_dtype(master))}"
     return out
 
 

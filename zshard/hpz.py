@@ -26,18 +26,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zshard import quant
-from zshard.collectives import UnitComm, _format, _gather_one, _piece_spec, after, all_gather_last, param_shards, vary
+from zshard.collectives import UnitComm, _gather_one, _piece_spec, after, all_gather_last, param_shards
 from zshard.mesh import REPLICA, TENSOR
 from zshard.strategy import Strategy
 
 __all__ = ["check_hpz", "gather_keeping_secondary", "regather_secondary", "secondary_axes"]
 
 
-def secondary_axes(comm: UnitComm) -> tuple[str, ...]:
-    """The axes the secondary partition is split over: ``comm.shard_axes`` without ``replica``
+def secondary_axes(shard_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes the secondary partition is split over: the data ``shard_axes`` without ``replica``
     (``("shard",)``, or ``("shard", "context")`` on a mesh with a context axis)."""
-    return tuple(a for a in comm.shard_axes if a != REPLICA)
+    return tuple(a for a in shard_axes if a != REPLICA)
 
 
 def _slots_and_shards(flats, bufs):
@@ -72,9 +71,9 @@ def gather_keeping_secondary(flats, bufs, comm: UnitComm, ready=None):
         fulls[i] = _gather_one(recs[i], shards[i], comm)
     for i, sec in zip(whole, _cut(comm, [fulls[i] for i in whole])):
         secondary[i] = sec
-    for i, rec in enumerate(recs):  # split over tensor: [..., T, n_pad/N] -> logical, and [..., T, n_pad/S] kept
-        if rec.split:
-            fulls[i], secondary[i] = _gather_pieces_keeping(rec, shards[i], comm)
+    for i, rec in enumerate(recs):
+        if rec.split:  # [..., T, n_pad/N] --all_gather(world) per piece--> logical, and [..., T, n_pad/S] cut
+            fulls[i], secondary[i] = _gather_one(rec, shards[i], comm, keep=lambda x: _cut(comm, [x])[0])
     if ready is not None:
         fulls = after(fulls, ready)  # prefetched: the views wait for ``ready``
     return [full if rec.split else rec.from_storage(full) for rec, full in zip(recs, fulls)], secondary
@@ -91,7 +90,7 @@ def _cut(comm: UnitComm, fulls: list) -> list:
     """
     if not fulls:
         return []
-    axes = secondary_axes(comm)
+    axes = secondary_axes(comm.shard_axes)
     parts = jax.lax.axis_size(axes)
 
     def part(k):
@@ -100,34 +99,12 @@ def _cut(comm: UnitComm, fulls: list) -> list:
     return jax.lax.switch(jax.lax.axis_index(axes), [part(k) for k in range(parts)], fulls)
 
 
-def _gather_pieces_keeping(rec, shard: jax.Array, comm: UnitComm):
-    """A parameter split over ``tensor`` ([Note: tensor pieces]): ``[..., T, n_pad/N]`` -> its logical
-    value split over ``tensor``, and per tensor piece the secondary slice ``[..., T, n_pad/S]``."""
-    b = vary(shard, comm.shard_axes + comm.vary_axes)
-    fmt = _format(comm.mp.gather_format, rec, comm.shard_axes)
-    dtype = comm.mp.gather_dtype(rec.dtype)
-    b = b if fmt is not None else b.astype(dtype)
-    lead = b.ndim - 2
-
-    def piece(x):  # this tensor device's piece, [..., 1, n_pad/N]
-        x = jnp.squeeze(x, lead)
-        if fmt is None:
-            x = all_gather_last(x, comm.shard_axes)  # [..., n_pad/N] --all_gather(world)--> [..., n_pad]
-        else:  # [..., n_pad/N] --quantize, all_gather(world), dequantize--> [..., n_pad]
-            x = quant.all_gather(x, comm.shard_axes, fmt, dtype)
-        (sec,) = _cut(comm, [x])  # [..., n_pad] -> [..., n_pad/S]
-        return rec.piece_from_storage(x), jnp.expand_dims(sec, lead)
-
-    out_specs = (rec.tp_spec(lead), _piece_spec(lead))
-    return jax.shard_map(piece, in_specs=_piece_spec(lead), out_specs=out_specs, axis_names={TENSOR})(b)
-
-
 def regather_secondary(flats, secondary, comm: UnitComm, ready=None) -> list[jax.Array]:
     """The backward re-gather with hpZ: the secondary slices ``[n_pad/S]`` all-gathered over
     ``shard`` only (intra-node) -> the parameters in logical shapes, bit-identical to the
     forward's (``ready``: as :func:`zshard.collectives.gather_params`)."""
     recs = [getattr(s, "param", s) for f in flats for s in f.slots]
-    axes = secondary_axes(comm)
+    axes = secondary_axes(comm.shard_axes)
     # [n_pad/S] --all_gather(shard)--> [n_pad] (split over tensor: per piece, [T, n_pad/S] -> the logical value)
     fulls = [_regather_pieces(rec, sec, axes) if rec.split else all_gather_last(sec, axes) for rec, sec in zip(recs, secondary)]
     if ready is not None:
@@ -174,7 +151,7 @@ def check_hpz(plan) -> None:
             "all-gather is already inside one node, so hpZ would move the same bytes and only hold M/S more. Drop hpz=True, "
             "or put the nodes on a replica axis (zshard.make_mesh(nodes, devices_per_node))"
         )
-    if all(plan.mesh.shape[a] == 1 for a in plan.data_axes if a != REPLICA):
+    if all(plan.mesh.shape[a] == 1 for a in secondary_axes(plan.data_axes)):
         raise ValueError(
             f"hpz=True (ZeRO++ hierarchical partitioning) on the mesh {dict(plan.mesh.shape)} with shard=1: the secondary "
             "partition over shard would be the whole weights, kept from forward to backward, which is SHARD_GRAD_OP. Use "

@@ -218,7 +218,7 @@ def report(step, state, batch) -> Report:
         by_axis[axis] += c.sent_bytes * c.trips
         table[(c.kind, axis)][0] += c.trips
         table[(c.kind, axis)][1] += c.sent_bytes * c.trips
-    formula_comm = _formula_comm(plan, step.config.grad_accum, getattr(step.config, "hpz", False))
+    formula_comm = _formula_comm(plan, step.config.grad_accum, step.config.hpz)
     tensor = _tensor_formula(plan, colls, step.config) if plan.tensor > 1 else None
     if tensor is not None:
         by_axis[TENSOR] = tensor["measured"]  # the blocks' all-reduces (the root's are in tensor["root_bytes"])
@@ -259,6 +259,6 @@ def report(step, state, batch) -> Report:
         tensor=tensor,
         context=context,
         offload=offload_report(step, state, batch, {**formula, **split}) if plan.offload else None,
-        moves=_moves(plan, getattr(step.config, "hpz", False)),
+        moves=_moves(plan, step.config.hpz),
         quantized=coverage(plan) if plan.mp.quantized else None,
     )
