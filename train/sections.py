@@ -115,7 +115,7 @@ class TrainingConfig:
     prefetch: int | None = None
     """units whose all-gather may be issued ahead of the unit computing (0: off; unset: zshard.make_train_step's default, 0 on CPU and 1 on GPU/TPU)"""
     hpz: bool = False
-    """ZeRO++ hpZ (DeepSpeed zero_hpz_partition_size = the shard size): each block keeps its 1/shard slice of the gathered weights from forward, and backward gathers it over shard only (inside a node): no backward gather over replica, 1/shard of the weights more memory; FULL_SHARD with mesh replica > 1 only (docs/quantized.md)"""
+    """ZeRO++ hpZ (DeepSpeed zero_hpz_partition_size = the shard size): each block keeps its 1/shard slice of the gathered weights from forward, and backward gathers it over shard only (inside a node): no backward gather over replica, 1/shard of the weights more memory; FULL_SHARD with mesh replica > 1 and shard > 1 only (docs/quantized.md)"""
     seed: int = 0
     """seed of the initial weights, of the batches and of sampling"""
     eval_every: int = 100

@@ -467,7 +467,7 @@ def make_train_step(
         tokens). ``None`` (default): the rows are split over every data axis, ``context`` too.
       hpz: ZeRO++ hierarchical partitioning (arXiv 2306.10209 section 3.2; DeepSpeed's
         ``zero_hpz_partition_size`` = the ``shard`` axis size), FULL_SHARD on a mesh with
-        ``replica > 1`` only: each unit's forward gathers over the world as before and also keeps
+        ``replica > 1`` and ``shard > 1`` only: each unit's forward gathers over the world as before and also keeps
         its ``[n_pad/S]`` slice of the gathered weights (in ``param_dtype``, dequantized when a
         ``gather_format`` is set); the backward re-gathers that slice over ``shard`` only (inside
         a node). Cross-node backward gather volume 0 instead of M, memory + M/S per unit
