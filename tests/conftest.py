@@ -220,8 +220,10 @@ def corpus(tmp_path_factory) -> Path:
 # collection order, so a long file collected last leaves the other worker idle at the end (longest
 # first is the classic scheduling rule). Measured with ``--durations`` on 2 cores; the rest keep
 # their alphabetical order.
-LONGEST_FIRST = ("test_offload.py", "test_context.py", "test_preempt_mp.py", "test_multiprocess.py", "test_preempt.py",
-                 "test_tensor_parallel.py", "test_hf_finetune.py", "test_attention.py", "test_checkpoint.py", "test_quant.py")
+LONGEST_FIRST = ("test_tensor_parallel.py", "test_multiprocess.py", "test_context.py", "test_hf_finetune.py", "test_optim.py",
+                 "test_preempt_mp.py", "test_offload.py", "test_scan.py", "test_memory.py", "test_readme.py", "test_zoo.py",
+                 "test_main_job.py", "test_preempt.py", "test_remat.py", "test_plan.py", "test_generate.py", "test_quant.py",
+                 "test_strategies.py", "test_cli.py", "test_checkpoint.py", "test_attention.py", "test_bench.py")
 
 
 def pytest_collection_modifyitems(config, items):

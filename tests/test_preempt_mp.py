@@ -16,7 +16,7 @@ from runs import NANO, Run, launch_cmd, step_records
 import zshard
 
 pytestmark = pytest.mark.multiprocess
-STEPS = 60
+STEPS = 30
 FLAGS = [*NANO, "--strategy", "HYBRID_SHARD", "--steps", str(STEPS)]
 
 
