@@ -123,7 +123,7 @@ def test_fit_check_refuses_a_too_long_sequence_before_any_step(tmp_path):
     wall = time.monotonic() - t0
     last = r.lines[-1]
     assert last.startswith("python -m train: error: the run does not fit: the compiled step needs "), r.text[-3000:]
-    for needle in ("GiB per device", "argument", "temp", "cpu devices", "available", "temp (activations) is the largest part",
+    for needle in ("GiB per device", "argument", "temp", "cpu devices", "the host's", "emulated devices", "temp (activations) is the largest part",
                    "--grad-accum 2", "--seq-len 50000", "--no-fit-check"):
         assert needle in last, (needle, last)
     assert "compiled in" not in r.text and not out.exists()  # before the first evaluation and step: nothing written
@@ -148,31 +148,33 @@ def test_fit_check_names_gpu_limits_and_the_state_fixes():
     hybrid = fit.fixes(parse_config(["--remat", "none"])[0], "HYBRID_SHARD", mem2, 8)
     assert hybrid[0] == "--remat block (recompute each block in backward)" and hybrid[-1] == "more devices"
     assert any("HYBRID_SHARD_OPT" in f for f in hybrid)
-    assert fit.host_available_bytes() > 0
 
 
-def test_cgroup_room_counts_the_page_cache_the_kernel_reclaims(tmp_path):
-    """A cgroup filled to its limit by page cache has room: the kernel reclaims file pages (active
-    and inactive) before it refuses an allocation. Counting only ``inactive_file`` read 0.8 MiB on
-    a CI machine and refused a nano run at the end of the test suite."""
-    v2 = tmp_path / "v2"
-    v2.mkdir()
-    (v2 / "memory.max").write_text(f"{24 * 2**30}\n")
-    (v2 / "memory.current").write_text(f"{24 * 2**30 - 2**20}\n")  # 1 MiB under the limit
-    (v2 / "memory.stat").write_text(f"anon {4 * 2**30}\nfile {20 * 2**30}\nactive_file {19 * 2**30}\n"
-                                    f"inactive_file {2**30}\nshmem 0\n")
-    assert fit._cgroup_available(v2) == 20 * 2**30 + 2**20
-    (v2 / "memory.max").write_text("max\n")  # no limit: MemAvailable decides
-    assert fit._cgroup_available(v2) is None
-    v1 = tmp_path / "v1"
+def test_cpu_side_is_the_hosts_memory_or_its_cgroup_limit(tmp_path):
+    """A CPU device has the host's memory (or the cgroup limit) over the emulated devices, not
+    what is free that second: a run that fits is never refused because the page cache filled
+    a cgroup (the free-memory reading said 0.8 MiB on a CI machine and refused a nano run)."""
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
     (v1 / "memory").mkdir(parents=True)
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{12 * 2**30}\n")
+    (v2 / "memory.current").write_text(f"{12 * 2**30 - 2**20}\n")  # full of page cache: read, not used
+    assert fit._cgroup_limit(v2) == 12 * 2**30
+    (v2 / "memory.max").write_text("max\n")
+    assert fit._cgroup_limit(v2) is None
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2**63 - 4096}\n")  # v1's "no limit"
+    assert fit._cgroup_limit(v1) is None
     (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{8 * 2**30}\n")
-    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{6 * 2**30}\n")
-    (v1 / "memory" / "memory.stat").write_text(f"active_file {2**30}\ntotal_active_file {3 * 2**30}\n"
-                                               f"total_inactive_file {2**30}\n")
-    assert fit._cgroup_available(v1) == 6 * 2**30  # 2 GiB free + 4 GiB of the hierarchy's file LRUs
-    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{2**30}\n")
-    assert fit._cgroup_available(v1) == 8 * 2**30  # never more than the limit
+    assert fit._cgroup_limit(v1) == 8 * 2**30
+    host = fit.host_memory_bytes()
+    assert host is not None and host >= 2**30 and (fit._cgroup_limit() is None or host <= fit._cgroup_limit())
+    mem = {"argument": 2**20, "output": 2**20, "alias": 2**20, "temp": 2**19}
+    cpus = [type("Cpu", (), {"platform": "cpu", "process_index": 0})()] * 8
+    got = fit.local_fit(mem, None, cpus)
+    assert (got.need, got.have, got.host, got.devices) == (3 * 2**19, host // 8, host, 8)
+    assert fit.check(parse_config([])[0], "FULL_SHARD", mem, None, cpus) is None
+    line = fit.check(parse_config([])[0], "FULL_SHARD", dict(mem, temp=host), None, cpus)
+    assert f"each of the 8 cpu devices has {fit._b(host // 8)} (the host's {fit._b(host)}, shared by 8 emulated devices)" in line
 
 
 def test_watchdog_names_the_part_the_step_and_the_process():

@@ -6,15 +6,17 @@ Need, per device: ``argument + output - alias + temp`` of the compiled step's
 ``memory_analysis()`` (XLA's buffer assignment: the inputs, the outputs not written in place
 of a donated input, and the temporaries at their peak), the larger of the train and eval steps.
 
-Have, per device:
+Have, per device (what the device may use at most, not what is free this second):
 
 - GPU / TPU: ``device.memory_stats()["bytes_limit"]``, the memory JAX's allocator may use
   on the device (the state already placed there is part of both sides);
-- CPU: the host's available memory (``MemAvailable`` of ``/proc/meminfo``, or less under a
-  cgroup memory limit, its page cache counted as room) shared by this process's emulated
-  devices, plus the bytes the state and batch already hold per device (they count in
-  ``argument`` and are resident already).
-  Processes sharing one host each see the whole of it.
+- CPU: the host's memory (``MemTotal`` of ``/proc/meminfo``, or the cgroup memory limit when
+  it is lower) shared by this process's emulated devices. Processes sharing one host each see
+  the whole of it. Free memory is not the measure: it moves from second to second with other
+  processes and the page cache (the available-memory reading this check used before,
+  ``MemAvailable`` or the cgroup's limit less its usage, once gave 0.8 MiB on a 24 GB CI
+  machine and refused a nano run needing 0.7 MiB per device), and a refusal must say the same
+  thing each time it is asked.
 
 Several processes: every process's need and have are all-gathered, and every process stops
 when any one does not fit (the one with the least room is named).
@@ -30,7 +32,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-__all__ = ["Fit", "check", "fixes", "host_available_bytes", "refusal", "step_bytes"]
+__all__ = ["Fit", "check", "fixes", "host_memory_bytes", "refusal", "step_bytes"]
 
 GiB = 2**30
 _NO_LIMIT = 2**60  # a cgroup "limit" at least this large is no limit
@@ -43,15 +45,15 @@ def step_bytes(mem: dict | None) -> int:
     return int(mem["argument"]) + int(mem["output"]) - int(mem.get("alias", 0)) + int(mem["temp"])
 
 
-def _meminfo_available() -> int | None:
+def _meminfo_total() -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return None
 
@@ -64,36 +66,19 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def _cgroup_available(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """Room left under this process's cgroup memory limit (v2, else v1): ``limit - usage`` plus the
-    page cache on the file LRU lists (``active_file + inactive_file``), which the kernel reclaims
-    before it refuses an allocation, as ``MemAvailable`` counts it; ``None`` without a limit.
-
-    A cgroup's usage counts its page cache, and once the files it read and wrote fill it, the
-    kernel keeps usage just under the limit by reclaiming the inactive list first: counting only
-    ``inactive_file`` then reads as almost no room (0.8 MiB seen on a CI machine, at the end of
-    the test suite, on a host with gigabytes to spare)."""
-    for limit_f, usage_f, prefix in (("memory.max", "memory.current", ""),
-                                     ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "total_")):
-        limit, usage = _read_int(root / limit_f), _read_int(root / usage_f)
-        if limit is None or usage is None or limit >= _NO_LIMIT:
-            continue
-        wanted = {prefix + "active_file", prefix + "inactive_file"}
-        cache = 0
-        try:
-            for line in (root / limit_f).with_name("memory.stat").read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key in wanted and value.strip().isdigit():
-                    cache += int(value)
-        except OSError:
-            pass
-        return min(limit, max(0, limit - usage + cache))
+def _cgroup_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """This process's cgroup memory limit (v2 ``memory.max``, else v1 ``memory.limit_in_bytes``);
+    ``None`` without one (``max``, or v1's "no limit" of about 2**63)."""
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+        limit = _read_int(root / name)
+        if limit is not None and limit < _NO_LIMIT:
+            return limit
     return None
 
 
-def host_available_bytes() -> int | None:
-    """Bytes this process can still allocate on the host: ``MemAvailable``, or less under a cgroup limit."""
-    values = [v for v in (_meminfo_available(), _cgroup_available()) if v is not None]
+def host_memory_bytes() -> int | None:
+    """The host memory this process may use: ``MemTotal``, or the cgroup limit when lower (bytes)."""
+    values = [v for v in (_meminfo_total(), _cgroup_limit()) if v is not None]
     return min(values) if values else None
 
 
@@ -106,8 +91,7 @@ class Fit:
       have: per device, what it may use (see the module docstring); ``None``: unknown (not checked).
       platform: ``"cpu"``, ``"gpu"``, ...
       devices: this process's devices.
-      host: CPU: the host's available bytes (shared by ``devices``); else 0.
-      resident: CPU: per device, the argument bytes already held; else 0.
+      host: CPU: the host's memory (bytes, shared by ``devices``); else 0.
     """
 
     need: int
@@ -115,7 +99,6 @@ class Fit:
     platform: str
     devices: int
     host: int = 0
-    resident: int = 0
 
     @property
     def fits(self) -> bool:
@@ -127,11 +110,8 @@ def local_fit(train_mem: dict, eval_mem: dict | None, devices) -> Fit:
     need = max(step_bytes(train_mem), step_bytes(eval_mem))
     platform = devices[0].platform
     if platform == "cpu":
-        host = host_available_bytes()
-        if host is None:
-            return Fit(need, None, platform, len(devices))
-        resident = int(train_mem["argument"])
-        return Fit(need, host // len(devices) + resident, platform, len(devices), host, resident)
+        host = host_memory_bytes()
+        return Fit(need, None if host is None else host // len(devices), platform, len(devices), host or 0)
     limits = []
     for d in devices:
         stats = d.memory_stats() or {}
@@ -174,8 +154,7 @@ def refusal(fit: Fit, process: int, processes: int, mem: dict, eval_mem: dict | 
     ev = f"; the eval step {_b(step_bytes(eval_mem))}" if eval_mem else ""
     who = f" on process {process} of {processes}" if processes > 1 else ""
     if fit.platform == "cpu":
-        have = (f"each of the {fit.devices} cpu devices{who} has {_b(fit.have)} (the host's {_b(fit.host)} available, "
-                f"shared by {fit.devices} emulated devices, + the {_b(fit.resident)} per device the state holds already)")
+        have = f"each of the {fit.devices} cpu devices{who} has {_b(fit.have)} (the host's {_b(fit.host)}, shared by {fit.devices} emulated devices)"
     else:
         have = f"each {fit.platform} device{who} has {_b(fit.have)} (memory_stats()['bytes_limit'])"
     largest = "temp (activations)" if int(mem["temp"]) >= int(mem["argument"]) else "argument (the model state)"
@@ -201,12 +180,12 @@ def check(run, strategy: str, train_mem: dict | None, eval_mem: dict | None, dev
     mine = [d for d in devices if d.process_index == me]
     fit = local_fit(train_mem, eval_mem, mine)
     procs = jax.process_count()
-    row = np.array([fit.need, -1 if fit.have is None else fit.have, fit.host, fit.resident], np.int64)
-    rows = np.asarray(multihost_utils.process_allgather(row)).reshape(procs, 4) if procs > 1 else row[None]
+    row = np.array([fit.need, -1 if fit.have is None else fit.have, fit.host], np.int64)
+    rows = np.asarray(multihost_utils.process_allgather(row)).reshape(procs, 3) if procs > 1 else row[None]
     room = [(r[1] - r[0]) if r[1] >= 0 else np.inf for r in rows]
     worst = int(np.argmin(room))
     if room[worst] >= 0:
         return None
-    need, have, host, resident = (int(x) for x in rows[worst])
-    fit = dataclasses.replace(fit, need=need, have=have, host=host, resident=resident)
+    need, have, host = (int(x) for x in rows[worst])
+    fit = dataclasses.replace(fit, need=need, have=have, host=host)
     return refusal(fit, worst, procs, train_mem, eval_mem, fixes(run, strategy, train_mem, len(devices)))

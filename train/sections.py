@@ -121,7 +121,7 @@ class TrainingConfig:
     eval_every: int = 100
     """steps between held-out evaluations (0: only before the first and after the last step)"""
     fit_check: bool = True
-    """before the first step, refuse (exit 2) a run whose compiled step needs more memory per device than a device has (GPU: memory_stats bytes_limit; CPU: the host's available memory), naming the numbers and the fixes"""
+    """before the first step, refuse (exit 2) a run whose compiled step needs more memory per device than a device has (GPU: memory_stats bytes_limit; CPU: the host's memory shared by its emulated devices), naming the numbers and the fixes"""
     watchdog: float = 60.0
     """seconds: the least time a part of the loop (a step, an evaluation, a sample, a checkpoint save) may take before the run stops with an error naming the step and the process (exit 124); each may take 10 x the median of its earlier durations (the first: 10 x the compile time); 0: no watchdog"""
 
