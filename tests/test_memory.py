@@ -174,23 +174,40 @@ def test_no_logits_sized_scatter_in_the_step():
     assert f"{logits_shape}" in hlo  # the logits are there (the check looks at the right shape)
 
 
+def _ends_model(arch):
+    from train.model import GPT, GPTConfig, Llama, LlamaConfig
+
+    if arch == "llama":
+        return Llama(LlamaConfig(vocab_size=256, seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48),
+                     rngs=nnx.Rngs(0))
+    tied = arch == "gpt-tied"
+    return GPT(GPTConfig(seq_len=16, d_model=32, n_layers=3, n_heads=2, tie_embeddings=tied, scan=not tied), rngs=nnx.Rngs(0))
+
+
+@functools.cache
+def _ends_reference(arch):
+    """3 SGD steps of ``arch`` on one device, computed once per model for both meshes."""
+    from conftest import gpt_batches, reference_run
+
+    from train.model import cross_entropy_loss
+
+    # as test_plan.py: Adam turns rounding into sign flips
+    return reference_run(lambda: _ends_model(arch), optax.sgd(0.5), cross_entropy_loss, gpt_batches(3))
+
+
 @pytest.mark.parametrize("mesh", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
 @pytest.mark.parametrize("arch", ["llama", "gpt-tied", "gpt-scan"])
 def test_units_with_ends_matches_single_device(arch, mesh):
     import numpy as np
-    from conftest import gpt_batches, reference_run, zshard_run
+    from conftest import gpt_batches, zshard_run
 
-    from train.model import GPT, GPTConfig, Llama, LlamaConfig, cross_entropy_loss, units_with_ends
+    from train.model import cross_entropy_loss, units_with_ends
 
     def make():
-        if arch == "llama":
-            return Llama(LlamaConfig(vocab_size=256, seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48),
-                         rngs=nnx.Rngs(0))
-        tied = arch == "gpt-tied"
-        return GPT(GPTConfig(seq_len=16, d_model=32, n_layers=3, n_heads=2, tie_embeddings=tied, scan=not tied), rngs=nnx.Rngs(0))
+        return _ends_model(arch)
 
     data = gpt_batches(3)
-    want = reference_run(make, optax.sgd(0.5), cross_entropy_loss, data)  # as test_plan.py: Adam turns rounding into sign flips
+    want = _ends_reference(arch)
     got = zshard_run(make, optax.sgd(0.5), zshard.make_mesh(*mesh), "HYBRID_SHARD_OPT", cross_entropy_loss, data,
                      unit=units_with_ends)
     units = [u.name for u in zshard.init(make, optax.adamw(3e-3), zshard.make_mesh(*mesh), strategy="HYBRID_SHARD_OPT",

@@ -1,5 +1,7 @@
 """find_units: the wrap policy -> module paths of the block units."""
 
+import functools
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -140,6 +142,19 @@ def test_size_based_policy(mlp):
         find_units(mlp, 10_000)
 
 
+def _mlp():
+    return ResMLP(13, 19, 3, n_blocks=2, rngs=nnx.Rngs(0))
+
+
+@functools.cache
+def _sgd_reference():
+    """3 SGD steps of the 2-block ``ResMLP`` on one device, computed once: the cases differ only on the zshard side (the unit policy)."""
+    import optax
+    from conftest import mlp_batches, mse_loss, reference_run
+
+    return reference_run(_mlp, optax.sgd(0.1), mse_loss, mlp_batches(3))
+
+
 @pytest.mark.parametrize("policy", [None, ResBlock, (ResBlock, nnx.Linear), 60, "callable"], ids=["default", "class", "tuple", "size", "callable"])
 def test_every_policy_trains_like_the_reference(policy):
     import optax
@@ -149,9 +164,9 @@ def test_every_policy_trains_like_the_reference(policy):
 
     if policy == "callable":
         policy = lambda path, m: isinstance(m, nnx.Linear)  # noqa: E731
-    make = lambda: ResMLP(13, 19, 3, n_blocks=2, rngs=nnx.Rngs(0))  # noqa: E731
+    make = _mlp
     data = mlp_batches(3)
-    want = reference_run(make, optax.sgd(0.1), mse_loss, data)
+    want = _sgd_reference()
     for strategy, mesh in (("FULL_SHARD", (1, 8)), ("HYBRID_SHARD", (2, 4))):
         got = zshard_run(make, optax.sgd(0.1), zshard.make_mesh(*mesh), strategy, mse_loss, data, unit=policy)
         np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)
