@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -275,6 +277,39 @@ def test_discard_half_written_waits_for_the_writers_before_removing_its_blockers
     assert removed == ["6.orbax-checkpoint-tmp"]
     assert sorted(p.name for p in d.iterdir()) == []
     assert not wait_on_thread(lambda: time.sleep(1))(0.01)  # the wait is bounded
+
+
+_SAVE_BROKEN_BY_THE_CLEAN_UP = """
+import os, signal, sys, time, types
+from train.__main__ import main
+
+class Trainer:  # the real main(), a trainer whose save fails once the deadline's clean-up blocks Orbax's writers
+    def start_output(self):
+        pass
+    def train(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.3)  # the deadline (0.05 s) is reached; its clean-up takes 0.5 s
+        raise ValueError("FAILED_PRECONDITION: Error writing manifest.ocdbt: Not a directory")
+
+def start(argv, stops):
+    stops.training()
+    stops.set_deadline(0.05, lambda: time.sleep(0.5) or "removed the half-written 6")
+    return Trainer()
+
+sys.modules["train.trainer"] = types.SimpleNamespace(start=start)
+sys.exit(main([]))
+"""
+
+
+def test_a_save_broken_by_the_deadline_clean_up_still_exits_143_with_its_line():
+    """CI: the main thread's save failed on the blockers the ``--preempt-grace`` clean-up puts in
+    Orbax's way, and the process exited 1 with Orbax's traceback before the deadline thread
+    could exit 143 (``Stops.outlast``)."""
+    r = subprocess.run([sys.executable, "-c", _SAVE_BROKEN_BY_THE_CLEAN_UP], capture_output=True, text=True,
+                       timeout=60, cwd=Path(__file__).parent.parent, check=False)
+    assert r.returncode == 143, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == ("python -m train: --preempt-grace 0.05 s after SIGTERM ran out: "
+                                                "removed the half-written 6"), r.stderr[-3000:]
 
 
 def test_bad_preempt_grace_and_watchdog_are_config_errors():

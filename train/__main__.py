@@ -43,10 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     stops = Stops()  # first: a signal while importing jax, compiling or evaluating exits at once
     from train.trainer import start  # noqa: PLC0415  (after the signal handlers: importing jax takes seconds)
 
-    trainer = start(sys.argv[1:] if argv is None else list(argv), stops)
-    trainer.start_output()
-    progress = trainer.train()
-    trainer.finish(progress, _T_START)
+    try:
+        trainer = start(sys.argv[1:] if argv is None else list(argv), stops)
+        trainer.start_output()
+        progress = trainer.train()
+        trainer.finish(progress, _T_START)
+    except BaseException:
+        stops.outlast()  # a --preempt-grace clean-up under way ends the process 143 itself
+        raise
     return {Stop.NONE: 0, Stop.INTERRUPT: EXIT_INTERRUPTED, Stop.PREEMPT: EXIT_PREEMPTED}[progress.stop]
 
 

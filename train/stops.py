@@ -43,6 +43,7 @@ __all__ = ["EXIT_INTERRUPTED", "EXIT_PREEMPTED", "SAME_PRESS_S", "Stop", "Stops"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 EXIT_PREEMPTED = 143  # 128 + SIGTERM; also after SIGUSR1 (the run saved its checkpoint and stopped: resume it)
 SAME_PRESS_S = 0.5  # s: a second SIGINT sooner than this after the first is the same Ctrl-C
+DEADLINE_CLEANUP_S = 60.0  # s: the most the main thread waits for the deadline's clean-up (it takes about 10 s at most)
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -78,6 +79,8 @@ class Stops:
         self._grace: float | None = None
         self._on_deadline: Callable[[], str] | None = None
         self._deadline_started = False
+        self._deadline_thread: threading.Thread | None = None
+        self._deadline_reached = threading.Event()  # the grace ran out: the clean-up is under way
         r, w = os.pipe()
         os.set_blocking(w, False)
         self._read = r
@@ -166,10 +169,12 @@ class Stops:
             if self._grace is None or self._deadline_started or self.t_signal is None:
                 return
             self._deadline_started = True
-        threading.Thread(target=self._deadline, daemon=True, name="preempt-grace").start()
+            self._deadline_thread = threading.Thread(target=self._deadline, daemon=True, name="preempt-grace")
+        self._deadline_thread.start()
 
     def _deadline(self) -> None:
         time.sleep(max(0.0, self.t_signal + self._grace - time.monotonic()))
+        self._deadline_reached.set()  # before the clean-up: the errors it causes on the main thread wait for it
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the main thread's errors once the folder is gone are noise: the line below says it
         try:
             message = self._on_deadline() if self._on_deadline is not None else ""
@@ -177,6 +182,15 @@ class Stops:
             message = f"(while cleaning up: {type(e).__name__}: {e})"
         what = self.signal_name or "the stop agreed with the other processes"
         self.exit(EXIT_PREEMPTED, f"--preempt-grace {self._grace:g} s after {what} ran out: {message}")
+
+    def outlast(self) -> None:
+        """The main thread met an error: when the ``--preempt-grace`` deadline has been reached,
+        its clean-up is what broke the save in flight (it blocks Orbax's writers on purpose), so
+        wait for the deadline thread, which exits 143 with its line, instead of letting the
+        process exit 1 with Orbax's traceback first (CI saw that race). Otherwise return at
+        once: the error is the run's own and the caller re-raises it."""
+        if self._deadline_reached.is_set() and self._deadline_thread is not threading.current_thread():
+            self._deadline_thread.join(DEADLINE_CLEANUP_S)  # ends in os._exit: this returns only if the clean-up hung
 
     @staticmethod
     def exit(code: int, message: str) -> None:
