@@ -37,7 +37,12 @@ def tokens(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+# Llama with another configuration (rope scaling, q/k/v biases, a sliding window): the same
+# fine-tuning path as llama; their numbers are the other tests' in this file and tests/test_hf.py
+LLAMA_LIKE = ("llama3", "qwen2", "mistral")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.exhaustive) if n in LLAMA_LIKE else n for n in FAMILIES])
 def test_init_from_fine_tunes(name, tokens, tmp_path):
     out = tmp_path / "run"
     sample = SAMPLED.get(name, "0")  # sampling of every family: test_sharded_generation_equals_single_device

@@ -58,8 +58,16 @@ def unrolled_reference(make):
     return reference_run(lambda: unrolled_copy(make), optax.adamw(1e-3), cross_entropy_loss, gpt_batches(4))
 
 
-@pytest.mark.parametrize("strategy", [s.value for s in zshard.Strategy])
-@pytest.mark.parametrize("make", [gpt, llama], ids=["gpt", "llama"])
+# Every strategy on the scanned GPT; the scanned Llama (rotary positions, grouped-query attention in
+# the loop body) on one strategy per replica handling, the others -m exhaustive
+CASES = [(gpt, s.value) for s in zshard.Strategy] + [
+    (llama, s.value) if s.value in ("FULL_SHARD", "HYBRID_SHARD") else pytest.param(llama, s.value, marks=pytest.mark.exhaustive)
+    for s in zshard.Strategy
+]
+
+
+@pytest.mark.parametrize("make,strategy", CASES, ids=[f"{'gpt' if i < len(zshard.Strategy) else 'llama'}-{s.value}"
+                                                      for i, s in enumerate(list(zshard.Strategy) * 2)])
 def test_scanned_equals_unrolled_equals_reference(make, strategy):
     data = gpt_batches(4)
     want = unrolled_reference(make)
