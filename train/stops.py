@@ -185,10 +185,11 @@ class Stops:
 
     def outlast(self) -> None:
         """The main thread met an error: when the ``--preempt-grace`` deadline has been reached,
-        its clean-up is what broke the save in flight (it blocks Orbax's writers on purpose), so
-        wait for the deadline thread, which exits 143 with its line, instead of letting the
-        process exit 1 with Orbax's traceback first (CI saw that race). Otherwise return at
-        once: the error is the run's own and the caller re-raises it."""
+        the deadline thread owns the ending: its clean-up is what broke the save in flight (it
+        blocks Orbax's writers on purpose) and it exits 143 with its line, so wait for it instead
+        of exiting 1 with Orbax's traceback first (CI saw that race). Otherwise return at once:
+        the error is the run's own and the caller re-raises it. (A run that ends without an error
+        has its checkpoint complete: the deadline's line then says so, or the run's own does.)"""
         if self._deadline_reached.is_set() and self._deadline_thread is not threading.current_thread():
             self._deadline_thread.join(DEADLINE_CLEANUP_S)  # ends in os._exit: this returns only if the clean-up hung
 
