@@ -217,9 +217,9 @@ def gather_source(state) -> dict:
 # its own transfer, its update depends only on it (and the scalars), so the GPU scheduler can stream
 # them; the order is XLA's. A stacked parameter (``[L, n_pad/N]``, run with ``nnx.scan``) is one
 # leaf for all its layers, so its moments are on the device whole while it is updated; streaming
-# them a layer at a time (a ``lax.scan`` over the layers) is not done: tried, the scan body's
-# moment update compiled differently on XLA:CPU and rounded the last bits (not bitwise), so it
-# was left out (issue 27). A leaf never meets device data while on the host, which JAX refuses
+# them a layer at a time (a ``lax.scan`` over the layers) is not done: the scan body fuses the
+# parameter update differently, and XLA:CPU's always-on FMA contraction then rounds the last bits
+# differently (measured: docs/offload.md, "Measured"), which the bitwise contract forbids. A leaf never meets device data while on the host, which JAX refuses
 # ("memory_space of all inputs ... must be the same"; :func:`check_placement` names the leaf).
 
 
