@@ -282,14 +282,29 @@ def test_discard_half_written_waits_for_the_writers_before_removing_its_blockers
 _SAVE_BROKEN_BY_THE_CLEAN_UP = """
 import os, signal, sys, time, types
 from train.__main__ import main
+from train.stops import Stop
+
+import logging, threading
+log = logging.getLogger("orbax-like")  # a handler holding the real stderr stream, as absl's does
+log.addHandler(logging.StreamHandler(sys.stderr))
+
+def noise():  # another thread's traceback, written at any moment, until the process ends
+    while True:
+        log.error("Traceback (most recent call last): ... Not a directory")
+        time.sleep(0.001)
 
 class Trainer:  # the real main(), a trainer whose save fails once the deadline's clean-up blocks Orbax's writers
     def start_output(self):
         pass
     def train(self):
+        threading.Thread(target=noise, daemon=True).start()
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.3)  # the deadline (0.05 s) is reached; its clean-up takes 0.5 s
-        raise ValueError("FAILED_PRECONDITION: Error writing manifest.ocdbt: Not a directory")
+        if sys.argv[1] == "raises":
+            raise ValueError("FAILED_PRECONDITION: Error writing manifest.ocdbt: Not a directory")
+        return types.SimpleNamespace(stop=Stop.PREEMPT)  # the run's own end, meanwhile
+    def finish(self, progress, t_start):
+        print("python -m train: preempted by SIGTERM after step 6 of 100: ...")
 
 def start(argv, stops):
     stops.training()
@@ -301,15 +316,18 @@ sys.exit(main([]))
 """
 
 
-def test_a_save_broken_by_the_deadline_clean_up_still_exits_143_with_its_line():
-    """CI: the main thread's save failed on the blockers the ``--preempt-grace`` clean-up puts in
-    Orbax's way, and the process exited 1 with Orbax's traceback before the deadline thread
-    could exit 143 (``Stops.outlast``)."""
-    r = subprocess.run([sys.executable, "-c", _SAVE_BROKEN_BY_THE_CLEAN_UP], capture_output=True, text=True,
-                       timeout=60, cwd=Path(__file__).parent.parent, check=False)
-    assert r.returncode == 143, r.stderr[-3000:]
-    assert r.stderr.strip().splitlines()[-1] == ("python -m train: --preempt-grace 0.05 s after SIGTERM ran out: "
-                                                "removed the half-written 6"), r.stderr[-3000:]
+@pytest.mark.parametrize("main_thread", ["raises", "returns"])
+def test_a_save_broken_by_the_deadline_clean_up_still_exits_143_with_its_line(main_thread):
+    """Races CI met at the ``--preempt-grace`` deadline, whose clean-up blocks Orbax's writers on
+    purpose (``Stops.outlast``, ``train.stops._silence``): the main thread's save failed on the
+    blockers and the process exited 1 with Orbax's traceback; a run that ended meanwhile ended the
+    process before the deadline's line. Exit 143, the deadline's line last (stdout and stderr
+    together), while another thread keeps writing."""
+    r = subprocess.run([sys.executable, "-c", _SAVE_BROKEN_BY_THE_CLEAN_UP, main_thread], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=60, cwd=Path(__file__).parent.parent, check=False)
+    assert r.returncode == 143, r.stdout[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == ("python -m train: --preempt-grace 0.05 s after SIGTERM ran out: "
+                                                "removed the half-written 6"), r.stdout[-3000:]
 
 
 def test_bad_preempt_grace_and_watchdog_are_config_errors():

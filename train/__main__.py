@@ -48,9 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.start_output()
         progress = trainer.train()
         trainer.finish(progress, _T_START)
-    except BaseException:
-        stops.outlast()  # a --preempt-grace clean-up under way ends the process 143 itself
-        raise
+    finally:  # a --preempt-grace clean-up under way ends the process 143 itself, with the last line
+        stops.outlast()
     return {Stop.NONE: 0, Stop.INTERRUPT: EXIT_INTERRUPTED, Stop.PREEMPT: EXIT_PREEMPTED}[progress.stop]
 
 

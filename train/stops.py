@@ -175,7 +175,7 @@ class Stops:
     def _deadline(self) -> None:
         time.sleep(max(0.0, self.t_signal + self._grace - time.monotonic()))
         self._deadline_reached.set()  # before the clean-up: the errors it causes on the main thread wait for it
-        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - the main thread's errors once the folder is gone are noise: the line below says it
+        _silence()  # the errors the clean-up causes on other threads are noise: the line below says it
         try:
             message = self._on_deadline() if self._on_deadline is not None else ""
         except Exception as e:  # noqa: BLE001 - the exit below must happen whatever the clean-up met
@@ -184,19 +184,44 @@ class Stops:
         self.exit(EXIT_PREEMPTED, f"--preempt-grace {self._grace:g} s after {what} ran out: {message}")
 
     def outlast(self) -> None:
-        """The main thread met an error: when the ``--preempt-grace`` deadline has been reached,
-        the deadline thread owns the ending: its clean-up is what broke the save in flight (it
-        blocks Orbax's writers on purpose) and it exits 143 with its line, so wait for it instead
-        of exiting 1 with Orbax's traceback first (CI saw that race). Otherwise return at once:
-        the error is the run's own and the caller re-raises it. (A run that ends without an error
-        has its checkpoint complete: the deadline's line then says so, or the run's own does.)"""
+        """The main thread is ending (an error, or the run's end): when the ``--preempt-grace``
+        deadline has been reached, the deadline thread owns the ending, so wait for it; it removes
+        what is half-written and exits 143 with the last line. Otherwise return at once. Two
+        races CI met without it: the main thread's save, broken by the blockers the clean-up puts
+        in Orbax's way on purpose, ended the process 1 with Orbax's traceback; and a run that
+        finished meanwhile ended the process (its daemon threads with it) before the clean-up
+        and the deadline's line."""
         if self._deadline_reached.is_set() and self._deadline_thread is not threading.current_thread():
             self._deadline_thread.join(DEADLINE_CLEANUP_S)  # ends in os._exit: this returns only if the clean-up hung
 
     @staticmethod
     def exit(code: int, message: str) -> None:
-        """One line on stderr (every process), then ``os._exit(code)``: nothing more runs, no file is touched."""
+        """One line on stderr (every process), the last thing the process writes, then
+        ``os._exit(code)``: nothing more runs, no file is touched."""
         try:
-            os.write(2, f"\n{PROG}: {message}\n".encode())
+            os.write(_silence(), f"\n{PROG}: {message}\n".encode())
         finally:
             os._exit(code)
+
+
+_STDERR: list[int] = []  # the real stderr's file descriptor, once _silence has run
+_SILENCE_LOCK = threading.Lock()  # the deadline and the watchdog threads may both exit
+
+
+def _silence() -> int:
+    """Point file descriptors 1 and 2 at /dev/null (every thread's writes: Orbax's log records
+    and tracebacks during the deadline's clean-up) and return a descriptor of the real stderr,
+    for the one line :meth:`Stops.exit` writes last: nothing another thread writes can follow
+    it (``sys.stderr`` alone does not reach a logging handler that holds the stream, as the
+    Orbax traceback CI printed shows). Falls back to 2 where ``dup`` fails."""
+    with _SILENCE_LOCK:
+        if not _STDERR:
+            try:
+                real = os.dup(2)
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, 1)
+                os.dup2(null, 2)
+                _STDERR.append(real)
+            except OSError:
+                return 2
+        return _STDERR[0]

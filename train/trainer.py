@@ -199,12 +199,15 @@ class Trainer:
         """``--preempt-grace`` ran out (the deadline thread; the process ends after): remove what
         is half-written (process 0), and say which checkpoint a ``--resume`` continues from."""
         where = self.setup.ckpt.directory
-        if self.saved_at is not None:
-            return f"checkpoint {where / str(self.checkpoint.saved[-1])} is complete; stopped before the summary was written"
         writers = wait_on_thread(self.setup.ckpt.ckpt.wait_until_finished)  # Orbax's writers, failed on the blockers
         removed = discard_half_written(where, self.checkpoint.saved, writers_done=writers) if jax.process_index() == 0 and self.checkpoint else []
         latest = latest_complete(where)
-        gone = f"removed the half-written {', '.join(str(where / n) for n in removed)}; " if removed else "no new checkpoint; "
+        if removed:  # also when the stop's own checkpoint was complete: an earlier save may have been cut short
+            gone = f"removed the half-written {', '.join(str(where / n) for n in removed)}; "
+        elif self.saved_at is not None:
+            gone = f"the stop's checkpoint {where / str(self.checkpoint.saved[-1])} is complete; "
+        else:
+            gone = "no new checkpoint; "
         if latest is None:
             return gone + "there is no complete checkpoint: the run starts again from step 0"
         return gone + f"the latest complete checkpoint is {where / str(latest)} (--resume continues from it)"
