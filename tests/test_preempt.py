@@ -331,7 +331,7 @@ def test_a_save_broken_by_the_deadline_clean_up_still_exits_143_with_its_line(ma
 
 
 def test_bad_preempt_grace_and_watchdog_are_config_errors():
-    for argv, needle in ((["--preempt-grace", "0"], "checkpoint.preempt_grace (--preempt-grace): must be > 0"),
+    for argv, needle in ((["--preempt-grace", "0"], "checkpoint.preempt_grace (--preempt-grace): must be > 0 and finite, got 0.0; leave it out for no limit"),
                          (["--watchdog", "-1"], "training.watchdog (--watchdog): must be >= 0")):
         with pytest.raises(ConfigError, match=re.escape(needle)):
             parse_config(argv)[0].validate()

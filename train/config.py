@@ -245,7 +245,7 @@ class Config:
         if c.keep is not None:
             at_least("checkpoint.keep", c.keep, 1)
         if c.preempt_grace is not None:
-            at_least("checkpoint.preempt_grace", c.preempt_grace, 0, strict=True)
+            at_least("checkpoint.preempt_grace", c.preempt_grace, 0, strict=True, fix="leave it out for no limit")
         # [distributed]: types checked here; zshard.distributed.initialize checks the values.
         if lg.out is not None and not lg.out:
             raise ConfigError(key_of("logging.out"), "is empty; give a directory path, or leave it unset for a new runs/<date-time>")

@@ -189,11 +189,12 @@ def choice(key: str, value, allowed: list) -> None:
         raise ConfigError(key_of(key), f"invalid choice: {value!r} (choose from {', '.join(map(str, allowed))})")
 
 
-def at_least(key: str, value, low, strict: bool = False) -> None:
-    """:class:`ConfigError` unless ``value`` is finite and ``>= low`` (``strict``: ``> low``)."""
+def at_least(key: str, value, low, strict: bool = False, fix: str = "") -> None:
+    """:class:`ConfigError` unless ``value`` is finite and ``>= low`` (``strict``: ``> low``);
+    ``fix``, when given, ends the message (e.g. ``"leave it out for no limit"``)."""
     bad = value <= low if strict else value < low
     if bad or value != value or value == float("inf"):
-        raise ConfigError(key_of(key), f"must be {'>' if strict else '>='} {low} and finite, got {value!r}")
+        raise ConfigError(key_of(key), f"must be {'>' if strict else '>='} {low} and finite, got {value!r}" + (f"; {fix}" if fix else ""))
 
 
 @functools.cache
