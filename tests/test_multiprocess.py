@@ -148,15 +148,18 @@ def test_killed_process_stops_its_peer_with_a_clear_error():
 
 
 @pytest.mark.multiprocess
-def test_launcher_prefixes_output_and_stops_the_others_when_one_fails():
-    script = (
-        "import os, sys, time\n"
-        "rank = os.environ['ZSHARD_PROCESS_ID']\n"
+def test_launcher_prefixes_output_and_stops_the_others_when_one_fails(tmp_path):
+    script = (  # rank 1 fails once the others have printed (CI: under load rank 0 was stopped before its line)
+        "import os, sys, time, pathlib\n"
+        "rank, here = os.environ['ZSHARD_PROCESS_ID'], pathlib.Path(sys.argv[1])\n"
         "print('hello from', rank, os.environ['ZSHARD_NUM_PROCESSES'], os.environ['XLA_FLAGS'], flush=True)\n"
+        "(here / rank).touch()\n"
+        "t = time.monotonic()\n"
+        "while rank == '1' and not all((here / r).exists() for r in '02') and time.monotonic() - t < 60: time.sleep(0.05)\n"
         "if rank == '1': sys.exit(3)\n"
         "time.sleep(600)\n"
     )
-    cmd = [PY, "-m", "zshard.launch", "--nproc", "3", "--devices-per-proc", "2", "--grace", "2", "--", PY, "-c", script]
+    cmd = [PY, "-m", "zshard.launch", "--nproc", "3", "--devices-per-proc", "2", "--grace", "2", "--", PY, "-c", script, str(tmp_path)]
     res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 3, res.stdout
     for rank in range(3):  # the launcher sets the device count and keeps the other XLA_FLAGS (the suite's own)
