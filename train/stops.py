@@ -187,10 +187,10 @@ class Stops:
         """The main thread is ending (an error, or the run's end): when the ``--preempt-grace``
         deadline has been reached, the deadline thread owns the ending, so wait for it; it removes
         what is half-written and exits 143 with the last line. Otherwise return at once. Two
-        races CI met without it: the main thread's save, broken by the blockers the clean-up puts
-        in Orbax's way on purpose, ended the process 1 with Orbax's traceback; and a run that
-        finished meanwhile ended the process (its daemon threads with it) before the clean-up
-        and the deadline's line."""
+        races without it: the main thread's save, broken by the blockers the clean-up puts in
+        Orbax's way on purpose, ended the process 1 with Orbax's traceback (CI); and a run that
+        finished meanwhile could end the process (its daemon threads with it) before the
+        clean-up and the deadline's line (under load here; tests/test_preempt.py pins both)."""
         if self._deadline_reached.is_set() and self._deadline_thread is not threading.current_thread():
             self._deadline_thread.join(DEADLINE_CLEANUP_S)  # ends in os._exit: this returns only if the clean-up hung
 
