@@ -50,6 +50,7 @@ if not os.environ.get("ZSHARD_TEST_NO_CACHE"):
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".pytest_cache" / "jax"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", _SUBPROCESS_MIN_COMPILE_S)
 
+import collections  # noqa: E402
 import dataclasses  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -225,17 +226,29 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
-# The files that take longest, first: ``--dist loadfile`` hands each worker the next whole file in
-# collection order, so a long file collected last leaves the other worker idle at the end (longest
-# first is the classic scheduling rule). Measured with ``--durations`` on 2 cores; the rest keep
-# their alphabetical order. Tried and not kept: all 22 files over 40 s in strict order of their time
-# (test_tensor_parallel, test_multiprocess, test_context, ...): two fresh-clone runs took 1424 s and
-# 1439 s against 1281 s with this order, the in-process files 10-40% longer each (on 2 cores, which
-# file runs beside which matters more than the order of the tail).
-LONGEST_FIRST = ("test_offload.py", "test_context.py", "test_preempt_mp.py", "test_multiprocess.py", "test_preempt.py",
-                 "test_tensor_parallel.py", "test_hf_finetune.py", "test_attention.py", "test_checkpoint.py", "test_quant.py")
+# The files that take longest, first (longest processing time first, the classic rule for 2
+# machines): ``--dist loadfile`` hands each worker the next whole file in queue order, so a long
+# file handed out last leaves the other worker idle at the end. pyproject.toml passes
+# ``--no-loadscope-reorder`` (pytest-xdist 3.8): without it pytest-xdist re-sorts the files by their
+# number of tests, which put test_preempt_mp.py (1 test, 95 s) and test_readme.py (1 test, 62 s)
+# last. Seconds: one fresh-clone run on 2 cores with ``--durations`` (2026-12-03, 947 tests,
+# 2514 s over both workers); a file not listed counts 2.65 s per test, the suite's mean. Replaying
+# that run's per-test times through xdist's scheduler: 1315 s for the order by test count, 1257 s
+# for this one (2514 / 2 = 1257 is the bound).
+FILE_SECONDS = {
+    "test_tensor_parallel.py": 214, "test_multiprocess.py": 186, "test_context.py": 164, "test_optim.py": 121,
+    "test_hf_finetune.py": 105, "test_zoo.py": 96, "test_preempt_mp.py": 95, "test_memory.py": 84,
+    "test_offload.py": 71, "test_scan.py": 70, "test_preempt.py": 62, "test_readme.py": 62, "test_verify.py": 60,
+    "test_checkpoint.py": 59, "test_data.py": 54, "test_remat.py": 52, "test_plan.py": 52, "test_quant.py": 49,
+    "test_strategies.py": 48, "test_main_job.py": 47, "test_main_eval.py": 46, "test_attention.py": 45,
+}  # fmt: skip
+MEAN_TEST_SECONDS = 2.65
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the order inside a file is kept
+    per_file = collections.Counter(item.path.name for item in items)
+
+    def seconds(name: str) -> float:
+        return FILE_SECONDS.get(name, MEAN_TEST_SECONDS * per_file[name])
+
+    items.sort(key=lambda item: (-seconds(item.path.name), item.path.name))  # stable: the order inside a file is kept
