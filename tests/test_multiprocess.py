@@ -303,13 +303,14 @@ def test_launch_runs_python_m_train_with_rank_0_writing(tmp_path):
 
     # Checkpoints across process counts: step 1 written by 2 processes resumes in 1 process
     # (1x8 FULL_SHARD), whose step 3 resumes again in 2 processes; the losses stay those of
-    # the uninterrupted 2-process run.
+    # the uninterrupted 2-process run. (A 2-process resume on the same mesh, bit for bit, is
+    # tests/test_preempt_mp.py's last run.)
     want = {r["step"]: r["loss"] for r in records if "loss" in r}
     ckpts = out / "checkpoints"
     assert sorted(int(d.name) for d in ckpts.iterdir()) == [1, 2, 3, 4]
     resume = flags + ["--resume"]
 
-    def resumed_from(step, cmd, exact=False):
+    def resumed_from(step, cmd):
         for d in ckpts.iterdir():
             if int(d.name) > step:
                 subprocess.run(["rm", "-r", str(d)], check=True)
@@ -319,13 +320,8 @@ def test_launch_runs_python_m_train_with_rank_0_writing(tmp_path):
         got = {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
         assert got.keys() == want.keys()
         for k in want:
-            if exact:  # same processes, same mesh: the Grain iterator state and the arrays resume bit for bit
-                assert got[k] == want[k], (step, k, got[k], want[k])
-            else:
-                assert abs(got[k] - want[k]) <= 1e-5 * abs(want[k]), (step, k, got[k], want[k])
+            assert abs(got[k] - want[k]) <= 1e-5 * abs(want[k]), (step, k, got[k], want[k])
 
-    two = [PY, "-m", "zshard.launch", "--nproc", "2", "--devices-per-proc", "4", "--", "python", "-m", "train", *resume]
-    resumed_from(3, two, exact=True)
     one = [PY, "-m", "train", *resume, "--devices", "8", "--mesh", "1x8", "--strategy", "FULL_SHARD"]
     resumed_from(1, one)
     resumed_from(3, [PY, "-m", "zshard.launch", "--nproc", "2", "--devices-per-proc", "4", "--", "python", "-m", "train", *resume])
