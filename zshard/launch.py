@@ -20,7 +20,8 @@ most every :data:`PROGRESS_EVERY_S` seconds per rank, each as its own line.
 If a process exits with a non-zero status (or a signal), the launcher stops the others
 (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with that status
 (``128 + signal`` for a signal); it exits 0 when every process does. A SIGTERM, SIGUSR1 or
-Ctrl-C (SIGINT) to the launcher is forwarded to every process, which for ``python -m train``
+Ctrl-C (SIGINT) to the launcher is forwarded to every process (rank 0, which hosts the
+coordination service, last), which for ``python -m train``
 means: finish the step in flight, save, exit (143 after SIGTERM / SIGUSR1, 130 after Ctrl-C);
 the same signal again (or Ctrl-C after any) stops them at once. Statuses of ``python -m
 train`` are named in the launcher's line (:data:`MEANING`).
@@ -47,6 +48,7 @@ __all__ = ["free_port", "launch", "main"]
 PROG = "python -m zshard.launch"
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 PROGRESS_EVERY_S = 10.0  # s: a rank's progress-bar redraws are shown at most this often
+COORDINATOR_LAST_S = 5.0  # s: the most a forwarded signal waits for ranks 1.. to exit before it reaches rank 0
 CHATTER = (
     re.compile(rb"^I\d{4} [\d:.]+\s+\d+ \S+:\d+\].*"),  # glog INFO lines (coordination service, XLA)
     # Gloo's connection notes, one per rank and group. Several C++ threads print them at once,
@@ -145,12 +147,27 @@ def _describe(code: int) -> str:
 
 
 def _forward(procs: list, signum: int) -> None:
-    for p in procs:
+    """``signum`` to every running process group, rank 0 last. Rank 0 hosts jax.distributed's
+    coordination service, and JAX ends a process whose service has gone at once (a fatal
+    "Socket closed" and a stack trace), before it acts on its own signal: a SIGTERM while
+    compiling reached both ranks, rank 0 exited first and rank 1 died so (seen under load). So
+    rank 0 gets the signal once ranks 1.. have exited, or after :data:`COORDINATOR_LAST_S`
+    seconds; a run that is training stops together anyway (the stop agreement reaches rank 0)."""
+
+    def send(p) -> None:
         if p.poll() is None:
             try:
                 os.killpg(p.pid, signum)
             except ProcessLookupError:
                 pass
+
+    coordinator, others = procs[0], procs[1:]
+    for p in others:
+        send(p)
+    deadline = time.monotonic() + COORDINATOR_LAST_S
+    while any(p.poll() is None for p in others) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    send(coordinator)
 
 
 def _stop(procs: list, grace: float) -> None:
