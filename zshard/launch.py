@@ -146,6 +146,15 @@ def _describe(code: int) -> str:
     return f"exited with status {code}" + (f" ({MEANING[code]})" if code in MEANING else "")
 
 
+def _signal(p, signum: int) -> None:
+    """``signum`` to ``p``'s process group, if it is still running."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signum)
+        except ProcessLookupError:
+            pass
+
+
 def _forward(procs: list, signum: int) -> None:
     """``signum`` to every running process group, rank 0 last. Rank 0 hosts jax.distributed's
     coordination service, and JAX ends a process whose service has gone at once (a fatal
@@ -153,40 +162,26 @@ def _forward(procs: list, signum: int) -> None:
     compiling reached both ranks, rank 0 exited first and rank 1 died so (seen under load). So
     rank 0 gets the signal once ranks 1.. have exited, or after :data:`COORDINATOR_LAST_S`
     seconds; a run that is training stops together anyway (the stop agreement reaches rank 0)."""
-
-    def send(p) -> None:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signum)
-            except ProcessLookupError:
-                pass
-
     coordinator, others = procs[0], procs[1:]
     for p in others:
-        send(p)
+        _signal(p, signum)
     deadline = time.monotonic() + COORDINATOR_LAST_S
     while any(p.poll() is None for p in others) and time.monotonic() < deadline:
         time.sleep(0.05)
-    send(coordinator)
+    _signal(coordinator, signum)
 
 
 def _stop(procs: list, grace: float) -> None:
-    """SIGTERM every running process group, then SIGKILL what is left after ``grace`` seconds."""
+    """SIGTERM every running process group at once (a failure path: no rank waits for another,
+    unlike :func:`_forward`), then SIGKILL what is left after ``grace`` seconds."""
     for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        _signal(p, signal.SIGTERM)
     deadline = time.monotonic() + grace
     for p in procs:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _signal(p, signal.SIGKILL)
             p.wait()
 
 
