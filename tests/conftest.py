@@ -60,6 +60,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
+from compile_log import pytest_addoption, pytest_configure, pytest_runtest_setup, pytest_terminal_summary  # noqa: E402, F401 (hooks)
 from flax import nnx, traverse_util  # noqa: E402
 
 NUM_DEVICES = 8
@@ -240,18 +241,26 @@ def corpus(tmp_path_factory) -> Path:
 # file handed out last leaves the other worker idle at the end. pyproject.toml passes
 # ``--no-loadscope-reorder`` (pytest-xdist 3.8): without it pytest-xdist re-sorts the files by their
 # number of tests, which put test_preempt_mp.py (1 test, 95 s) and test_readme.py (1 test, 62 s)
-# last. Seconds: one fresh-clone run on 2 cores with ``--durations`` (2026-12-03, 947 tests,
-# 2514 s over both workers); a file not listed counts 2.65 s per test, the suite's mean. Replaying
-# that run's per-test times through xdist's scheduler: 1315 s for the order by test count, 1257 s
-# for this one (2514 / 2 = 1257 is the bound).
+# last. Seconds: every file's, from one fresh-clone run on 2 cores with ``--durations`` (2026-12-03,
+# 947 tests, 2617 s over both workers); a new file not listed counts 2.76 s per test, that run's
+# mean. Replaying that run's per-test times through xdist's rule (the next file to the first free
+# worker): 1324 s for the earlier table (22 files, the rest estimated by their test count, which
+# put test_config.py, 61 tests of 11 s, fourth), 1309 s for this one, the bound (2617 / 2).
 FILE_SECONDS = {
-    "test_tensor_parallel.py": 214, "test_multiprocess.py": 186, "test_context.py": 164, "test_optim.py": 121,
-    "test_hf_finetune.py": 105, "test_zoo.py": 96, "test_preempt_mp.py": 95, "test_memory.py": 84,
-    "test_offload.py": 71, "test_scan.py": 70, "test_preempt.py": 62, "test_readme.py": 62, "test_verify.py": 60,
-    "test_checkpoint.py": 59, "test_data.py": 54, "test_remat.py": 52, "test_plan.py": 52, "test_quant.py": 49,
-    "test_strategies.py": 48, "test_main_job.py": 47, "test_main_eval.py": 46, "test_attention.py": 45,
+    "test_tensor_parallel.py": 319, "test_context.py": 209, "test_optim.py": 165, "test_multiprocess.py": 153,
+    "test_hf_finetune.py": 136, "test_preempt_mp.py": 102, "test_offload.py": 87, "test_memory.py": 72,
+    "test_step.py": 70, "test_readme.py": 69, "test_zoo.py": 56, "test_checkpoint.py": 53, "test_scan.py": 50,
+    "test_quant.py": 49, "test_preempt.py": 49, "test_cli.py": 47, "test_strategies.py": 47, "test_main_job.py": 46,
+    "test_plan.py": 46, "test_hf.py": 46, "test_model_state.py": 46, "test_verify.py": 46, "test_data.py": 45,
+    "test_user_models.py": 42, "test_moe.py": 41, "test_remat.py": 40, "test_generate.py": 39,
+    "test_hybrid_opt.py": 39, "test_train.py": 37, "test_leaves.py": 37, "test_bench.py": 35,
+    "test_attention.py": 34, "test_main_eval.py": 34, "test_feedback.py": 33, "test_precision.py": 30,
+    "test_hpz.py": 28, "test_accum.py": 21, "test_shapes.py": 17, "test_tied.py": 15, "test_prefetch.py": 15,
+    "test_evaluate.py": 14, "test_global_view.py": 13, "test_config.py": 11, "test_flat.py": 6, "test_frozen.py": 5,
+    "test_units.py": 5, "test_mesh.py": 5, "test_structure.py": 3, "test_quant_context.py": 3, "test_forward.py": 3,
+    "test_collectives.py": 2, "test_launch.py": 1,
 }  # fmt: skip
-MEAN_TEST_SECONDS = 2.65
+MEAN_TEST_SECONDS = 2.76
 
 
 def pytest_collection_modifyitems(config, items):
