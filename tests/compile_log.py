@@ -46,8 +46,9 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     folder = config.getoption("--compile-log")
-    if not folder or not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
-        return  # off, or the xdist controller (it runs no test)
+    controller = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")  # xdist's: it runs no test
+    if not folder or controller:
+        return
     Path(folder).mkdir(parents=True, exist_ok=True)
     handler = _Rows(Path(folder) / f"compiles.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.tsv")
     for name in _LOGGERS:
@@ -57,6 +58,12 @@ def pytest_configure(config):
         logger.propagate = False  # not into the captured output of each test
     jax.config.update("jax_log_compiles", True)
     config._compile_log = handler
+
+
+def pytest_unconfigure(config):
+    handler = getattr(config, "_compile_log", None)
+    if handler is not None:
+        handler.out.close()
 
 
 def pytest_runtest_setup(item):

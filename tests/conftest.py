@@ -60,9 +60,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import pytest  # noqa: E402
-from compile_log import pytest_addoption, pytest_configure, pytest_runtest_setup, pytest_terminal_summary  # noqa: E402, F401 (hooks)
 from flax import nnx, traverse_util  # noqa: E402
 
+pytest_plugins = ["compile_log"]  # pytest --compile-log DIR: every XLA compile by test and program
 NUM_DEVICES = 8
 ROOT = Path(__file__).resolve().parent.parent
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
