@@ -163,9 +163,21 @@ def flat_params(model: nnx.Module) -> dict:
     return {p: np.asarray(v) for p, v in traverse_util.flatten_dict(nnx.to_pure_dict(state)).items()}
 
 
+def strong(x):
+    """``x`` without JAX's weak type (keys and non-arrays as they are)."""
+    if not isinstance(x, jax.Array) or jnp.issubdtype(x.dtype, jax.dtypes.prng_key) or not x.weak_type:
+        return x
+    return jax.lax.convert_element_type(x, x.dtype)
+
+
 def reference_run(make_model: Callable[[], nnx.Module], tx, loss_fn, batches) -> Trajectory:
-    """Train ``make_model()`` on one device with ``nnx.Optimizer``: the ground truth."""
+    """Train ``make_model()`` on one device with ``nnx.Optimizer``: the ground truth.
+
+    Its variables are made strongly typed first, as ``zshard.init`` stores them (a weakly typed
+    ``nnx.Param(jnp.full((), 1.5))`` would make the second step compile again; same values)."""
     ref = make_model()
+    graphdef, variables = nnx.split(ref)
+    ref = nnx.merge(graphdef, jax.tree.map(strong, variables))
     opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
 
     @nnx.jit

@@ -163,8 +163,8 @@ def _place(plan: Plan, model, concrete: bool, weights, abstract: bool) -> tuple[
             with nnx.use_eager_sharding(False):
                 _, st = nnx.split(model())
             flat = dict(nnx.to_flat_state(st))
-            stored = [rec.to_storage(flat[rec.path].get_raw_value()) for rec in layouts] if own else []
-            return stored, [flat[p].get_raw_value() for p in var_paths]
+            stored = [_strong(rec.to_storage(flat[rec.path].get_raw_value())) for rec in layouts] if own else []
+            return stored, [_strong(flat[p].get_raw_value()) for p in var_paths]
 
         var_values = []
         if own or var_paths:
@@ -173,6 +173,18 @@ def _place(plan: Plan, model, concrete: bool, weights, abstract: bool) -> tuple[
     params = traverse_util.unflatten_dict({rec.path: v for rec, v in zip(layouts, values)})
     variables = traverse_util.unflatten_dict(dict(zip(var_paths, var_values))) if var_paths else {}
     return params, variables
+
+
+def _strong(x):
+    """``x`` without JAX's weak type. A variable the model makes from a Python scalar
+    (``nnx.Param(jnp.full((), 1.5))``) is weakly typed; the step returns the state strongly typed
+    (the optimizer's update), so a weakly typed input would make the second step trace and compile
+    again: two compiles of the same program (jax's "weak types",
+    https://docs.jax.dev/en/latest/type_promotion.html#weak-types). The values are unchanged; a
+    key array is left as it is."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) or not jax.typeof(x).weak_type:
+        return x
+    return jax.lax.convert_element_type(x, x.dtype)  # weak_type=False, the same dtype and values
 
 
 def _init_opt_state(plan: Plan, params: dict, abstract: bool):
