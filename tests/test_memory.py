@@ -195,7 +195,8 @@ def _ends_reference(arch):
     return reference_run(lambda: _ends_model(arch), optax.sgd(0.5), cross_entropy_loss, gpt_batches(3))
 
 
-@pytest.mark.parametrize("mesh", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
+# 4x2 (4 replicas of 2 shards) takes 2x4's path with other padding: -m exhaustive
+@pytest.mark.parametrize("mesh", [(2, 4), pytest.param((4, 2), marks=pytest.mark.exhaustive)], ids=["2x4", "4x2"])
 @pytest.mark.parametrize("arch", ["llama", "gpt-tied", "gpt-scan"])
 def test_units_with_ends_matches_single_device(arch, mesh):
     import numpy as np
@@ -211,7 +212,7 @@ def test_units_with_ends_matches_single_device(arch, mesh):
     got = zshard_run(make, optax.sgd(0.5), zshard.make_mesh(*mesh), "HYBRID_SHARD_OPT", cross_entropy_loss, data,
                      unit=units_with_ends)
     units = [u.name for u in zshard.init(make, optax.adamw(3e-3), zshard.make_mesh(*mesh), strategy="HYBRID_SHARD_OPT",
-                                         unit=units_with_ends).plan.units]
+                                         unit=units_with_ends, abstract=True).plan.units]
     assert ("wte" if arch.startswith("gpt") else "embed") in units and (arch == "gpt-tied") != ("head" in units), units
     np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)
     np.testing.assert_allclose(got.grad_norms, want.grad_norms, rtol=1e-5)

@@ -108,3 +108,16 @@ def test_each_parameter_is_stored_as_its_record_says(strategy, mesh):
         np.testing.assert_array_equal(rec.from_storage(host), np.asarray(logical[path].get_value()), err_msg=str(path))
         np.testing.assert_array_equal(rec.to_storage(rec.from_storage(host)), host, err_msg=str(path))
     assert plan.trainable == frozenset(p for p, r in plan.layouts.items() if r.trainable) == frozenset(logical)
+
+
+def test_a_weakly_typed_parameter_is_stored_strongly_so_the_step_keeps_its_signature():
+    """``nnx.Param(jnp.array(1.5))`` is weakly typed (a Python scalar). The step returns the state
+    strongly typed; a weak leaf in the state ``zshard.init`` gave would change the step's input
+    signature after the first step, and the second step would trace and compile it again."""
+    assert jax.typeof(make().blocks[0].scale.get_value()).weak_type  # the premise
+    for model in (make, make()):  # the callable path (under jit) and the module path (host copies)
+        state = zshard.init(model, optax.adam(1e-3), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
+        assert not [p for p, x in jax.tree_util.tree_leaves_with_path(state) if jax.typeof(x).weak_type]
+    before = jax.tree.map(jax.typeof, state)
+    state, _ = zshard.make_train_step(loss_fn)(state, data(1)[0])
+    assert jax.tree.map(jax.typeof, state) == before  # the second step hits the first one's program
