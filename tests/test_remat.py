@@ -59,7 +59,7 @@ def _measure(strategy, remat):
     """``(report, gathers of block kernels per step)``: a unit call gathers each parameter on
     its own (``collectives._gather_all``); the 2-D block kernels tell whether gathered weights
     were saved (gathered once) or gathered again in backward (twice)."""
-    state = zshard.init(gpt, optax.adamw(1e-3), zshard.make_mesh(1, 8), strategy=strategy)
+    state = zshard.init(gpt, optax.adamw(1e-3), zshard.make_mesh(1, 8), strategy=strategy, abstract=True)  # compiled only
     step = zshard.make_train_step(cross_entropy_loss, remat=remat)
     batch = gpt_batches(1, batch=16, seq_len=64)[0]
     rep = zshard.report(step, state, batch)

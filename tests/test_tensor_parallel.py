@@ -59,6 +59,15 @@ def tx_for(scan: bool):
 
 
 @functools.cache
+def built(scan: bool) -> nnx.Module:
+    """The reference GPT built once (eagerly, the values ``make()`` gives) for the 12 training cases:
+    ``zshard.init`` copies a module to its shards without compiling, where a callable's
+    initialisers compile again for every mesh and strategy (0.5 to 2 s each). The callable path
+    with a tensor axis: the other tests of this file."""
+    return make_scanned() if scan else make()
+
+
+@functools.cache
 def reference():
     return reference_run(make, tx_for(False), loss_fn, DATA)
 
@@ -107,8 +116,7 @@ def test_training_equals_one_device(strategy, shape, remat, scan, options):
     none, gradient accumulation and global-norm clipping: 10 AdamW steps equal to one device."""
     clip = options.get("clip_norm")
     want = (scanned_reference() if scan else reference()) if clip is None else _clipped_reference(clip, scan)
-    state = zshard.init(make_scanned if scan else make, tx_for(scan), mesh(*shape), strategy=strategy,
-                        tensor_parallel=tensor_plan(CFG, shape[2]))
+    state = zshard.init(built(scan), tx_for(scan), mesh(*shape), strategy=strategy, tensor_parallel=tensor_plan(CFG, shape[2]))
     assert bool(state.plan.tensor_split) == (shape[2] > 1)
     step = zshard.make_train_step(loss_fn, remat=remat, prefetch=1, **options)
     losses, norms = [], []
@@ -241,7 +249,8 @@ def test_bad_plans_are_refused_before_anything_is_placed():
 
 @functools.cache
 def _collectives(shape, remat):
-    state = zshard.init(make, optax.adamw(1e-3), mesh(*shape), strategy="FULL_SHARD", tensor_parallel=PLAN)
+    # abstract: the program and its report read shapes and shardings only; nothing is built
+    state = zshard.init(make, optax.adamw(1e-3), mesh(*shape), strategy="FULL_SHARD", tensor_parallel=PLAN, abstract=True)
     step = zshard.make_train_step(loss_fn, remat=remat, prefetch=0)
     compiled = step.lower(state, DATA[0]).compile()
     return state, compiled, parse_collectives(compiled.as_text(), state.plan.mesh)
