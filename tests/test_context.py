@@ -116,6 +116,14 @@ def make(impl="allgather", window=None):
     return lambda: Llama(nnx.Rngs(0), impl, window)
 
 
+@functools.cache
+def built(impl="allgather", window=None) -> nnx.Module:
+    """``make(impl, window)()`` built once (eagerly) for the training cases: ``zshard.init`` copies a
+    module to its shards without compiling its initialisers for each mesh (the callable path: the
+    other tests of this file)."""
+    return make(impl, window)()
+
+
 def mesh(r, s, c, t=1):
     return zshard.make_mesh(r, s, context=c, tensor=t)
 
@@ -190,8 +198,7 @@ def test_training_equals_one_device(strategy, shape, impl, remat, window, segmen
     else:
         want = reference_run(make("allgather", window), optax.chain(optax.clip_by_global_norm(clip), optax.adamw(1e-3)), loss_fn,
                              batches(segments=segments, weight=not segments))
-    state = zshard.init(make(impl, window), optax.adamw(1e-3), mesh(*shape), strategy=strategy,
-                        tensor_parallel=tp)
+    state = zshard.init(built(impl, window), optax.adamw(1e-3), mesh(*shape), strategy=strategy, tensor_parallel=tp)
     axes = {"tokens": 1, "targets": 1, "segments": 1, "mask": 1} if segments else {"tokens": 1, "targets": 1, "weight": None}
     step = zshard.make_train_step(token_loss if segments else loss_fn, sequence_axis=axes, remat=remat, prefetch=1, **options)
     losses, norms = [], []
@@ -232,7 +239,7 @@ def test_eval_step_gives_the_single_device_loss():
 
 @functools.cache
 def _report(impl, remat, segments):
-    state = zshard.init(make(impl), optax.adamw(1e-3), mesh(1, 2, 4), strategy="FULL_SHARD")
+    state = zshard.init(make(impl), optax.adamw(1e-3), mesh(1, 2, 4), strategy="FULL_SHARD", abstract=True)  # compiled only
     fn, axes = (token_loss, 1) if segments else (loss_fn, {"tokens": 1, "targets": 1})
     step = zshard.make_train_step(fn, sequence_axis=axes, remat=remat, prefetch=0)
     b = batches(1, segments=segments)[0]
