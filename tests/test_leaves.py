@@ -99,7 +99,8 @@ def test_leaves_penalty_is_refused_before_compiling(model, strategy):
 @pytest.mark.parametrize("accum", [1, 2])
 def test_refused_under_every_strategy_and_accumulation(strategy, accum):
     shape = (2, 4) if "HYBRID" in strategy else (1, 8)
-    state = zshard.init(lambda: StackedMLP(rngs=nnx.Rngs(0)), optax.adamw(1e-3), zshard.make_mesh(*shape), strategy=strategy)
+    state = zshard.init(lambda: StackedMLP(rngs=nnx.Rngs(0)), optax.adamw(1e-3), zshard.make_mesh(*shape), strategy=strategy,
+                        abstract=True)  # refused while tracing: nothing needs to be built
     step = zshard.make_train_step(leaves_l2, grad_accum=accum, prefetch=1)
     with pytest.raises(ValueError, match=r"parameter 'blocks\.lin\.bias' of block unit 'blocks'"):
         step.lower(state, mlp_batches(1, batch=16)[0])
