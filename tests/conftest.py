@@ -163,6 +163,14 @@ def flat_params(model: nnx.Module) -> dict:
     return {p: np.asarray(v) for p, v in traverse_util.flatten_dict(nnx.to_pure_dict(state)).items()}
 
 
+# Strategies whose model path another strategy of the default run already takes: SHARD_OPT is
+# NO_SHARD's (parameters replicated; only the optimizer state is split), HYBRID_SHARD_ZERO2 is
+# SHARD_GRAD_OP's within a shard group with HYBRID_SHARD's cross-replica reduction. A test of a
+# model feature (MoE routing, a model's own scan / remat / dropout, batch statistics) on every
+# strategy marks these two -m exhaustive.
+REPEATED_MODEL_PATH = ("SHARD_OPT", "HYBRID_SHARD_ZERO2")
+
+
 def strong(x):
     """``x`` without JAX's weak type (keys and non-arrays as they are)."""
     if not isinstance(x, jax.Array) or jnp.issubdtype(x.dtype, jax.dtypes.prng_key) or not x.weak_type:

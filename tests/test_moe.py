@@ -28,7 +28,7 @@ import pytest
 from flax import nnx, traverse_util
 
 import zshard
-from conftest import flat_params, rel_l2
+from conftest import REPEATED_MODEL_PATH, flat_params, rel_l2
 from test_hf import FIXTURES, forward, plain_model
 from train.model import MoEConfig, Qwen3Moe, from_hf, moe_loss
 
@@ -100,11 +100,8 @@ def test_router_loss_matches_transformers_per_sequence():
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(forward(model, jnp.asarray(ids))))
 
 
-# SHARD_OPT repeats NO_SHARD's model path (the optimizer state split), HYBRID_SHARD_ZERO2 SHARD_GRAD_OP's
-# within a shard group with HYBRID_SHARD's reduction: the routing and the router loss take no new path
-# there, -m exhaustive.
-@pytest.mark.parametrize("strategy", [pytest.param(s.value, marks=pytest.mark.exhaustive) if s.value in ("SHARD_OPT", "HYBRID_SHARD_ZERO2")
-                                      else s.value for s in zshard.Strategy])
+@pytest.mark.parametrize("strategy", [pytest.param(s.value, marks=pytest.mark.exhaustive) if s.value in REPEATED_MODEL_PATH
+                                      else s.value for s in zshard.Strategy])  # conftest.REPEATED_MODEL_PATH: -m exhaustive
 def test_moe_trains_like_one_device_on_every_strategy(strategy):
     ref = reference()
     assert min(ref["gap"]) >= MIN_GAP, f"a top-k near-tie in the reference run (gaps {ref['gap']}): change the batches"

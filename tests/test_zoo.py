@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import REPEATED_MODEL_PATH
 from flax import nnx
 from test_model_state import assert_close, dp_reference, run
 
@@ -27,12 +28,10 @@ import zshard
 
 # By default each model on the strategies whose forward and backward differ: NO_SHARD (nothing gathered),
 # SHARD_GRAD_OP 4x2 (gathered once, kept through backward), FULL_SHARD 1x8 (gathered again in backward)
-# and HYBRID_SHARD 2x4 (gathered over shard, the gradient shard all-reduced over replica). SHARD_OPT
-# (NO_SHARD's model path, the optimizer state split) and HYBRID_SHARD_ZERO2 (SHARD_GRAD_OP's within a
-# shard group, HYBRID_SHARD's reduction) repeat those paths for the model's own scan, remat, dropout
-# and batch statistics: -m exhaustive.
+# and HYBRID_SHARD 2x4 (gathered over shard, the gradient shard all-reduced over replica); the other two
+# (conftest.REPEATED_MODEL_PATH) -m exhaustive.
 STRATEGIES = [
-    pytest.param(strategy, shape, id=strategy, marks=pytest.mark.exhaustive if strategy in ("SHARD_OPT", "HYBRID_SHARD_ZERO2") else ())
+    pytest.param(strategy, shape, id=strategy, marks=pytest.mark.exhaustive if strategy in REPEATED_MODEL_PATH else ())
     for strategy, shape in [("NO_SHARD", (2, 4)), ("SHARD_OPT", (1, 8)), ("SHARD_GRAD_OP", (4, 2)), ("FULL_SHARD", (1, 8)),
                             ("HYBRID_SHARD", (2, 4)), ("HYBRID_SHARD_ZERO2", (2, 4))]
 ]
