@@ -38,14 +38,16 @@ def init_feedback(plan, abstract: bool = False) -> dict:
     """The error-feedback residuals of ``plan`` (``ShardedState.feedback``): float32 zeros
     ``[..., W * n_pad]`` split over the data axes (abstract: ``jax.ShapeDtypeStruct``); ``{}``
     without ``error_feedback``."""
-    out = {}
-    for p, (shape, spec) in feedback_layout(plan).items():
-        sh = NamedSharding(plan.mesh, spec)
-        if abstract:
-            out[p] = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)
-        else:
-            out[p] = jax.jit(lambda s=shape: jnp.zeros(s, jnp.float32), out_shardings=sh)()
-    return traverse_util.unflatten_dict(out) if out else {}
+    layout = feedback_layout(plan)  # path -> (shape [..., W * n_pad], PartitionSpec over the data axes)
+    if not layout:
+        return {}
+    paths = list(layout)
+    shardings = [NamedSharding(plan.mesh, layout[p][1]) for p in paths]
+    if abstract:
+        values = [jax.ShapeDtypeStruct(layout[p][0], jnp.float32, sharding=sh) for p, sh in zip(paths, shardings)]
+    else:  # one program for every residual, each device writing only its own zeros
+        values = jax.jit(lambda: [jnp.zeros(layout[p][0], jnp.float32) for p in paths], out_shardings=shardings)()
+    return traverse_util.unflatten_dict(dict(zip(paths, values)))
 
 
 def feedback_sinks(plan, train: dict, feedback: dict) -> dict:
