@@ -11,6 +11,7 @@ HBM saved and the transfer time are ``python -m train.bench --offload`` on a GPU
 """
 
 import functools
+import re
 import subprocess
 import sys
 import types
@@ -195,6 +196,30 @@ def test_exported_gpu_program_moves_each_offloaded_leaf_once_each_way(mode):
     else:
         n_train = len(state.plan.trainable)
         assert len(host) == n_train * (2 + (mode == "optimizer+master"))  # Adam's mu and nu (+ the master) per parameter
+        assert_copies_wait_for_the_gradients(exported.mlir_module(), len(host))
+
+
+def assert_copies_wait_for_the_gradients(text: str, n_host: int):
+    """Every host -> device copy reads an ``optimization_barrier`` result, and that barrier also takes
+    values computed in the step (the gradients), so XLA:GPU cannot start the copy before the
+    backward ([Note: copies after the backward] in zshard/offload.py; on one H200 the copies were
+    issued early and the offloaded step's peak HBM was above the run without offload)."""
+    barriers, copies, returned, func = {}, [], set(), None  # barrier -> its operands; (func, result, operand) of each copy
+    for line in text.splitlines():
+        if line.lstrip().startswith("func.func"):
+            func = re.search(r"@([\w.$-]+)\(", line).group(1)
+        if m := re.match(r"\s*(%[\w#]+)(?::\d+)? = stablehlo.optimization_barrier (.*?) :", line):
+            barriers[m.group(1)] = re.findall(r"%[\w#]+", m.group(2))
+        if m := re.match(r'\s*(%[\w#]+) = stablehlo.custom_call @annotate_device_placement\((%[\w#]+)\).*"device"', line):
+            copies.append((func, m.group(1), m.group(2)))
+        if func == "main" and line.lstrip().startswith("return "):
+            returned |= set(re.findall(r"%[\w#]+", line.split(":", 1)[0]))
+    copies = [operand for f, result, operand in copies if not (f == "main" and result in returned)]  # not main's outputs
+    assert len(copies) == n_host, copies
+    for operand in copies:
+        barrier = operand.split("#")[0]
+        assert barrier in barriers, f"{operand} is copied to the device without waiting for the gradients"
+        assert any(not v.startswith("%arg") for v in barriers[barrier]), barriers[barrier]
 
 
 # --- checkpoints ------------------------------------------------------------------------------------

@@ -44,6 +44,8 @@ import numpy as np
 from flax import traverse_util
 from jax.sharding import NamedSharding
 
+from zshard.jaxprs import varying
+
 __all__ = [
     "DEVICE", "HOST", "MODES", "check_backend", "check_masters", "check_placement", "compute_params", "device_param_specs",
     "exported_placements", "gather_source", "is_host", "master_paths", "memory_kind", "memory_split", "offload_report",
@@ -209,18 +211,50 @@ def gather_source(state) -> dict:
 
 
 # [Note: offload update] Inside the step, after the gradients are reduced and clipped: each
-# offloaded leaf (optimizer state, and masters) is moved to the device (``annotate_device_placement``
-# "device" in the GPU program), the Optax update runs on the device exactly as without offload
-# (elementwise on the slices, or the global view), ``skip_nonfinite`` keeps the old values there,
-# the new master's ``param_dtype`` copy is cut on the device, and each updated leaf goes back to the
-# host ("pinned_host"). One transfer each way per leaf and step: ``2 * host bytes``. Each leaf is
-# its own transfer, its update depends only on it (and the scalars), so the GPU scheduler can stream
-# them; the order is XLA's. A stacked parameter (``[L, n_pad/N]``, run with ``nnx.scan``) is one
-# leaf for all its layers, so its moments are on the device whole while it is updated; streaming
-# them a layer at a time (a ``lax.scan`` over the layers) is not done: the scan body fuses the
-# parameter update differently, and XLA:CPU's always-on FMA contraction then rounds the last bits
-# differently (measured: docs/offload.md, "Measured"), which the bitwise contract forbids. A leaf never meets device data while on the host, which JAX refuses
-# ("memory_space of all inputs ... must be the same"; :func:`check_placement` names the leaf).
+# offloaded leaf (optimizer state, and masters) is moved to the device
+# (``annotate_device_placement`` "device" in the GPU program), the Optax update runs on the device
+# exactly as without offload (elementwise on the slices, or the global view), ``skip_nonfinite``
+# keeps the old values there, the new master's ``param_dtype`` copy is cut on the device, and each
+# updated leaf goes back to the host ("pinned_host"). One transfer each way per leaf and step: ``2 *
+# host bytes``. Each leaf is its own transfer, its update depends only on it (and the scalars), so
+# the GPU scheduler can stream them; the order is XLA's, after the backward
+# ([Note: copies after the backward]). A stacked parameter (``[L, n_pad/N]``, run with ``nnx.scan``)
+# is one leaf for all its layers, so its moments are on the device whole while it is updated;
+# streaming them a layer at a time (a ``lax.scan`` over the layers) is not done: the scan body fuses
+# the parameter update differently, and XLA:CPU's always-on FMA contraction then rounds the last
+# bits differently (measured: docs/offload.md, "Measured"), which the bitwise contract forbids. A
+# leaf never meets device data while on the host, which JAX refuses ("memory_space of all inputs ...
+# must be the same"; :func:`check_placement` names the leaf).
+
+
+# [Note: copies after the backward] The host leaves pass an ``optimization_barrier`` together with
+# the reduced gradients before they are copied to the device, so no copy can start before the
+# backward has produced every gradient. Without it XLA:GPU's scheduler issued the host-to-device
+# copies early (to hide them behind compute), and every moment sat in HBM through the backward's
+# activation peak: measured on one H200 (``python -m train.bench --offload``, GPT d 1024, 8 scanned
+# layers, batch 8 x 1024, 2026-12-04): the step's argument bytes fell by the 0.76 GiB of moments
+# but its temp grew by 1.01 GiB, and the peak bytes in use were 0.22 GiB *above* the run without
+# offload; with the barrier the same run saves 0.71 GiB (docs/offload.md, "Measured on a GPU").
+# Only the host leaves take the barrier's outputs (the update reads the gradients themselves), and
+# XLA:CPU drops the barrier, so the numbers stay bitwise.
+def _after(grads, tree):
+    """``tree`` with its host leaves ordered after ``grads`` (``optimization_barrier``; other leaves as they are).
+
+    One barrier per set of varying mesh axes: a barrier's outputs vary over every axis any of its
+    operands varies over, so each group of host leaves is tied to the gradients that vary over
+    no other axis (a replicated leaf stays replicated)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    groups = {}
+    for i, x in enumerate(leaves):
+        if is_host(x):
+            groups.setdefault(varying(x), []).append(i)
+    for axes, at in groups.items():
+        after = [g for g in jax.tree.leaves(grads) if varying(g) <= axes]
+        if after:
+            host, _ = jax.lax.optimization_barrier(([leaves[i] for i in at], after))
+            for i, x in zip(at, host):
+                leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def update_offloaded(plan, update, params: dict, grads: dict, opt_state, keep=None):
@@ -240,6 +274,7 @@ def update_offloaded(plan, update, params: dict, grads: dict, opt_state, keep=No
       ``(params, opt_state, device_params)``: each leaf back in the memory it came from, and the
       new ``param_dtype`` copies of the host masters (device memory; ``{}`` without masters).
     """
+    params, opt_state = _after(grads, (params, opt_state))  # [Note: copies after the backward]
     with jax.named_scope("zshard.offload.to_device"):
         params_d = jax.tree.map(to_device, params)  # [n_pad/N] host --copy--> device (masters only)
         state_d = jax.tree.map(to_device, opt_state)  # each offloaded leaf host --copy--> device
