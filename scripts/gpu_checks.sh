@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU checks, in one run on a machine with one NVIDIA GPU (not run by the tests or CI):
+#   1. scripts/gpu_attention.py: cuDNN flash attention against zshard's tiled path (docs/long-sequences.md);
+#   2. the benchmark's GPU section: zshard FULL_SHARD 1x1 against a plain jax.jit step, and MFU
+#      (train/bench/sections.py gpu_section; docs/benchmarks.md);
+#   3. python -m train.bench --offload: HBM saved and step-time overhead of host offload (docs/offload.md).
+# Each part runs on whatever the previous one left; a failing part is reported and the next one runs.
+# Output: OUT/attention.txt, OUT/gpu_section.json, OUT/offload.txt (OUT: $OUT, else runs/gpu).
+#
+#   bash scripts/gpu_checks.sh                  # with jax[cuda] and the project's dependencies installed
+#   WHEELS=.whl bash scripts/gpu_checks.sh      # a machine without them: pip-installs the wheels in .whl first
+#   PARTS="offload" bash scripts/gpu_checks.sh  # some of the parts: attention, section, offload
+#
+# Run 2026-12-04 on one H200 (jax 0.11.2, flax 0.12.10 of the machine's image) with WHEELS=.whl holding
+# what the image lacks: grain, array_record, portpicker, tensorboardX, tomli_w (`pip download --no-deps
+# --only-binary=:all: --python-version 3.12 ...`). Do not carry flax, optax or orbax for such an image:
+# flax 0.12.8 did not import under jax 0.11.2 (jax.experimental.hijax has no HiPrimitive there).
+# The numbers: docs/long-sequences.md, docs/benchmarks.md and docs/offload.md, "Measured on a GPU".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-runs/gpu}"
+PARTS="${PARTS:-attention section offload}"
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+if [ -n "${WHEELS:-}" ]; then
+    rm -rf /tmp/site
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+"$PY" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
+
+echo "== 1. attention: cuDNN against the tiled path"
+part attention && timeout 150 "$PY" scripts/gpu_attention.py --lengths 4096,8192,16384,32768 2>&1 | tee "$OUT/attention.txt"
+
+echo "== 2. the benchmark's GPU section"
+part section && GPU_FLAGS=$("$PY" -c "from train.bench.sections import GPU_XLA_FLAGS; print(' '.join(GPU_XLA_FLAGS))")
+part section && XLA_FLAGS="$GPU_FLAGS" timeout 150 "$PY" -c "
+import json
+from train.bench.sections import gpu_section
+print(json.dumps(gpu_section(10)))" 2>&1 | tee "$OUT/gpu_section.json"
+
+echo "== 3. host offload"
+part offload && timeout 200 "$PY" -m train.bench --offload --out "$OUT/offload" 2>&1 | tee "$OUT/offload.txt"
