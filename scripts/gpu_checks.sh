@@ -4,10 +4,13 @@
 #   2. the benchmark's GPU section: zshard FULL_SHARD 1x1 against a plain jax.jit step, and MFU
 #      (train/bench/sections.py gpu_section; docs/benchmarks.md);
 #   3. python -m train.bench --offload: HBM saved and step-time overhead of host offload (docs/offload.md).
-# Each part runs on whatever the previous one left; a failing part is reported and the next one runs.
-# Output: OUT/attention.txt, OUT/gpu_section.json, OUT/offload.txt (OUT: $OUT, else runs/gpu).
+# Each part runs on whatever the previous one left; a failing part is named at the end and the next one
+# runs. Exit status: 0 when every chosen part passed, 1 when one failed or JAX sees no GPU (checked first).
+# Output: OUT/attention.txt, OUT/gpu_section.txt with OUT/gpu_section.json (written only when the section
+# ran), OUT/offload.txt (OUT: $OUT, else runs/gpu).
 #
 #   bash scripts/gpu_checks.sh                  # with jax[cuda] and the project's dependencies installed
+#   PYTHON=.venv/bin/python bash scripts/gpu_checks.sh  # the interpreter to use (default: python3)
 #   WHEELS=.whl bash scripts/gpu_checks.sh      # a machine without them: pip-installs the wheels in .whl first
 #   PARTS="offload" bash scripts/gpu_checks.sh  # some of the parts: attention, section, offload
 #
@@ -29,18 +32,42 @@ if [ -n "${WHEELS:-}" ]; then
     export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-"$PY" -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+if ! "$PY" -c "
+import jax, flax, optax
+print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())
+assert jax.default_backend() == 'gpu', 'JAX sees ' + jax.default_backend() + ', not a GPU'"; then
+    echo "gpu_checks.sh: $PY cannot run the checks (above): it needs jax[cuda] with a GPU it can see, and flax and optax" \
+         "(set PYTHON=... to another interpreter, or WHEELS=... for missing packages)" >&2
+    exit 1
+fi
+
+FAILED=()
+# run NAME LOG CMD...: CMD's output to the terminal and LOG; NAME joins FAILED when CMD fails
+run() {
+    local name=$1 log=$2; shift 2
+    part "$name" || return 0
+    "$@" 2>&1 | tee "$log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || FAILED+=("$name")
+}
 
 echo "== 1. attention: cuDNN against the tiled path"
-part attention && timeout 150 "$PY" scripts/gpu_attention.py --lengths 4096,8192,16384,32768 2>&1 | tee "$OUT/attention.txt"
+run attention "$OUT/attention.txt" timeout 150 "$PY" scripts/gpu_attention.py --lengths 4096,8192,16384,32768
 
 echo "== 2. the benchmark's GPU section"
-part section && GPU_FLAGS=$("$PY" -c "from train.bench.sections import GPU_XLA_FLAGS; print(' '.join(GPU_XLA_FLAGS))")
-part section && XLA_FLAGS="$GPU_FLAGS" timeout 150 "$PY" -c "
-import json
+GPU_FLAGS=$("$PY" -c "from train.bench.sections import GPU_XLA_FLAGS; print(' '.join(GPU_XLA_FLAGS))")
+run section "$OUT/gpu_section.txt" env XLA_FLAGS="$GPU_FLAGS" timeout 150 "$PY" -c "
+import json, sys
 from train.bench.sections import gpu_section
-print(json.dumps(gpu_section(10)))" 2>&1 | tee "$OUT/gpu_section.json"
+result = json.dumps(gpu_section(10))
+open(sys.argv[1], 'w').write(result + '\\n')
+print(result)" "$OUT/gpu_section.json"
 
 echo "== 3. host offload"
-part offload && timeout 200 "$PY" -m train.bench --offload --out "$OUT/offload" 2>&1 | tee "$OUT/offload.txt"
+run offload "$OUT/offload.txt" timeout 200 "$PY" -m train.bench --offload --out "$OUT/offload"
+
+if [ ${#FAILED[@]} -gt 0 ]; then
+    echo "gpu_checks.sh: failed: ${FAILED[*]} (their output: $OUT)" >&2
+    exit 1
+fi
+echo "gpu_checks.sh: passed: $PARTS"
