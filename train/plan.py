@@ -150,7 +150,9 @@ def main(argv=None) -> int:
     mp = zshard.MixedPrecision(**formats) if any(formats.values()) else None
     if args.offload == "optimizer+master":  # the masters stay float32, the gathers and compute in bf16
         if dtype != jnp.float32:
-            parser.error("--offload optimizer+master keeps float32 masters on the host: leave --param-dtype float32")
+            parser.error("--offload optimizer+master plans mixed precision itself (float32 masters on the host, bfloat16 "
+                         "gathers and compute): leave --param-dtype float32, which here is the dtype parameters are "
+                         "stored in, not python -m train's mixed-precision --param-dtype")
         mp = zshard.MixedPrecision(param_dtype="bfloat16", **formats)
     mesh = zshard.make_mesh(replica, shard, tensor=tensor, context=context, devices=jax.devices()[:world])
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)

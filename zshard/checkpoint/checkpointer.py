@@ -309,7 +309,7 @@ class Checkpointer:
           tx: the Optax transformation (its state structure must match the checkpoint's).
           step: which checkpoint.
           **init_kw: ``strategy``, ``zero_stage``, ``unit``, ``mixed_precision``,
-            ``trainable``, as for :func:`zshard.init`: the new placement.
+            ``trainable``, ``offload``, as for :func:`zshard.init`: the new placement.
 
         Returns:
           ``(state, extra)``: a :class:`~zshard.ShardedState` laid out for ``mesh`` and the
@@ -455,8 +455,8 @@ def restore(
       model: an ``nnx.Module`` or a zero-argument callable building one.
       tx: the Optax transformation that wrote the optimizer state.
       step: which checkpoint (default: the latest complete one).
-      **init_kw: ``strategy``, ``zero_stage``, ``unit``, ``mixed_precision``, ``trainable``
-        of the new placement, as for :func:`zshard.init`.
+      **init_kw: ``strategy``, ``zero_stage``, ``unit``, ``mixed_precision``, ``trainable``,
+        ``offload`` of the new placement, as for :func:`zshard.init`.
 
     Returns:
       ``(state, extra)``.
