@@ -55,7 +55,8 @@ echo "== 1. attention: cuDNN against the tiled path"
 run attention "$OUT/attention.txt" timeout 150 "$PY" scripts/gpu_attention.py --lengths 4096,8192,16384,32768
 
 echo "== 2. the benchmark's GPU section"
-GPU_FLAGS=$("$PY" -c "from train.bench.sections import GPU_XLA_FLAGS; print(' '.join(GPU_XLA_FLAGS))")
+GPU_FLAGS=""  # the section's own XLA flags, read only when it runs
+part section && GPU_FLAGS=$("$PY" -c "from train.bench.sections import GPU_XLA_FLAGS; print(' '.join(GPU_XLA_FLAGS))")
 run section "$OUT/gpu_section.txt" env XLA_FLAGS="$GPU_FLAGS" timeout 150 "$PY" -c "
 import json, sys
 from train.bench.sections import gpu_section
