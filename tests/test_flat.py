@@ -1,4 +1,4 @@
-"""ParamLayout (the storage format) and FlatParameter layout: pad, flatten, shard, gather, unflatten; uneven sizes."""
+"""ParamLayout (the storage format) and FlatParameter layout: pad, shard, gather, split back; uneven sizes."""
 
 import math
 
@@ -21,6 +21,19 @@ def _values(seed=0):
     rng = np.random.default_rng(seed)
     # + 1 so no logical element is zero: padding is then recognisable
     return [rng.standard_normal(s).astype(np.float32) + 10.0 for _, s in SHAPES]
+
+
+def _unflatten(flat, full):
+    """Gathered FlatParameter ``[N, L/N]`` -> the parameters in their logical shapes (the optimizer's
+    ``split_padded``, then each record's ``from_storage``)."""
+    return [s.param.from_storage(v) for s, v in zip(flat.slots, flat.split_padded(full))]  # [n_pad] -> shape
+
+
+def _flatten(flat, values):
+    """Logical values -> the gathered FlatParameter ``[N, L/N]`` they make, zero padding (the reference
+    layout: row ``r`` of every parameter, concatenated)."""
+    rows = [s.param.to_storage(jnp.asarray(v)).reshape(flat.num_shards, -1) for s, v in zip(flat.slots, values)]  # [N, n_pad/N]
+    return jnp.concatenate(rows, axis=1)  # [N, L/N]
 
 
 def _device_shards(flat, values):
@@ -66,14 +79,14 @@ def test_round_trip(n):
     full = np.stack(shards)  # what the untiled all_gather returns: [N, L/N]
     assert full.shape == (n, flat.shard_size)
 
-    out = flat.unflatten(jnp.asarray(full))
+    out = _unflatten(flat, jnp.asarray(full))
     assert len(out) == len(values)
     for o, v in zip(out, values):
         assert o.shape == v.shape and o.dtype == v.dtype
         np.testing.assert_array_equal(np.asarray(o), v)
 
-    # flatten (used for gradients) is the exact inverse, with zero padding
-    back = np.asarray(flat.flatten([jnp.asarray(v) for v in values]))
+    # the layout's definition, independent of concat_shards: the same buffer, zero padding
+    back = np.asarray(_flatten(flat, values))
     assert back.shape == (n, flat.shard_size)
     np.testing.assert_array_equal(back, full)
 
@@ -82,7 +95,7 @@ def test_zero_padding_location():
     n = 8
     flat = _build(n)
     values = _values()
-    full = np.asarray(flat.flatten([jnp.asarray(v) for v in values]))
+    full = np.asarray(_flatten(flat, values))
     for slot, v in zip(flat.slots, values):
         rows = full[:, slot.offset : slot.offset + slot.padded // n].reshape(-1)  # [n_pad]
         np.testing.assert_array_equal(rows[: slot.size], v.reshape(-1))
@@ -133,12 +146,6 @@ def test_storage_round_trip(xp, shape, layers):
 def test_build_refuses_indivisible_padding():
     with pytest.raises(ValueError, match="multiple of num_shards=4"):
         FlatParameter.build("root", [ParamLayout.build(("w",), (5,), np.float32, 3)], 4)  # 6 elements
-
-
-def test_flatten_casts_to_dtype():
-    flat = FlatParameter.build("root", [ParamLayout.build(("w",), (5,), np.float32, 4)], 4)
-    out = flat.flatten([jnp.arange(5, dtype=jnp.bfloat16)])
-    assert out.dtype == jnp.float32 and out.shape == (4, 2)
 
 
 def test_single_parameter_concat_is_identity():

@@ -1,23 +1,27 @@
-"""The FlatParameter: one unit's parameters of one dtype as one flat, padded, sharded buffer.
+"""The per-parameter storage record (ParamLayout) and the FlatParameter: one unit's records of one dtype.
 
-How it is laid out (docs/design.md section 4; the FlatParameter of PyTorch FSDP, arXiv 2304.11277 section 3.2).
-With ``N`` devices in a shard group, every parameter of ``n`` elements is flattened and
-zero-padded to ``n_pad = ceil(n / N) * N`` elements, viewed as ``[N, n_pad / N]``; row ``r``
-goes to device ``r``. Device ``r``'s FlatParameter shard is the concatenation of row ``r``
-of every parameter of the unit::
+How a parameter is stored (docs/design.md section 4; after the FlatParameter of PyTorch FSDP,
+arXiv 2304.11277 section 3.2). With ``N`` devices in a shard group, every parameter of ``n``
+elements is flattened and zero-padded to ``n_pad = ceil(n / N) * N`` elements, viewed as
+``[N, n_pad / N]``; row ``r`` goes to device ``r``. At rest each parameter's shard is its own
+array, globally ``[n_pad]`` with ``PartitionSpec(shard_axes)`` (local ``[n_pad / N]``), so the
+optimizer sees per-parameter shards. A unit call gathers each parameter into its own buffer
+(``collectives.gather_params``) and reduce-scatters each gradient from its own ``[n_pad]``::
 
-    param p (shape s, n elements) -> [n] -> pad -> [n_pad] -> [N, n_pad/N]
-    device r's shard:  concat_p( p_rows[r] )            # [L/N],  L = sum_p n_pad
-    all_gather over the shard axes (untiled):            # [N, L/N]
-    param p  = full[:, off_p : off_p + n_pad/N]          # [N, n_pad/N] -> [n_pad] -> [:n] -> s
+    param p (shape s, n elements) -> [n] -> pad -> [n_pad] -> [N, n_pad/N]   (row r on device r)
+    device r's shard of p:                               # [n_pad/N]
+    all_gather over the shard axes (tiled):              # [n_pad]
+    param p  = full[:n].reshape(s)                       # [n_pad] -> [:n] -> s
 
-At rest each parameter's shard is kept as its own array, globally ``[n_pad]`` with
-``PartitionSpec(shard_axes)`` (local ``[n_pad / N]``), so the optimizer sees per-parameter
-shards; the step concatenates them into the FlatParameter just before the collective.
+Unlike FSDP's, this FlatParameter is metadata, not a buffer: a unit's records of one dtype, each
+at an offset (:class:`ParamSlot`) in the *flat shard* ``[L/N]`` (``L = sum_p n_pad``), row ``r``
+of every parameter concatenated. That concatenation is built only where one collective over a
+unit's parameters is worth a copy: the optimizer's all-gather of the updated slices for
+SHARD_OPT / HYBRID_SHARD_OPT (``optim.py``: ``concat_shards`` -> ``[W, L/W]`` -> ``split_padded``)
+and HYBRID_SHARD_OPT's replica rows (:meth:`FlatParameter.over_replicas`).
 
-:class:`ParamLayout` is the one record per parameter that knows this stored form
-(``to_storage`` / ``from_storage``); a :class:`FlatParameter` is built from the records of
-one unit's parameters of one dtype, each placed at an offset (:class:`ParamSlot`).
+:class:`ParamLayout` is the one record per parameter that knows the stored form
+(``to_storage`` / ``from_storage``).
 """
 
 from __future__ import annotations
@@ -274,7 +278,8 @@ class ParamSlot:
 
 @dataclasses.dataclass(frozen=True)
 class FlatParameter:
-    """Where one unit's parameters of one dtype sit in its flat buffer, over ``num_shards`` devices.
+    """Where one unit's parameters of one dtype sit in its flat shard ``[L/N]``, over ``num_shards``
+    devices (metadata: the step gathers and reduce-scatters each parameter on its own).
 
     Attributes:
       unit: name of the unit (``"blocks.0"``, ``"root"``).
@@ -342,15 +347,6 @@ class FlatParameter:
             offset += n // parts
         return FlatParameter(self.unit, self.dtype, parts, tuple(slots), self.trainable)
 
-    def rows(self, values: Sequence[jax.Array]) -> jax.Array:
-        """Per-slot arrays ``[..., padded]`` -> ``[N, ..., L/N]``: row ``r`` is device ``r``'s
-        shard (the reduce-scatter input; ``flatten`` for already padded, stacked values)."""
-        parts = []
-        for s, v in zip(self.slots, values):
-            v = v.reshape(v.shape[:-1] + (self.num_shards, s.padded // self.num_shards))  # [..., n_pad] -> [..., N, n_pad/N]
-            parts.append(jnp.moveaxis(v, -2, 0))  # [N, ..., n_pad/N]
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)  # [N, ..., L/N]
-
     def split_shard(self, shard: jax.Array) -> list[jax.Array]:
         """This device's FlatParameter shard ``[..., L/N]`` -> each slot's row ``[..., n_pad/N]``."""
         return [shard[..., s.offset : s.offset + s.padded // self.num_shards] for s in self.slots]
@@ -367,16 +363,3 @@ class FlatParameter:
             rows = jnp.moveaxis(rows, 0, -2)  # [..., N, n_pad/N]
             out.append(rows.reshape(rows.shape[:-2] + (-1,)))  # [..., n_pad]
         return out
-
-    def unflatten(self, full: jax.Array) -> list[jax.Array]:
-        """Gathered FlatParameter ``[N, L/N]`` -> the parameters in their logical shapes."""
-        return [s.param.from_storage(v) for s, v in zip(self.slots, self.split_padded(full))]  # [n_pad] -> shape
-
-    def flatten(self, values: Sequence[jax.Array], dtype=None) -> jax.Array:
-        """Full-size values (e.g. gradients) in logical shapes -> ``[N, L/N]`` in ``dtype``
-        (default: the FlatParameter's), zero padding."""
-        rows = []
-        for s, v in zip(self.slots, values):
-            flat = s.param.to_storage(v.astype(dtype or self.dtype))  # shape -> [n_pad]
-            rows.append(flat.reshape(self.num_shards, -1))  # [N, n_pad/N]
-        return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=1)  # [N, L/N]
