@@ -24,7 +24,7 @@ from train.bench.sections import (CONFIGS, DEPTHS, GPU_XLA_FLAGS, NUM_DEVICES, Q
                                   bench_config, depth_sweep, gpu_section)
 from train.bench.tables import config_table, depth_table, plots, targets, targets_table
 from train.devices import emulate_devices
-from train.scale import SCALE_DEVICES, SCALE_MODELS, SCALE_STRATEGIES, SCALE_TENSOR, run_scale, scale_table, scale_worker
+from train.scale import SCALE_DEVICES, SCALE_MODELS, SCALE_STRATEGIES, SCALE_TENSOR, run_scale, scale_table
 
 __all__ = ["PROG", "main"]
 
@@ -46,9 +46,6 @@ def _parse(argv):
     p.add_argument("--scale-timeout", type=float, default=900.0, metavar="S", help="seconds allowed to each scale subprocess")
     p.add_argument("--offload", action="store_true", help="only the host-offload measurement on one GPU (train/bench/offload.py: HBM "
                    "saved, step-time overhead against the pinned-transfer bound); skipped without a GPU")
-    p.add_argument("--scale-worker", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--models", default=",".join(SCALE_MODELS), help=argparse.SUPPRESS)
-    p.add_argument("--strategies", default=",".join(SCALE_STRATEGIES), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         p.error(f"--repeats {args.repeats}: must be a positive integer (timing rounds)")
@@ -62,10 +59,6 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     parser, args = _parse(sys.argv[1:] if argv is None else argv)
-    if args.scale_worker is not None:  # kept for older scripts; run_scale spawns python -m train.scale --worker
-        emulate_devices(args.scale_worker, cpu_only=True)
-        scale_worker(args.scale_worker, args.models.split(","), args.strategies.split(","))
-        return 0
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         parser.error(f"--out {out}: exists and is not a directory; give a directory path")

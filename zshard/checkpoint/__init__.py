@@ -31,7 +31,6 @@ process killed while saving leaves only a temporary folder that is never restore
 """
 
 from zshard.checkpoint.checkpointer import Checkpointer, restore, save
-from zshard.checkpoint.layout import FORMAT  # noqa: F401  (zshard.checkpoint.FORMAT, as before the split)
 from zshard.checkpoint.safetensors_export import export, load_params
 
 __all__ = ["Checkpointer", "export", "load_params", "restore", "save"]
