@@ -15,7 +15,9 @@ peak (``argument + output - alias + temp``) and the live set at the fullest inst
 :func:`moment_bytes`); fits on 80 GB and on 141 GB devices.
 docs/memory.md ("The scale table") has the measured table and the buffer-level analysis.
 
-``python -m train.bench`` runs it as its section 3 and imports the formulas from here.
+``python -m train.bench`` runs it as its section 3. The formulas are zshard's
+(:mod:`zshard.formulas`: :func:`memory_formula`, :func:`moment_bytes`, :func:`expected_peak`,
+:func:`activation_bytes`), re-exported here under the names they had.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import zshard
 from train.devices import emulate_devices
 from train.model import PLAN_PRESETS, GPTConfig, build_model, cross_entropy_loss, tensor_plan
 from train.plan import peak_bytes
+from zshard.formulas import activation_bytes, expected_peak, memory_formula, moment_bytes  # noqa: F401  (train.scale's names, as before)
 
 __all__ = ["SCALE_TENSOR", "activation_bytes", "expected_peak", "live_peak", "memory_formula", "moment_bytes", "run_scale", "scale_table", "scale_worker"]
 
@@ -51,153 +54,6 @@ SCALE_STRATEGIES = ("FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_OPT")
 SCALE_TENSOR = (("llama-70b", 512, 8),)  # (model, devices, T): the tensor-parallel rows, FSDP across hosts and TP inside
 SCALE_SEQ = 2048
 HOST_DEVICES = 8  # devices per host: the shard axis of the simulated meshes
-
-
-# --------------------------------------------------------------------------------------
-# Formulas (pure Python: no jax)
-# --------------------------------------------------------------------------------------
-
-
-def activation_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: int, seq: int, batch: int, glu: bool,
-                     itemsize: int = 4) -> dict:
-    """The activations a step saves with full recomputation per block, Korthikanti et al. 2022
-    ("Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198).
-
-    Their section 4.1 counts what a transformer layer saves for backward: ``s*b*h*(34 +
-    5*a*s/h)`` bytes at 16 bits with dropout. Here, with ``e = itemsize`` bytes per element (fp32:
-    4), no dropout, ``f = d_ff``, per layer: attention: norm input, QKV input, Q, K, V, attention
-    output, ``6*s*b*h``, and the softmax output ``a*s^2*b``; MLP: norm input and fc input
-    ``2*s*b*h``, then ``2*s*b*f`` (GELU: pre-activation and output) or ``4*s*b*f`` (SwiGLU:
-    gate|up, silu(gate), product). With full recomputation (their section 4.3) only each layer's
-    input ``s*b*h`` is kept, and one layer's set exists at a time, in its backward.
-
-    This is the allowance of ``train.bench``'s config P targets (temp beyond activations, in
-    gathered units). What a compiled step holds at its fullest instants, gradients and
-    temporaries included, is :func:`moment_bytes`.
-
-    Returns:
-      ``{"block": e*(L*s*b*h + s*b*(8h + m*f) + a*s^2*b)}``, ``m`` = 2 (GELU) or 4 (SwiGLU).
-    """
-    s, b, h, a, f, L = seq, batch, d_model, n_heads, d_ff, n_layers
-    layer = s * b * (8 * h + (4 if glu else 2) * f) + a * s * s * b
-    return {"block": float(itemsize * (L * s * b * h + layer))}
-
-
-def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: int, seq: int, batch: int, glu: bool,
-                 psi_layer: int, psi_mlp_out: int, tied: bool, itemsize: int = 4, tensor: int = 1,
-                 vocab_split: bool = False, context: int = 1, kv_heads: int | None = None, tile: int = 512) -> dict:
-    """Bytes a zshard step holds beyond its state and gradient shards (:func:`memory_formula`) at
-    each instant that can set its peak, with full recomputation per block, scanned blocks,
-    per-parameter all-gathers and reduce-scatters, and fp32 (``e = itemsize``).
-
-    Every term was read off XLA's buffer live ranges (:func:`live_peak`; docs/memory.md, "The
-    scale table"). Notation as Korthikanti et al. 2022 (arXiv 2205.05198) section 4: ``s`` seq,
-    ``b`` batch per device, ``h`` d_model, ``a`` heads, ``f`` d_ff, ``L`` layers, ``V`` vocab;
-    ``Psi_layer`` one block's parameters, ``Psi_out`` its MLP output projection. At every instant:
-    all ``L`` layer inputs, ``L*s*b*h`` (the scan's residual buffer, from the forward loop to the
-    end of the backward loop; their section 4.3). Then:
-
-    - ``"mlp"``, the recomputed layer's MLP backward: the recomputed attention's exponentials
-      and probabilities ``2*a*s^2*b`` (written-out softmax, no fused attention; kept for the
-      attention's backward, which comes next); the block unit ``Psi_layer``: each parameter is
-      gathered or its whole gradient waits for its reduce-scatter (Llama-70B: ``w_gate_up`` and
-      the attention's weights gathered, ``w_down``'s ``[f, h]`` gradient); ``m*s*b*f``
-      (``m`` = 4 SwiGLU: the ``[s, 2f]`` gradient of gate|up and its transpose; 2 GELU) and
-      ``12*s*b*h`` (residual stream, norm inputs and outputs, their gradients);
-    - ``"attention"``, its attention backward: ``3*a*s^2*b`` (exponentials, probabilities, and
-      the probabilities' gradient), the unit without ``Psi_out`` (that gradient is already
-      reduce-scattered), ``10*s*b*h + s*b*f``;
-    - ``"forward"``, a layer's attention in the forward loop: ``2*a*s^2*b``, the unit gathered
-      ``Psi_layer``, the output projection gathered for the step ``h*V`` (Llama's head; GPT-2's
-      tied embedding), ``4*s*b*h``;
-    - ``"head"``, the output layer's backward: the log-probabilities the loss keeps, the logits'
-      gradient and its transpose ``3*s*b*V`` (``train.model._token_nll`` writes the gradient
-      out as ``(softmax - onehot) / n``), the gathered output projection ``h*V``, ``4*s*b*h``.
-
-    A tied embedding (``tied``: GPT-2) adds its whole gradient ``h*V`` to ``"mlp"`` and
-    ``"attention"``: the head's and the lookup's gradients are summed before the one
-    reduce-scatter, so it is held through the whole backward loop. An untied head is
-    reduce-scattered right after its backward (a ``1/S`` shard, in the gradient term).
-
-    With a tensor axis of ``T`` devices (Megatron-LM's tensor parallelism without sequence
-    parallelism: Korthikanti et al. 2022 section 4.2.1, ``s b h (10 + 24/T + 5 a s/(h T))`` per
-    layer), what is split over the heads or the MLP width is divided by ``T``: the softmax
-    terms (``a/T`` heads per device), the ``s*b*f`` terms, and the vocabulary terms when
-    ``vocab_split``; the ``s*b*h`` terms (the layer inputs, norms, the residual stream: all
-    replicated over ``tensor``) are not. ``psi_layer`` and ``psi_mlp_out`` are then the
-    per-device (TP-local) counts.
-
-    With a context axis of ``C`` devices (``seq`` the global length; docs/long-sequences.md),
-    every per-token term has ``s -> s/C`` (Korthikanti et al.'s count on the local tokens), and
-    ``zshard.attention`` computes each context step in tiles with a custom VJP
-    (FlashAttention-2): no ``a s^2`` term; instead one tile's scores, ``a t^2 b`` with ``t =
-    min(tile, s / (2C))``, three at once in the backward (scores, probabilities, their gradient),
-    two in the forward; and the gathered keys and values ``2 b s n_kv d`` (``kv_heads``, ``d = h /
-    a``): held by the forward, twice in the MLP and the attention backward (with the buffers of
-    their gradients ``dK``, ``dV``, before the reduce-scatter). The MLP backward's terms were read
-    off the live set of Llama-7B at 32k tokens, ``C = 4``, 64 devices (``9 s b f``, ``15 s b h``;
-    docs/long-sequences.md, "Memory"); GELU MLPs (GPT-2) are not measured on a context mesh.
-
-    Returns:
-      ``{"mlp", "attention", "forward", "head"}``, bytes (floats).
-    """
-    C = context
-    s, b, h, L = seq / C, batch, d_model, n_layers
-    a, f, V = n_heads / tensor, d_ff / tensor, vocab / tensor if vocab_split else vocab
-    inputs, softmax, sbh, sbf = L * s * b * h, a * s * s * b, s * b * h, s * b * f
-    kv = 0.0
-    if C > 1:  # tiled attention: one tile's scores instead of the whole [a, s, s]; the gathered K/V
-        t = min(tile, seq / (2 * C))
-        softmax = a * t * t * b
-        kv = 2 * b * seq * (kv_heads or n_heads) / tensor * (d_model // n_heads)
-    tied_grad = h * V if tied else 0
-    # the recomputed layer's MLP backward on a context mesh (read off the live set of llama-7b at 32k, C = 4, 64
-    # devices): the gathered K/V and, allocated ahead of the attention backward, its dK/dV buffers (2 kv); the
-    # gate|up gradient [s, 2f], its transpose, the two padded halves it is summed from and silu's product (9 s b f);
-    # the residual stream, norms and the attention's dQ / output buffers (15 s b h)
-    mlp_sbf, mlp_sbh, mlp_kv = ((9, 15, 2) if glu else (2, 15, 2)) if C > 1 else ((4 if glu else 2), 12, 0)
-    elements = {
-        "mlp": inputs + 2 * softmax + mlp_kv * kv + psi_layer + mlp_sbf * sbf + mlp_sbh * sbh + tied_grad,
-        "attention": inputs + 3 * softmax + 2 * kv + psi_layer - psi_mlp_out + sbf + 10 * sbh + tied_grad,
-        "forward": inputs + 2 * softmax + kv + psi_layer + h * V + 4 * sbh,
-        "head": inputs + 3 * s * b * V + h * V + 4 * sbh,
-    }
-    return {k: float(itemsize * v) for k, v in elements.items()}
-
-
-def expected_peak(formula: dict, moments: dict) -> tuple[float, str]:
-    """Per-device peak bytes of a step: ``state + grad_shard + max(moments)``
-    (:func:`memory_formula`, :func:`moment_bytes`), and the name of the moment that sets it."""
-    moment = max(moments, key=moments.get)
-    return formula["state"] + formula["grad_shard"] + moments[moment], moment
-
-
-def memory_formula(psi: int, shards: int, itemsize: int = 4, opt_slots: int = 2, opt_shards: int | None = None) -> dict:
-    """Per-device bytes a zshard FULL_SHARD / HYBRID_SHARD / HYBRID_SHARD_OPT step holds from its
-    start to its optimizer step, activations and transients excluded (:func:`moment_bytes`).
-
-    ZeRO (arXiv 1910.02054) section 5.2 / FSDP (arXiv 2304.11277) section 3.2, for ``Psi``
-    parameters sharded ``N`` ways, Adam (``K = opt_slots`` moments), ``e`` bytes per element:
-
-    - ``state``: parameters + optimizer state, ``(1 + K) * e * Psi / N`` (persistent, donated);
-      HYBRID_SHARD_OPT (optimizer state over ``M = opt_shards = R*S``): ``e Psi / N + K e Psi / M``;
-    - ``grad_shard``: the reduce-scattered gradients, ``e * Psi / M`` with ``M = opt_shards``
-      (``N`` for FULL_SHARD / HYBRID_SHARD; ``R*S`` for HYBRID_SHARD_OPT, whose units
-      reduce-scatter over ``replica`` inside their backward); the stacked units' buffers are
-      allocated before the forward loop; the optimizer updates in place.
-
-    The gathered units, the root and the FlatParameter copies of earlier versions are transient
-    and belong to the moments (:func:`moment_bytes`): since the per-parameter all-gathers and
-    reduce-scatters (issue 17) no unit is gathered for the whole step and nothing is copied out
-    of a gathered buffer (docs/memory.md).
-
-    Returns:
-      ``{"state", "grad_shard", "total"}``, bytes.
-    """
-    opt = opt_shards or shards
-    out = {"state": itemsize * psi / shards + opt_slots * itemsize * psi / opt, "grad_shard": itemsize * psi / opt}
-    out["total"] = out["state"] + out["grad_shard"]
-    return out
 
 
 # --------------------------------------------------------------------------------------

@@ -11,12 +11,14 @@ Also public, for applications built on zshard (the ``train/`` package uses nothi
 (one logical parameter at a time on the host), ``parse_collectives`` (the collectives of a
 compiled program's HLO, by mesh axis), ``parse_mesh`` (``"RxS"`` or a preset name),
 ``path_str`` (the dotted parameter path of ``init(params=...)``) and the submodule
-``zshard.distributed`` (``initialize``: ``jax.distributed`` start-up). For long sequences
+``zshard.distributed`` (``initialize``: ``jax.distributed`` start-up) and the submodule
+``zshard.formulas`` (the memory and communication formulas, also in closed form for
+``python -m train.scale``). For long sequences
 (docs/long-sequences.md): ``attention`` (exact on a sequence split over the ``context`` axis)
 and ``positions`` (each local token's global position).
 """
 
-from zshard import distributed
+from zshard import distributed, formulas
 from zshard.attention import attention
 from zshard.checkpoint import Checkpointer, export, load_params, restore, save
 from zshard.evaluate import EvalStep, make_eval_step, make_forward
@@ -45,6 +47,7 @@ __all__ = [
     "attention",
     "device_key",
     "distributed",
+    "formulas",
     "EvalStep",
     "export",
     "fetch_params",
