@@ -58,9 +58,10 @@ from typing import Callable  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx, traverse_util  # noqa: E402
+
+from zshard.verify import reference_step, rel_l2  # noqa: E402, F401  (rel_l2: the tests import it from here)
 
 pytest_plugins = ["compile_log"]  # pytest --compile-log DIR: every XLA compile by test and program
 NUM_DEVICES = 8
@@ -187,16 +188,11 @@ def reference_run(make_model: Callable[[], nnx.Module], tx, loss_fn, batches) ->
     graphdef, variables = nnx.split(ref)
     ref = nnx.merge(graphdef, jax.tree.map(strong, variables))
     opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, opt, batch):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        opt.update(model, grads)
-        return loss, optax.global_norm(grads)
+    step = reference_step(loss_fn)  # the one reference, python -m zshard.verify's too
 
     losses, norms = [], []
     for b in batches:
-        loss, gn = step(ref, opt, jax.tree.map(jnp.asarray, b))
+        loss, gn, _ = step(ref, opt, jax.tree.map(jnp.asarray, b))
         losses.append(float(loss))
         norms.append(float(gn))
     return Trajectory(losses, norms, flat_params(ref), ref)
@@ -233,13 +229,6 @@ def assert_same_training(got: Trajectory, want: Trajectory, tol: float = 1e-5) -
     for path, ref in want.params.items():
         assert got.params[path].shape == ref.shape, path
         assert rel_l2(got.params[path], ref) <= tol, path
-
-
-def rel_l2(a, b) -> float:
-    """``||a - b|| / ||b||`` (``||a - b||`` where ``b`` is exactly zero)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    nb = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / nb) if nb else float(np.linalg.norm(a - b))
 
 
 

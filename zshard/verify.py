@@ -67,7 +67,7 @@ from flax import nnx, traverse_util
 
 from zshard.step import TokenMean
 
-__all__ = ["FLOOR_FACTOR", "TOLERANCE", "VerifyResult", "load_function", "main", "verify"]
+__all__ = ["FLOOR_FACTOR", "TOLERANCE", "VerifyResult", "load_function", "main", "reference_step", "rel_l2", "verify"]
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 1e-3, "bfloat16": 2e-2}
 """Largest relative difference that passes, by dtype (loss: ``|a-b|/|b|``; parameters:
@@ -235,7 +235,8 @@ def _worst(diffs: dict[str, float]) -> tuple[str, float]:
     return path, diffs[path]
 
 
-def _rel_l2(a, b) -> float:
+def rel_l2(a, b) -> float:
+    """``||a - b|| / ||b||`` in float64 (``||a - b||`` where ``b`` is exactly zero)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     nb = np.linalg.norm(b)
     return float(np.linalg.norm(a - b) / nb) if nb else float(np.linalg.norm(a - b))
@@ -272,6 +273,30 @@ def _perturbed(model: nnx.Module, seed: int = 0) -> nnx.Module:
 
     nnx.update(model, jax.tree.map(one, nnx.state(model, nnx.Param)))
     return model
+
+
+def reference_step(loss_fn: Callable) -> Callable:
+    """The single-device reference every sharded result is compared with (this module's runs and
+    the test suite's, tests/conftest.py): one plain ``nnx.Optimizer`` step, jitted.
+
+    Returns:
+      ``step(model, opt, batch) -> (loss, grad_norm, rms)``, updating ``model`` and ``opt`` in
+      place: the scalar mean loss (``loss_fn``'s, a ``TokenMean`` divided out), the gradient's
+      global L2 norm (``optax.global_norm``) and, per parameter path (a tuple), its gradient's RMS
+      per element over the whole gradient's (fp32; :data:`NO_SIGNAL`).
+    """
+    mean_loss = _mean_loss(loss_fn)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(mean_loss)(model, batch)
+        opt.update(model, grads)
+        flat = traverse_util.flatten_dict(nnx.to_pure_dict(grads))
+        sq = {p: jnp.sum(jnp.square(g.astype(jnp.float32))) for p, g in flat.items()}
+        total = jnp.sqrt(sum(sq.values()) / sum(g.size for g in flat.values()))  # whole gradient, RMS per element
+        return loss, optax.global_norm(grads), {p: jnp.sqrt(s / flat[p].size) / total for p, s in sq.items()}
+
+    return step
 
 
 def _mean_loss(loss_fn: Callable) -> Callable:
@@ -350,23 +375,13 @@ def verify(model_or_builder, tx: optax.GradientTransformation, loss_fn: Callable
     got = _flat_params(zshard.unshard(state))
 
     opt = nnx.Optimizer(ref, tx, wrt=nnx.Param)
-    mean_loss = _mean_loss(loss_fn)
-
-    @nnx.jit
-    def ref_step(model, opt, batch):
-        loss, grads = nnx.value_and_grad(mean_loss)(model, batch)
-        opt.update(model, grads)
-        flat = traverse_util.flatten_dict(nnx.to_pure_dict(grads))
-        sq = {p: jnp.sum(jnp.square(g.astype(jnp.float32))) for p, g in flat.items()}
-        total = jnp.sqrt(sum(sq.values()) / sum(g.size for g in flat.values()))  # whole gradient, RMS per element
-        return loss, {"/".join(map(str, p)): jnp.sqrt(s / flat[p].size) / total for p, s in sq.items()}
-
+    ref_step = reference_step(loss_fn)
     ref_batch = jax.tree.map(jnp.asarray, batch)
     ref_losses, signal = [], {}
     for _ in range(steps):
-        loss, rms = ref_step(ref, opt, ref_batch)
+        loss, _, rms = ref_step(ref, opt, ref_batch)
         ref_losses.append(float(loss))
-        signal = {p: max(float(r), signal.get(p, 0.0)) for p, r in rms.items()}
+        signal = {"/".join(map(str, p)): max(float(r), signal.get("/".join(map(str, p)), 0.0)) for p, r in rms.items()}
     want = _flat_params(ref)
 
     twin_opt = nnx.Optimizer(twin, tx, wrt=nnx.Param)
@@ -382,11 +397,11 @@ def verify(model_or_builder, tx: optax.GradientTransformation, loss_fn: Callable
         tolerance=tol,
         losses=list(zip(got_losses, ref_losses)),
         loss_diffs=[abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got_losses, ref_losses)],
-        param_diffs={p: _rel_l2(got[p], b) for p, b in want.items()},
-        initial_diffs={p: _rel_l2(init_got[p], b) for p, b in init_ref.items()},
+        param_diffs={p: rel_l2(got[p], b) for p, b in want.items()},
+        initial_diffs={p: rel_l2(init_got[p], b) for p, b in init_ref.items()},
         no_signal=tuple(sorted(p for p, r in signal.items() if r <= NO_SIGNAL)),
         floor_losses=[abs(a - b) / max(abs(b), 1e-30) for a, b in zip(twin_losses, ref_losses)],
-        floor_params={p: _rel_l2(twin_params[p], b) for p, b in want.items()},
+        floor_params={p: rel_l2(twin_params[p], b) for p, b in want.items()},
         rng_state=rng_state,
     )
 
