@@ -183,7 +183,7 @@ def test_bf16_mixed_precision_with_a_tensor_axis():
     want = reference()
     runs = {}
     for shape, strategy in (((1, 8, 1), "FULL_SHARD"), ((1, 4, 2), "FULL_SHARD")):
-        state = zshard.init(make, tx_for(False), mesh(*shape), strategy=strategy, mixed_precision=bf16,
+        state = zshard.init(built(False), tx_for(False), mesh(*shape), strategy=strategy, mixed_precision=bf16,
                             tensor_parallel=tensor_plan(CFG, shape[2]) or None)
         step = zshard.make_train_step(loss_fn)
         if shape[2] > 1:
