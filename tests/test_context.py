@@ -156,15 +156,15 @@ def test_mesh_with_a_context_axis():
 
 
 def test_parameters_are_sharded_over_shard_x_context():
-    full = zshard.init(make(), optax.adamw(1e-3), mesh(2, 2, 2), strategy="FULL_SHARD")
-    hyb = zshard.init(make(), optax.adamw(1e-3), mesh(2, 2, 2), strategy="HYBRID_SHARD")
+    full = zshard.init(built(), optax.adamw(1e-3), mesh(2, 2, 2), strategy="FULL_SHARD")
+    hyb = zshard.init(built(), optax.adamw(1e-3), mesh(2, 2, 2), strategy="HYBRID_SHARD")
     up_full, up_hyb = full.params["blocks"][0]["up"]["kernel"], hyb.params["blocks"][0]["up"]["kernel"]
     assert up_full.sharding.spec == P(("replica", "shard", "context"))
     assert up_full.addressable_shards[0].data.shape == (D * 4 * D // 8,)  # 1/(R S C)
     assert up_hyb.sharding.spec == P(("shard", "context"))  # replica stays the replica axis
     assert up_hyb.addressable_shards[0].data.shape == (D * 4 * D // 4,)
     assert (full.plan.world, hyb.plan.world, hyb.plan.num_shards, hyb.plan.replica_axes) == (8, 8, 4, ("replica",))
-    opt = zshard.init(make(), optax.adamw(1e-3), mesh(2, 2, 2), strategy="HYBRID_SHARD_OPT")
+    opt = zshard.init(built(), optax.adamw(1e-3), mesh(2, 2, 2), strategy="HYBRID_SHARD_OPT")
     assert opt.opt_state[0].mu["blocks"][0]["up"]["kernel"].sharding.spec == P(None, ("shard", "context", "replica"))
 
 
