@@ -321,7 +321,7 @@ def test_train_models_equal_one_device(name, strategy, shape):
     models, ce = _train_models()
     data = [(b["tokens"], b["targets"]) for b in batches()]
     want = reference_run(models[name], optax.adamw(1e-3), ce, data)
-    state = zshard.init(models[name], optax.adamw(1e-3), mesh(*shape), strategy=strategy)
+    state = zshard.init(models[name](), optax.adamw(1e-3), mesh(*shape), strategy=strategy)
     step = zshard.make_train_step(ce, sequence_axis=1, prefetch=1)
     losses = []
     for b in data:
