@@ -149,7 +149,7 @@ def test_clip_norm_of_the_step_equals_the_chain_form():
 
 def _collectives(tx, strategy="FULL_SHARD", mesh=(1, 8)):
     make = lambda: ResMLP(13, 19, 3, n_blocks=2, rngs=nnx.Rngs(0))  # noqa: E731
-    state = zshard.init(make, tx, zshard.make_mesh(*mesh), strategy=strategy)
+    state = zshard.init(make, tx, zshard.make_mesh(*mesh), strategy=strategy, abstract=True)  # compiled only
     hlo = zshard.make_train_step(mse_loss).lower(state, mlp_batches(1)[0]).compile().as_text()
     return state, parse_collectives(hlo, state.plan.mesh)
 
@@ -190,7 +190,7 @@ def test_muon_gathers_each_matrix_once_and_the_report_counts_it():
 
 def _peak(tx, blocks, d=96):
     make = lambda: ResMLP(16, d, 8, n_blocks=blocks, rngs=nnx.Rngs(0))  # noqa: E731
-    state = zshard.init(make, tx, zshard.make_mesh(1, 8))
+    state = zshard.init(make, tx, zshard.make_mesh(1, 8), abstract=True)  # compiled only
     rng = np.random.default_rng(0)
     batch = (rng.standard_normal((16, 16)).astype(np.float32), rng.standard_normal((16, 8)).astype(np.float32))
     ma = zshard.make_train_step(mse_loss).lower(state, batch).compile().memory_analysis()

@@ -488,7 +488,7 @@ def test_a_global_view_optimizer_on_split_parameters_equals_one_device(name):
     the compiler moving the tensor pieces), the single-device result."""
     data = DATA[:4]
     want = reference_run(make, GLOBAL[name](), loss_fn, data)
-    state = zshard.init(make, GLOBAL[name](), mesh(1, 4, 2), strategy="FULL_SHARD", tensor_parallel=PLAN)
+    state = zshard.init(built(False), GLOBAL[name](), mesh(1, 4, 2), strategy="FULL_SHARD", tensor_parallel=PLAN)
     assert state.plan.opt_view is not None and state.plan.tensor_split
     step = zshard.make_train_step(loss_fn, prefetch=0)
     losses = []
