@@ -51,14 +51,16 @@ def test_gathered_parameters_are_freed_one_by_one(remat, limit):
     assert compiled.memory_analysis().temp_size_in_bytes < limit * unit
 
 
-def test_sinks_must_match_the_comm_record():
+def test_exit_values_must_match_the_gradient_exit():
     slot = ParamLayout.build(("w",), (8,), jnp.float32, 8, axes=("shard",))
-    with pytest.raises(ValueError, match="without gradient sinks.*replica_reduce=TO_SINKS"):
-        gather_param(slot, jnp.zeros(8), UnitComm(("shard",), ("replica",), ReplicaReduce.TO_SINKS, replica_parts=2))
-    with pytest.raises(ValueError, match="with gradient sinks.*replica_reduce=PER_UNIT"):
-        gather_param(slot, jnp.zeros(8), UnitComm(("shard",), ("replica",), ReplicaReduce.PER_UNIT), sink=jnp.zeros(4))
+    with pytest.raises(ValueError, match="without gradient exit values.*reduces TO_SLICES"):
+        gather_param(slot, jnp.zeros(8), UnitComm(("shard",), ("replica",), ReplicaReduce.TO_SLICES, replica_parts=2))
+    with pytest.raises(ValueError, match="with gradient exit values.*reduces PER_UNIT"):
+        gather_param(slot, jnp.zeros(8), UnitComm(("shard",), ("replica",), ReplicaReduce.PER_UNIT), exit_value=jnp.zeros(4))
     # a gathered parameter varies over the axes its gradient is later summed over, whatever the reduction
     for reduce in ReplicaReduce:
         assert UnitComm(("shard",), ("replica",), reduce).vary_axes == ("replica",)
-    assert UnitComm(("shard",), ("replica",), ReplicaReduce.TO_SINKS).sinks
-    assert not UnitComm(("shard",), ("replica",), ReplicaReduce.PER_STEP).sinks
+    assert UnitComm(("shard",), ("replica",), ReplicaReduce.TO_SLICES, replica_parts=2).exit.to_slices
+    assert UnitComm(("shard",), ("replica",), ReplicaReduce.TO_SLICES, replica_parts=2).exit.slices == 2
+    assert not UnitComm(("shard",), ("replica",), ReplicaReduce.PER_STEP).exit.has_values
+    assert ReplicaReduce.TO_SINKS is ReplicaReduce.TO_SLICES  # the former name, an alias for one release

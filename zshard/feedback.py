@@ -8,14 +8,16 @@ Karimireddy et al. 2019, arXiv 1901.09847, algorithm 2; LoCo, arXiv 2407.04480, 
 
 [Note: error feedback] The residuals live in ``ShardedState.feedback`` (float32, global
 ``[..., W * n_pad]``, ``PartitionSpec(..., data_axes)``, local ``[..., n_pad]``:
-:func:`zshard.quant.feedback_layout`). Inside the step they ride the gradient-sink plumbing
-(HYBRID_SHARD_OPT's, which error feedback refuses): :func:`feedback_sinks` gives every trainable
-parameter a sink (its residual, or an ``f32[..., 0]`` placeholder where the format does not
-quantize it); a unit call (:func:`zshard.unit_call.run_unit`, the root's
-:func:`zshard.collectives.gather`, :func:`zshard.collectives.gather_param`) takes them as its
-``sinks``, keeps them for its backward, and returns each new residual as the sink's cotangent,
-so the step differentiates w.r.t. them and :func:`new_feedback` keeps the new residuals. Under
-gradient accumulation the sinks are carried from one micro-batch to the next (each micro-batch's
+:func:`zshard.quant.feedback_layout`; which parameters: ``ParamWire.residual``, zshard/wire.py).
+Inside the step they are the gradient exit values ([Note: gradient exit], zshard/grad_exit.py;
+HYBRID_SHARD_OPT's optimizer slices use the same way out, and error feedback refuses that
+strategy): :func:`feedback_exits` gives every trainable parameter an exit value (its residual, or
+an ``f32[..., 0]`` placeholder where its wire keeps none); a unit call
+(:func:`zshard.unit_call.run_unit`, the root's :func:`zshard.collectives.gather`,
+:func:`zshard.collectives.gather_param`) takes them as its ``exits``, keeps them for its backward,
+and returns each new residual as the exit value's cotangent, so the step differentiates w.r.t.
+them and :func:`new_feedback` keeps the new residuals. Under gradient accumulation the exit
+values are carried from one micro-batch to the next (each micro-batch's
 reduction adds the residual the previous one left). A parameter whose gradient is reduced twice
 in one micro-batch (a unit called twice per forward) would sum two residuals: not supported
 (docs/quantized.md). A forward-only pass (evaluation) passes no residuals.
@@ -28,10 +30,10 @@ import jax.numpy as jnp
 from flax import traverse_util
 from jax.sharding import NamedSharding
 
-from zshard.collectives import vary
+from zshard.axes import vary
 from zshard.quant import feedback_layout
 
-__all__ = ["feedback_sinks", "init_feedback", "new_feedback"]
+__all__ = ["feedback_exits", "init_feedback", "new_feedback"]
 
 
 def init_feedback(plan, abstract: bool = False) -> dict:
@@ -50,8 +52,8 @@ def init_feedback(plan, abstract: bool = False) -> dict:
     return traverse_util.unflatten_dict(dict(zip(paths, values)))
 
 
-def feedback_sinks(plan, train: dict, feedback: dict) -> dict:
-    """Inside the step: the sinks the units read their residuals from, nested like ``train``:
+def feedback_exits(plan, train: dict, feedback: dict) -> dict:
+    """Inside the step: the gradient exit values the units read their residuals from, nested like ``train``:
     each quantized parameter's residual ``f32[..., n_pad]`` (``feedback``, local), an
     ``f32[..., 0]`` placeholder for the others, varying over every data axis."""
     fb = traverse_util.flatten_dict(feedback)
@@ -60,7 +62,7 @@ def feedback_sinks(plan, train: dict, feedback: dict) -> dict:
     return traverse_util.unflatten_dict(out)
 
 
-def new_feedback(feedback: dict, sinks: dict) -> dict:
-    """The sinks' cotangents (the new residuals) of the paths ``feedback`` has; placeholders dropped."""
-    flat = traverse_util.flatten_dict(sinks)
+def new_feedback(feedback: dict, exits: dict) -> dict:
+    """The exit values' cotangents (the new residuals) of the paths ``feedback`` has; placeholders dropped."""
+    flat = traverse_util.flatten_dict(exits)
     return traverse_util.unflatten_dict({p: flat[p] for p in traverse_util.flatten_dict(feedback)})

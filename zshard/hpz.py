@@ -26,8 +26,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zshard.collectives import UnitComm, _gather_one, _piece_spec, after, all_gather_last, param_shards
-from zshard.mesh import REPLICA, TENSOR
+from zshard.axes import REPLICA, TENSOR
+from zshard.collectives import _gather_one, after, all_gather_last, param_shards
+from zshard.grad_exit import piece_spec
+from zshard.wire import UnitComm
 from zshard.strategy import Strategy
 
 __all__ = ["check_hpz", "gather_keeping_secondary", "regather_secondary", "secondary_axes"]
@@ -119,7 +121,7 @@ def _regather_pieces(rec, sec: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     def piece(x):  # [..., 1, n_pad/S] -> [..., n_pad/S] --all_gather(shard)--> [..., n_pad] -> the piece
         return rec.piece_from_storage(all_gather_last(jnp.squeeze(x, lead), axes))
 
-    return jax.shard_map(piece, in_specs=_piece_spec(lead), out_specs=rec.tp_spec(lead), axis_names={TENSOR})(sec)
+    return jax.shard_map(piece, in_specs=piece_spec(lead), out_specs=rec.tp_spec(lead), axis_names={TENSOR})(sec)
 
 
 def check_hpz(plan) -> None:
@@ -145,13 +147,13 @@ def check_hpz(plan) -> None:
             f"hpz=True (ZeRO++ hierarchical partitioning) with strategy {st.value}: {st.value} {why}. hpZ applies to "
             "FULL_SHARD only: use strategy='FULL_SHARD' with hpz=True, or drop hpz=True"
         )
-    if plan.mesh.shape.get(REPLICA, 1) == 1:
+    if plan.axes.replica == 1:
         raise ValueError(
             f"hpz=True (ZeRO++ hierarchical partitioning) on the mesh {dict(plan.mesh.shape)} with replica=1: the world "
             "all-gather is already inside one node, so hpZ would move the same bytes and only hold M/S more. Drop hpz=True, "
             "or put the nodes on a replica axis (zshard.make_mesh(nodes, devices_per_node))"
         )
-    if all(plan.mesh.shape[a] == 1 for a in secondary_axes(plan.data_axes)):
+    if plan.axes.size(secondary_axes(plan.data_axes)) == 1:
         raise ValueError(
             f"hpz=True (ZeRO++ hierarchical partitioning) on the mesh {dict(plan.mesh.shape)} with shard=1: the secondary "
             "partition over shard would be the whole weights, kept from forward to backward, which is SHARD_GRAD_OP. Use "

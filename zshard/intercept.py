@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from zshard.collectives import UnitComm, gather, gather_param
+from zshard.collectives import gather, gather_param
+from zshard.wire import UnitComm
 from zshard.flat import ParamLayout
 from zshard.jaxprs import ROOT_GATHER_SCOPE, read_scope, unit_scope
 from zshard.mesh import AXES
@@ -124,24 +125,26 @@ def _in_unit(apply: Callable, name: str, layers: int | None) -> Callable:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class ShardWithSink:
-    """HYBRID_SHARD_OPT: what a block-unit parameter holds inside the step (see :func:`materialize`).
+class ShardWithExit:
+    """What a block-unit parameter holds inside a step whose gradients leave through exit values
+    (HYBRID_SHARD_OPT's optimizer slices, error feedback's residuals; see :func:`materialize`).
 
     A pytree of two leaves, so ``nnx.scan`` / ``nnx.vmap`` / ``jax.lax.scan`` slice both per layer.
 
     Attributes:
       shard: the parameter shard, ``[n_pad/S]`` (``[L, n_pad/S]`` stacked).
-      sink: its gradient sink, ``[n_pad/(R*S)]`` (``[L, n_pad/(R*S)]``); its value is never read.
+      exit_value: its gradient exit value ([Note: gradient exit], zshard/grad_exit.py): the
+        optimizer slice ``[n_pad/(R*S)]`` (``[L, n_pad/(R*S)]``, its value never read), or the residual.
     """
 
     shard: Any
-    sink: Any
+    exit_value: Any
 
     def __getitem__(self, index):
         # Flax's Variable.get_value(index=...) indexes the raw value before the gather-on-read
         # hook: a whole read (...) keeps the pair; any other index reaches the hook with the
         # shard's shape changed, and the hook refuses it with its usual message.
-        return self if index is Ellipsis else ShardWithSink(self.shard[index], None)
+        return self if index is Ellipsis else ShardWithExit(self.shard[index], None)
 
 
 def _is_param(var) -> bool:
@@ -181,7 +184,7 @@ class UnitBinding:
         unit = self.unit
         cls = type(module).__mro__[1]  # the user's class under the intercepting subclass
         variables = dict(nnx.to_flat_state(nnx.state(module)))  # relative path -> Variable
-        bufs, sinks = self._shards(variables, cls, name)
+        bufs, exits = self._shards(variables, cls, name)
         # Tied weights (the root's gathered values) and non-parameter variables enter as inputs.
         shared = dict(unit.shared)  # relative path -> the root's model path (tied weights)
         tied_rel = [r for r, _ in unit.shared]
@@ -194,7 +197,7 @@ class UnitBinding:
         with jax.named_scope(unit_scope(unit.name, name)), in_unit(unit.name, unit.layers):
             out, new_others, created = run_unit(
                 apply, unit.flats, bufs, call_args.inputs + tied + others, self.comm,
-                after=self._after(link), link=link, name=unit.name, sinks=sinks,
+                after=self._after(link), link=link, name=unit.name, exits=exits,
             )
         if unit.layers is None:
             self.chain.append(link)
@@ -207,19 +210,19 @@ class UnitBinding:
     def _shards(self, variables: dict, cls: type, name: str) -> tuple[list[tuple], list[tuple] | None]:
         """Per FlatParameter of the unit, this device's per-parameter shards as the module
         holds them (``[n_pad/N]``; one layer's inside a scan); the collectives concatenate
-        them (no saved copy). Second: HYBRID_SHARD_OPT's gradient sinks per FlatParameter
-        (``[n_pad/(R*S)]`` each, ``()`` for a frozen one), ``None`` for other strategies.
+        them (no saved copy). Second: the gradient exit values per FlatParameter (optimizer
+        slices ``[n_pad/(R*S)]`` or residuals, ``()`` for a frozen one), ``None`` where there are none.
 
         Raises:
           ValueError: a stacked unit called with all its layers at once (``[L, n_pad/N]``).
         """
         unit = self.unit
-        raw, sink_of = {}, {}
+        raw, exit_of = {}, {}
         for s in unit.slots:
             rel = s.path[len(unit.path) :]
             value = variables[rel].get_raw_value()
-            if isinstance(value, ShardWithSink):  # HYBRID_SHARD_OPT, see materialize
-                value, sink_of[rel] = value.shard, value.sink
+            if isinstance(value, ShardWithExit):  # gradient exit values, see materialize
+                value, exit_of[rel] = value.shard, value.exit_value
             if unit.layers is not None and value.ndim == 2 + (s.param.tp_dim is not None):  # [L, (T,) n_pad/N]
                 raise ValueError(
                     f"zshard: the stacked unit {unit.name!r} ({cls.__name__}, {unit.layers} layers) was called with all its "
@@ -228,10 +231,10 @@ class UnitBinding:
                 )
             raw[rel] = value
         bufs = [tuple(raw[s.path[len(unit.path) :]] for s in f.slots) for f in unit.flats]
-        sinks = None  # HYBRID_SHARD_OPT: per flat, the per-parameter gradient sinks (() when frozen)
-        if sink_of:
-            sinks = [tuple(sink_of[s.path[len(unit.path) :]] for s in f.slots) if f.trainable else () for f in unit.flats]
-        return bufs, sinks
+        exits = None  # per flat, the per-parameter gradient exit values (() when frozen)
+        if exit_of:
+            exits = [tuple(exit_of[s.path[len(unit.path) :]] for s in f.slots) if f.trainable else () for f in unit.flats]
+        return bufs, exits
 
     def _apply(self, module, cls: type, name: str, variables: dict, call_args: "_CallArgs", tied_rel: list, other_rel: list):
         """``apply(params, all_inputs) -> (out, new other variables, created variables)``: the
@@ -336,9 +339,9 @@ class _GatherOnRead:
     comm: UnitComm
 
     def __call__(self, var, value):
-        raw, sink = var.get_raw_value(), None
-        if isinstance(raw, ShardWithSink):  # HYBRID_SHARD_OPT
-            raw, value, sink = raw.shard, value.shard, value.sink
+        raw, exit_value = var.get_raw_value(), None
+        if isinstance(raw, ShardWithExit):  # a gradient exit value rides with the shard
+            raw, value, exit_value = raw.shard, value.shard, value.exit_value
         if np.shape(value) != np.shape(raw):
             raise ValueError(
                 f"zshard: parameter {path_str(self.slot.path)!r} is read with an index outside its unit; zshard gathers a "
@@ -346,7 +349,7 @@ class _GatherOnRead:
                 f"inside a method of the unit"
             )
         with jax.named_scope(read_scope(path_str(self.slot.path))):
-            return gather_param(self.slot, value, self.comm, sink)
+            return gather_param(self.slot, value, self.comm, exit_value)
 
 
 _READING: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
@@ -378,7 +381,7 @@ def _reading(var, value, hook):
 # --- the model on one device -----------------------------------------------------------------------------
 
 
-def materialize(plan, shards: dict, variables: dict, comm: UnitComm, prefetch: int = 0, sinks: dict | None = None) -> nnx.Module:
+def materialize(plan, shards: dict, variables: dict, comm: UnitComm, prefetch: int = 0, exits: dict | None = None) -> nnx.Module:
     """Inside ``shard_map``: the model for one forward pass (see the module docstring).
 
     Args:
@@ -387,33 +390,33 @@ def materialize(plan, shards: dict, variables: dict, comm: UnitComm, prefetch: i
       variables: flat dict ``path -> value`` of the non-parameter variables (replicated).
       comm: the step's :class:`~zshard.collectives.UnitComm` (axes, replica reduction, remat).
       prefetch: block-unit calls a forward all-gather may be issued ahead (0: off).
-      sinks: HYBRID_SHARD_OPT: flat dict ``path -> gradient sink`` of the trainable
-        parameters (``[n_pad/(R*S)]``, ``[L, n_pad/(R*S)]`` stacked; values never read). A
-        block unit's parameter then holds the pair ``(shard, sink)``, so ``nnx.scan`` /
-        ``nnx.vmap`` slice both per layer; each unit's backward returns the gradient,
-        reduce-scattered over ``shard`` and ``replica``, as the sink's cotangent
-        (:func:`zshard.unit_call.run_unit`). The caller differentiates w.r.t. ``sinks``;
-        ``comm.replica_reduce`` is then ``TO_SINKS``.
+      exits: flat dict ``path -> gradient exit value`` of the trainable parameters
+        ([Note: gradient exit], zshard/grad_exit.py): HYBRID_SHARD_OPT's optimizer slices
+        (``[n_pad/(R*S)]``, ``[L, n_pad/(R*S)]`` stacked; values never read; ``comm.exit`` then
+        reduces ``TO_SLICES``) or error feedback's residuals. A block unit's parameter then holds
+        the pair ``(shard, exit value)``, so ``nnx.scan`` / ``nnx.vmap`` slice both per layer; each
+        unit's backward returns the slice (or the new residual) as the exit value's cotangent
+        (:func:`zshard.unit_call.run_unit`). The caller differentiates w.r.t. ``exits``.
 
     Returns:
       An ``nnx.Module`` of the user's classes (block units' classes subclassed) to hand to
       the user's function.
     """
     root, blocks = (plan.units[0], plan.units[1:]) if plan.units[0].path == () else (None, plan.units)
-    comm.check_sinks(sinks, True, "materialize")  # HYBRID_SHARD_OPT train step: every unit call passes sinks
+    comm.exit.check(exits, True, "materialize")  # HYBRID_SHARD_OPT train step: every unit call passes exit values
     values = dict(variables)
     for path, var in plan.var_template:
         if isinstance(var, nnx.RngKey):
             values[path] = _fold(values[path], device_index())  # every device its own stream
     if root is not None:
         with jax.named_scope(ROOT_GATHER_SCOPE):
-            root_sinks = None if sinks is None else [tuple(sinks[s.path] for s in f.slots) if f.trainable else () for f in root.flats]
-            gathered = gather(root.flats, [tuple(shards[s.path] for s in f.slots) for f in root.flats], comm, root_sinks)
+            root_exits = None if exits is None else [tuple(exits[s.path] for s in f.slots) if f.trainable else () for f in root.flats]
+            gathered = gather(root.flats, [tuple(shards[s.path] for s in f.slots) for f in root.flats], comm, root_exits)
         values.update({s.path: v for s, v in zip(root.slots, gathered)})
     hooks = {}
     for unit in blocks:
         for s in unit.slots:
-            values[s.path] = shards[s.path] if sinks is None or s.path not in sinks else ShardWithSink(shards[s.path], sinks[s.path])
+            values[s.path] = shards[s.path] if exits is None or s.path not in exits else ShardWithExit(shards[s.path], exits[s.path])
             hooks[s.path] = _GatherOnRead(s.param, comm)
     with nnx.use_eager_sharding(False):  # zshard's layout, not the model's sharding annotations
         state = nnx.from_flat_state(

@@ -32,15 +32,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
-    "AXES", "CONTEXT", "REPLICA", "SHARD", "TENSOR", "MeshPreset", "context_size", "data_axes", "make_mesh", "manual_axes",
+    "AXES", "CONTEXT", "REPLICA", "SHARD", "TENSOR", "MeshAxes", "MeshPreset", "context_size", "data_axes", "make_mesh", "manual_axes",
     "manual_specs", "mesh_preset", "mesh_presets", "parse_mesh", "sharded_map", "tensor_size", "tensor_specs",
 ]  # fmt: skip
 
-REPLICA = "replica"
-SHARD = "shard"
-CONTEXT = "context"
-TENSOR = "tensor"
-AXES = (REPLICA, SHARD)  # the batch axes: the batch dimension is split over them (and over context without a sequence axis)
+from zshard.axes import AXES, CONTEXT, REPLICA, SHARD, TENSOR, MeshAxes  # noqa: F401  (the names, re-exported)
 
 
 def preset_dir() -> Traversable:
@@ -190,26 +186,25 @@ def _inner_mesh(devices: list, replica, shard, context: int, tensor: int) -> Mes
 
 
 def tensor_size(mesh) -> int:
-    """``T``: devices of the mesh's ``tensor`` axis (1 without one)."""
-    return int(dict(mesh.shape).get(TENSOR, 1))
+    """``T``: devices of the mesh's ``tensor`` axis (1 without one; :class:`~zshard.axes.MeshAxes`)."""
+    return MeshAxes.of(mesh).tensor
 
 
 def context_size(mesh) -> int:
-    """``C``: devices of the mesh's ``context`` axis (1 without one)."""
-    return int(dict(mesh.shape).get(CONTEXT, 1))
+    """``C``: devices of the mesh's ``context`` axis (1 without one; :class:`~zshard.axes.MeshAxes`)."""
+    return MeshAxes.of(mesh).context
 
 
 def manual_axes(mesh) -> tuple[str, ...]:
-    """The mesh axes zshard's ``shard_map`` is manual over: all but ``tensor`` (``replica``,
-    ``shard`` and, where the mesh has it, ``context``)."""
-    return tuple(a for a in mesh.axis_names if a != TENSOR)
+    """The mesh axes zshard's ``shard_map`` is manual over: all but ``tensor``
+    (:attr:`zshard.axes.MeshAxes.manual_axes`)."""
+    return MeshAxes.of(mesh).manual_axes
 
 
 def data_axes(mesh) -> tuple[str, ...]:
-    """The data axes of ``mesh``: every axis the data (batch rows or sequence chunks) is split
-    over, ``("replica", "shard"[, "context"])``; the loss, metrics and statistics are reduced over
-    them (the same as :func:`manual_axes`)."""
-    return manual_axes(mesh)
+    """The data axes of ``mesh``, ``("replica", "shard"[, "context"])``
+    (:attr:`zshard.axes.MeshAxes.data_axes`)."""
+    return MeshAxes.of(mesh).data_axes
 
 
 def _strip(spec: P) -> P:

@@ -24,14 +24,16 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from zshard.flat import FlatParameter, ParamLayout
-from zshard.mesh import context_size, data_axes, manual_specs, tensor_size
+from zshard.axes import MeshAxes
+from zshard.mesh import manual_specs
 from zshard.optim import needs_global_view
 from zshard.optim_global import build_view
 from zshard.precision import FULL_PRECISION, MixedPrecision
 from zshard.quant import check_plan, pad_multiple
-from zshard.strategy import Strategy, with_context
+from zshard.strategy import Strategy
 from zshard.tp import tensor_dims
 from zshard.units import find_units, path_str, stacked_layers
+from zshard.wire import ParamWire, resolve_wires
 
 __all__ = ["Plan", "Unit", "make_plan"]
 
@@ -127,16 +129,29 @@ class Plan:
         return {p: records[p] for p, _ in self.template}
 
     @functools.cached_property
+    def wires(self) -> dict[tuple, ParamWire]:
+        """Parameter path -> its :class:`~zshard.wire.ParamWire`: how its bytes travel (axes, dtypes,
+        the formats that quantize it, tensor pieces, error feedback), resolved once here from the
+        strategy, the mesh axes and the mixed precision ([Note: the wire record], zshard/wire.py)."""
+        return resolve_wires(self)
+
+    @functools.cached_property
     def param_specs(self) -> dict:
         """Nested dict like ``params``: each parameter's PartitionSpec at rest (``tensor``
         included for a parameter split over it; :func:`zshard.mesh.manual_specs` for a
         ``shard_map``'s specs)."""
         return traverse_util.unflatten_dict({p: rec.spec for p, rec in self.layouts.items()})
 
+    @functools.cached_property
+    def axes(self) -> MeshAxes:
+        """The mesh's axes, validated once (:class:`~zshard.axes.MeshAxes`): every axis question
+        below is answered from it."""
+        return MeshAxes.of(self.mesh)
+
     @property
     def tensor(self) -> int:
         """``T``: devices of the mesh's ``tensor`` axis (1 without one)."""
-        return tensor_size(self.mesh)
+        return self.axes.tensor
 
     @functools.cached_property
     def tensor_split(self) -> frozenset:
@@ -172,33 +187,33 @@ class Plan:
     def shard_axes(self) -> tuple[str, ...]:
         """Mesh axes a parameter is split over at rest (``Strategy.shard_axes``, with ``context``
         after ``shard`` on a mesh with a context axis: :func:`zshard.strategy.with_context`)."""
-        return with_context(self.strategy.shard_axes, self.mesh)
+        return self.axes.with_context(self.strategy.shard_axes)
 
     @property
     def replica_axes(self) -> tuple[str, ...]:
         """Mesh axes the parameters are replicated over (``Strategy.replica_axes`` on this mesh)."""
-        return with_context(self.strategy.replica_axes, self.mesh)
+        return self.axes.with_context(self.strategy.replica_axes)
 
     @property
     def opt_axes(self) -> tuple[str, ...]:
         """Mesh axes the optimizer state is split over, major first (``Strategy.opt_axes`` on this mesh)."""
-        return with_context(self.strategy.opt_axes, self.mesh)
+        return self.axes.with_context(self.strategy.opt_axes)
 
     @property
     def data_axes(self) -> tuple[str, ...]:
         """The axes the data is split over: ``("replica", "shard"[, "context"])``
-        (:func:`zshard.mesh.data_axes`); the loss and metrics are reduced over them."""
-        return data_axes(self.mesh)
+        (:attr:`zshard.axes.MeshAxes.data_axes`); the loss and metrics are reduced over them."""
+        return self.axes.data_axes
 
     @property
     def context(self) -> int:
         """``C``: devices of the mesh's ``context`` axis (1 without one)."""
-        return context_size(self.mesh)
+        return self.axes.context
 
     @property
     def num_shards(self) -> int:
         """``N``: devices one parameter is split over at rest (1 when replicated)."""
-        return int(np.prod([self.mesh.shape[a] for a in self.shard_axes]))
+        return self.axes.size(self.shard_axes)
 
     @property
     def grad_axes(self) -> tuple[str, ...]:
@@ -209,7 +224,7 @@ class Plan:
     @property
     def opt_shards(self) -> int:
         """Devices the optimizer state of one parameter is split over."""
-        return int(np.prod([self.mesh.shape[a] for a in self.opt_axes]))
+        return self.axes.size(self.opt_axes)
 
     @property
     def world(self) -> int:
@@ -217,7 +232,7 @@ class Plan:
         split over ``replica x shard`` and its sequences over ``context`` (or its rows over all
         three), never over ``tensor``; every device holds the same number of tokens, so the loss
         scale is ``1 / world`` (the gradient of the global mean loss, docs/long-sequences.md)."""
-        return int(np.prod([self.mesh.shape[a] for a in self.data_axes]))
+        return self.axes.world
 
     def num_params(self) -> int:
         """Logical parameter count, no padding."""
@@ -272,7 +287,7 @@ def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int,
     stacked = {upath: stacked_layers(_submodule(abstract_model, upath)) if upath else None for upath in [()] + unit_paths}
     layers_of = {path: stacked[u] for u, params in members.items() for path, _ in params}
     tp_dims = tensor_dims(flat_state, layers_of, tp[0], tp[1], tp[2])
-    shard_axes = strategy.shard_axes if mesh is None else with_context(strategy.shard_axes, mesh)
+    shard_axes = strategy.shard_axes if mesh is None else MeshAxes.of(mesh).with_context(strategy.shard_axes)
     units = []
     for upath in [()] + unit_paths:
         params = members.get(upath, [])
@@ -378,8 +393,9 @@ def make_plan(
             )
     template = tuple((p, v.replace(_abstract(v.get_raw_value()))) for p, v in flat_state)
     var_template = tuple((p, v.replace(_abstract(v.get_raw_value()))) for p, v in var_state)
-    num_shards = int(np.prod([mesh.shape[a] for a in with_context(strategy.shard_axes, mesh)]))
-    opt_shards = int(np.prod([mesh.shape[a] for a in with_context(strategy.opt_axes, mesh)]))
+    axes = MeshAxes.of(mesh)  # the mesh's degrees, validated once
+    num_shards = axes.size(axes.with_context(strategy.shard_axes))
+    opt_shards = axes.size(axes.with_context(strategy.opt_axes))
     selected = frozenset(p for p, _ in nnx.to_flat_state(nnx.state(abstract_model, trainable)))
     # Integer and boolean parameters (index tables, masks) have no gradient: always frozen.
     inexact = {p for p, v in template if jnp.issubdtype(v.get_value().dtype, jnp.inexact)}
@@ -388,9 +404,9 @@ def make_plan(
         raise ValueError(f"trainable= selects {path_str(path)!r}, which is not an nnx.Param; the filter must select parameters")
     if not train_paths:
         raise ValueError("trainable= selects no parameter: nothing would train; check the filter (default nnx.Param)")
-    tp = (tensor_parallel, logical_rules or {}, tensor_size(mesh))
+    tp = (tensor_parallel, logical_rules or {}, axes.tensor)
     mp = mixed_precision or FULL_PRECISION
-    world = int(np.prod([mesh.shape[a] for a in data_axes(mesh)]))
+    world = axes.world
     units = _plan_units(abstract_model, template, strategy, num_shards, opt_shards, unit, train_paths, tp, mesh, mp, world)
     plan = Plan(mesh, strategy, tx, graphdef, template, units, mp=mp, var_template=var_template)
     check_plan(plan)  # a quantized format that applies to nothing, refused before compiling

@@ -21,8 +21,9 @@ backend widens it (XLA:CPU widens fp8 collectives to f16 and int4 to s8 otherwis
 
 This module owns the formats (:class:`Quant`), quantize / dequantize, the three quantized
 collectives (:func:`all_gather`, :func:`reduce_scatter`, :func:`all_reduce`), which parameter each
-format applies to, the padding it needs, and the bytes it moves. docs/quantized.md has the
-formulas and the errors measured.
+format applies to (:func:`quantizes`, read by the planner into each parameter's wire record,
+zshard/wire.py), the padding it needs, and the bytes it moves. It imports no other zshard module
+at load time. docs/quantized.md has the formulas and the errors measured.
 """
 
 from __future__ import annotations
@@ -34,14 +35,12 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import traverse_util
 
 __all__ = [
     "FORMATS",
     "Quant",
     "all_gather",
     "all_reduce",
-    "all_reduce_replicas",
     "as_quant",
     "check_plan",
     "coverage",
@@ -54,8 +53,6 @@ __all__ = [
     "quantizes",
     "reduce_scatter",
     "reduce_scatter_feedback",
-    "replica_reduction",
-    "replica_slices",
     "wire_bytes",
 ]
 
@@ -270,68 +267,6 @@ def all_reduce(x: jax.Array, axes: tuple[str, ...], fmt: Quant) -> jax.Array:
     return all_gather(part, axes, fmt, jnp.float32, invariant=True)  # [..., n/N] --all_gather(axes)--> [..., n]
 
 
-def replica_reduction(recs, shards, comm, plain, *, scatter: bool = False) -> list:
-    """The replica reduction of gradient shards ``[..., n_pad/N]`` (inside ``shard_map``):
-    ``plain(shards)`` on those ``comm.mp.replica_format`` does not quantize, all at once (exactly
-    the path without formats); on each one it does, :func:`all_reduce` over ``comm.replica_axes``
-    (``scatter``: :func:`reduce_scatter` to ``[..., n_pad/(R*N)]``, HYBRID_SHARD_OPT's sinks).
-    The buffer splits over all data devices (``shard_axes + replica_axes``); ``comm``: a
-    :class:`~zshard.collectives.UnitComm` or a :class:`~zshard.Plan` (both carry ``mp`` and the axes)."""
-    fmt = comm.mp.replica_format
-    world = jax.lax.axis_size(comm.shard_axes + comm.replica_axes)
-    fmts = [fmt if quantizes(fmt, r, world) else None for r in recs]
-    rest = [i for i, f in enumerate(fmts) if f is None]
-    out = list(shards)
-    for i, g in zip(rest, plain([shards[i] for i in rest]) if rest else ()):
-        out[i] = g
-    for i, f in enumerate(fmts):
-        if f is not None and scatter:  # [..., n_pad/S] --quantize, all_to_all(replica), dequantize, sum--> [..., n_pad/(R S)]
-            out[i] = reduce_scatter(shards[i], comm.replica_axes, f)
-        elif f is not None:  # [..., n_pad/N] --all_to_all + all_gather(replica), quantized--> [..., n_pad/N]
-            out[i] = all_reduce(shards[i], comm.replica_axes, f).astype(shards[i].dtype)
-    return out
-
-
-def replica_slices(slots_shards: Sequence[jax.Array], axes: tuple[str, ...], parts: int) -> list[jax.Array]:
-    """HYBRID_SHARD_OPT: gradient shards summed over ``shard`` -> this device's optimizer
-    slices, summed over ``axes`` too (one reduce-scatter for all of them).
-
-    Args:
-      slots_shards: per parameter ``[..., n_pad/S]`` (``n_pad`` a multiple of ``S*parts``),
-        in the reduce dtype, varying over ``axes`` (each replica's own sum).
-      axes / parts: the replica axes and ``R``, the devices along them.
-
-    Returns:
-      Per parameter ``[..., n_pad/(R*S)]``: row ``r`` (this device's index along ``axes``)
-      of ``[..., R, n_pad/(R*S)]``, summed over ``axes`` (``opt_axes = (shard, replica)``,
-      docs/memory.md).
-    """
-    from zshard.collectives import vary  # noqa: PLC0415  (collectives imports this module)
-
-    # each [..., n_pad/S] -> [..., R, n_pad/(R S)]; side by side: [..., R, L/(R S)]
-    rows = [vary(g.reshape(g.shape[:-1] + (parts, g.shape[-1] // parts)), axes) for g in slots_shards]
-    both = rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=-1)
-    # [..., R, L/(R S)] --reduce_scatter(replica)--> [..., L/(R S)]
-    mine = jax.lax.psum_scatter(both, axes, scatter_dimension=both.ndim - 2, tiled=False)
-    out, at = [], 0
-    for r in rows:  # [..., L/(R S)] -> ([..., n_pad_p/(R S)], ...)
-        out.append(mine[..., at : at + r.shape[-1]])
-        at += r.shape[-1]
-    return out
-
-
-def all_reduce_replicas(plan, grads: dict) -> dict:
-    """Gradient accumulation (``ReplicaReduce.PER_STEP``): the accumulated shards, a nested dict
-    like the trainable parameters, summed over ``plan.replica_axes`` once per step
-    (:func:`replica_reduction`; without ``replica_format`` one ``psum`` of the whole tree)."""
-    if plan.mp.replica_format is None:
-        return jax.lax.psum(grads, plan.replica_axes)  # [n_pad/N] --all_reduce(replica)--> [n_pad/N]
-    flat = traverse_util.flatten_dict(grads)
-    psum = lambda gs: list(jax.lax.psum(tuple(gs), plan.replica_axes))  # noqa: E731
-    out = replica_reduction([plan.layouts[p] for p in flat], list(flat.values()), plan, psum)
-    return traverse_util.unflatten_dict(dict(zip(flat, out)))
-
-
 # --- which parameters, what padding, what bytes ------------------------------------------------------
 
 
@@ -376,13 +311,12 @@ def moved_bytes(plan, role: str, rec) -> float:
     """Bytes one layer (one tensor piece) of ``rec`` puts on the wire in ``role``: ``"gather"``
     (``param_dtype`` or ``gather_format``), ``"reduce"`` (``reduce_dtype`` or ``reduce_format``),
     ``"replica"`` (``reduce_dtype`` or ``replica_format``), ``"master"`` (its own dtype)."""
-    mp, n = plan.mp, rec.piece_size
+    n = rec.piece_size
     if role == "master":
         return n * rec.dtype.itemsize
-    fmt, parts = {"gather": (mp.gather_format, plan.num_shards), "reduce": (mp.reduce_format, plan.num_shards),
-                  "replica": (mp.replica_format, plan.world)}[role]
-    dtype = mp.gather_dtype(rec.dtype) if role == "gather" else mp.grad_dtype(rec.dtype)
-    return wire_bytes(fmt if quantizes(fmt, rec, parts) else None, n, dtype)
+    w = plan.wires[rec.path]  # the parameter's wire record (zshard/wire.py)
+    fmt = {"gather": w.gather_format, "reduce": w.reduce_format, "replica": w.replica_format}[role]
+    return wire_bytes(fmt, n, w.gather_dtype if role == "gather" else w.reduce_dtype)
 
 
 def coverage(plan) -> dict:
@@ -392,10 +326,11 @@ def coverage(plan) -> dict:
     from zshard.units import path_str  # noqa: PLC0415  (units imports nothing of this module; keeps quant leaf-light)
 
     out = {}
-    for role, fmt, parts in roles(plan.mp, plan.num_shards, plan.world):
+    for role, fmt, _ in roles(plan.mp, plan.num_shards, plan.world):
         recs = [r for r in plan.layouts.values() if role == "gather" or r.trainable]
-        yes = [path_str(r.path) for r in recs if quantizes(fmt, r, parts)]
-        no = [path_str(r.path) for r in recs if not quantizes(fmt, r, parts)]
+        on = [getattr(plan.wires[r.path], f"{role}_format") is not None for r in recs]  # each parameter's wire
+        yes = [path_str(r.path) for r, q in zip(recs, on) if q]
+        no = [path_str(r.path) for r, q in zip(recs, on) if not q]
         out[role] = {"format": fmt.label, "quantized": yes, "fallback": no}
     return out
 
@@ -411,10 +346,10 @@ def feedback_layout(plan) -> dict:
     """
     if not plan.mp.error_feedback:
         return {}
-    fmt, world, axes = plan.mp.reduce_format, plan.world, plan.data_axes
+    world, axes = plan.world, plan.data_axes
     out = {}
     for p, rec in plan.layouts.items():
-        if rec.trainable and quantizes(fmt, rec, plan.num_shards):
+        if plan.wires[p].residual:  # trainable and quantized by reduce_format (its wire record)
             out[p] = (rec.lead + (world * rec.padded,), jax.sharding.PartitionSpec(*([None] * len(rec.lead)), axes))
     return out
 
@@ -443,7 +378,7 @@ def check_plan(plan) -> None:
             "HYBRID_SHARD or FULL_SHARD, or error_feedback=False"
         )
     if mp.error_feedback:
-        split = [r for r in plan.layouts.values() if r.split and r.trainable and quantizes(mp.reduce_format, r, plan.num_shards)]
+        split = [r for r in plan.layouts.values() if r.split and plan.wires[r.path].residual]
         if split:
             raise ValueError(
                 f"MixedPrecision(reduce_format=Quant({mp.reduce_format.name!r}, error_feedback=True)): parameter "
@@ -465,7 +400,7 @@ def check_plan(plan) -> None:
         )
     for role, fmt, parts in roles(mp, plan.num_shards, plan.world):
         recs = [r for r in plan.layouts.values() if role == "gather" or r.trainable]
-        if recs and not any(quantizes(fmt, r, parts) for r in recs):
+        if recs and not any(getattr(plan.wires[r.path], f"{role}_format") is not None for r in recs):
             big = max(recs, key=lambda r: r.piece_size)
             field = {"gather": "gather_format", "reduce": "reduce_format", "replica": "replica_format"}[role]
             raise ValueError(

@@ -8,7 +8,8 @@ Per device (docs/design.md section 5):
    before it runs and drops it afterwards (:func:`zshard.collectives.run_unit`);
 3. backward: each unit gathers again, recomputes, and reduce-scatters its gradient
    (+ all-reduce of the shard over ``replica`` for HYBRID_SHARD; + reduce-scatter of it over
-   ``replica`` into the parameter's gradient sink for HYBRID_SHARD_OPT); the loss is scaled by
+   ``replica`` into the parameter's optimizer slice for HYBRID_SHARD_OPT: the gradient exit,
+   zshard/grad_exit.py); the loss is scaled by
    ``1 / world`` so the summed gradient is that of the global mean loss;
 4. Optax updates the local shards; the loss and the gradient norm are ``psum``-ed.
 
@@ -30,14 +31,14 @@ from flax import nnx, traverse_util
 from jax.sharding import PartitionSpec as P
 
 from zshard.checks import check_traced, traced
-from zshard.feedback import feedback_sinks, new_feedback
-from zshard.collectives import vary
+from zshard.axes import vary
+from zshard.feedback import feedback_exits, new_feedback
+from zshard.grad_exit import all_reduce_replicas
 from zshard.intercept import materialize, read_variables
 from zshard.jaxprs import LOSS_SCOPE
 from zshard.mesh import sharded_map
 from zshard.offload import check_placement, compute_params, traced_naming_host_leaf, update_offloaded
 from zshard.optim import apply_optimizer, global_norm
-from zshard.quant import all_reduce_replicas
 from zshard.sequence import SequenceSplit, tracing, warn_positions
 from zshard.state import Plan, ShardedState
 from zshard.step_config import StepConfig, batch_specs, default_prefetch, put_batch, sequence_split, trace_key
@@ -135,17 +136,17 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
     """Gradient accumulation over ``k`` micro-batches (``lax.scan``), on the shards.
 
     ``params``: what ``objective`` differentiates: the trainable shards, or HYBRID_SHARD_OPT's
-    gradient sinks. The accumulator is an fp32 copy of their gradients, never a full
+    optimizer slices (the gradient exit values). The accumulator is an fp32 copy of their gradients, never a full
     gradient; every micro-batch reduce-scatters over the shard axes, and with
     ``ReplicaReduce.PER_STEP`` (HYBRID_SHARD, HYBRID_SHARD_ZERO2, NO_SHARD, SHARD_OPT) the
     replica axes are all-reduced once per step, on the accumulated shard (FSDP2's
-    ``set_requires_all_reduce(False)``). ``TO_SINKS`` (HYBRID_SHARD_OPT) reduce-scatters over
+    ``set_requires_all_reduce(False)``). ``TO_SLICES`` (HYBRID_SHARD_OPT) reduce-scatters over
     replica too in every micro-batch's backward, so the accumulator is ``[n_pad/(R*S)]``
     (docs/memory.md, "Gradient accumulation"). Non-parameter
     variables (BatchNorm statistics, RNG counts) are carried from one micro-batch to the next.
     ``dtypes``: a tree like ``params`` whose leaves' dtypes the gradients are returned in
     (default ``params``; the masters' with ``offload="optimizer+master"``, whose ``params`` are
-    the ``param_dtype`` copies). ``feedback``: error feedback's residual sinks, carried from one
+    the ``param_dtype`` copies). ``feedback``: error feedback's residuals (exit values), carried from one
     micro-batch to the next (zshard/feedback.py); ``objective`` then takes ``(params, feedback)``.
     Returns ``((loss total, count total), aux summed, variables, grads, feedback after the last)``.
     """
@@ -159,7 +160,7 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
         acc, totals, aux_sum, variables, fb = carry
         wrt = params if feedback is None else (params, fb)
         (_, (step_totals, aux, variables)), grads = jax.value_and_grad(objective, has_aux=True)(wrt, variables, mb)
-        grads, fb = (grads, fb) if feedback is None else grads  # error feedback: the sinks' cotangents, the new residuals
+        grads, fb = (grads, fb) if feedback is None else grads  # error feedback: the exit values' cotangents, the new residuals
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
         aux_sum = jax.tree.map(lambda a, x: a + jnp.asarray(x).astype(a.dtype), aux_sum, aux)
         return (acc, jax.tree.map(jnp.add, totals, step_totals), aux_sum, variables, fb), None
@@ -177,7 +178,7 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
     match reduce:
         case ReplicaReduce.PER_STEP:  # [n_pad/N] --all_reduce(replica)--> [n_pad/N], once per step
             acc = all_reduce_replicas(plan, acc)  # one psum (replica_format: quantized per parameter)
-        case ReplicaReduce.TO_SINKS | ReplicaReduce.NONE:  # summed over replica already, or no replica axes
+        case ReplicaReduce.TO_SLICES | ReplicaReduce.NONE:  # summed over replica already, or no replica axes
             pass
         case _:
             raise ValueError(f"zshard: gradient accumulation under replica reduction {reduce!r}")
@@ -186,8 +187,8 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
     return totals, aux, variables, jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params if dtypes is None else dtypes), feedback
 
 
-def gradient_sinks(plan: Plan, train: dict) -> dict:
-    """HYBRID_SHARD_OPT: a zero per trainable parameter shaped like its optimizer slice,
+def optimizer_slices(plan: Plan, train: dict) -> dict:
+    """HYBRID_SHARD_OPT's gradient exit values: a zero per trainable parameter shaped like its optimizer slice,
     ``[..., n_pad/S] -> [..., n_pad/(R*S)]`` in the parameter dtype, varying over every mesh
     axis (each device owns its own slice). Their values are never read; the step
     differentiates w.r.t. them and gets the gradient as the units' backward reduce-scattered it
@@ -216,11 +217,11 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
     compute = compute_params(plan, state, train)  # what the units gather: train, or the masters' device copies
     variables = traverse_util.flatten_dict(state.variables) if state.variables else {}
 
-    def objective(params, variables, batch, sinks=None):
-        """What this device differentiates (trainable shards, or their gradient sinks), with
+    def objective(params, variables, batch, exits=None):
+        """What this device differentiates (trainable shards, or their gradient exit values), with
         ``((loss, count), aux, variables)``."""
         shards = traverse_util.flatten_dict(plan.merge_params(params, frozen))
-        model = materialize(plan, shards, variables, comm, prefetch, None if sinks is None else traverse_util.flatten_dict(sinks))
+        model = materialize(plan, shards, variables, comm, prefetch, None if exits is None else traverse_util.flatten_dict(exits))
         with jax.named_scope(LOSS_SCOPE):  # where zshard.checks judges uses of raw shards
             out = config.fn(model, batch)
         loss, aux = _read_loss(out, config.has_aux)
@@ -235,26 +236,27 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
         # sum these into the gradient of the global mean.
         return loss / (world * k), ((loss, jnp.ones((), jnp.float32)), aux, new_variables)
 
-    if comm.sinks:
-        # HYBRID_SHARD_OPT: differentiate w.r.t. gradient sinks [n_pad/(R S)]; every unit's
+    ex = comm.exit  # how the gradients leave the units ([Note: gradient exit], zshard/grad_exit.py)
+    if ex.to_slices:
+        # HYBRID_SHARD_OPT: differentiate w.r.t. the optimizer slices [n_pad/(R S)]; every unit's
         # backward reduce-scatters its gradient over shard and then replica into them, so no
-        # [n_pad/S] gradient outlives its unit (docs/memory.md, "Gradient sinks").
-        wrt, sinks = gradient_sinks(plan, train), None
+        # [n_pad/S] gradient outlives its unit (docs/memory.md).
+        wrt, residuals = optimizer_slices(plan, train), None
 
-        def differentiated(sinks, variables, batch):
-            return objective(compute, variables, batch, sinks)
-    elif plan.mp.error_feedback:  # the residuals enter as sinks, their cotangents are the new ones (zshard/feedback.py)
-        wrt, sinks = compute, feedback_sinks(plan, train, state.feedback)
+        def differentiated(slices, variables, batch):
+            return objective(compute, variables, batch, slices)
+    elif ex.residuals:  # the residuals enter as exit values, their cotangents are the new ones (zshard/feedback.py)
+        wrt, residuals = compute, feedback_exits(plan, train, state.feedback)
         differentiated = lambda w, v, b: objective(w[0], v, b, w[1])  # noqa: E731
     else:
-        wrt, differentiated, sinks = compute, objective, None
+        wrt, differentiated, residuals = compute, objective, None
     if k == 1:
-        (_, (totals, aux, new_variables)), grads = jax.value_and_grad(differentiated, has_aux=True)(wrt if sinks is None else (wrt, sinks), variables, batch)
-        grads, sinks = (grads, None) if sinks is None else grads
+        (_, (totals, aux, new_variables)), grads = jax.value_and_grad(differentiated, has_aux=True)(wrt if residuals is None else (wrt, residuals), variables, batch)
+        grads, residuals = (grads, None) if residuals is None else grads
     else:
         dtypes = train if compute is not train else None  # offload="optimizer+master": gradients in the masters' dtype
-        totals, aux, new_variables, grads, sinks = _accumulate(plan, differentiated, wrt, variables, batch, k, comm.replica_reduce, dtypes, sinks)
-    feedback = state.feedback if sinks is None else new_feedback(state.feedback, sinks)
+        totals, aux, new_variables, grads, residuals = _accumulate(plan, differentiated, wrt, variables, batch, k, ex.reduce, dtypes, residuals)
+    feedback = state.feedback if residuals is None else new_feedback(state.feedback, residuals)
     loss_total, count = (jax.lax.psum(t, plan.data_axes) for t in totals)
     if token_weighted:  # global token mean across devices and micro-batches
         loss = loss_total / count

@@ -19,12 +19,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.collectives import UnitComm
 from zshard.hpz import check_hpz
-from zshard.mesh import AXES, CONTEXT, context_size, data_axes
+from zshard.axes import AXES, CONTEXT
 from zshard.sequence import SequenceSplit, head_tail_order
 from zshard.strategy import ReplicaReduce
 from zshard.unit_call import remat_policy
+from zshard.wire import UnitComm
 
 __all__ = ["SequenceAxes", "StepConfig", "batch_specs", "default_prefetch", "put_batch", "sequence_axes", "sequence_split",
            "trace_key"]
@@ -177,7 +177,7 @@ def sequence_axes(plan, batch, sequence_axis) -> list:
     axes = SequenceAxes.of(sequence_axis)
     per = [None] * len(leaves) if axes is None else axes.per_leaf(batch)
     out, lengths = [], {}
-    C = context_size(plan.mesh)
+    C = plan.axes.context
     for (path, x), axis in zip(leaves, per):
         name, shape = f"batch{jax.tree_util.keystr(path)}", np.shape(x)
         if axis is not None:
@@ -208,13 +208,13 @@ def sequence_split(plan, batch, sequence_axis) -> SequenceSplit | None:
     """The :class:`~zshard.sequence.SequenceSplit` of a step on ``batch`` (global shapes), or
     ``None`` when no leaf has a sequence axis."""
     lengths = [np.shape(x)[a] for _, x, a in sequence_axes(plan, batch, sequence_axis) if a is not None]
-    return SequenceSplit(context_size(plan.mesh), lengths[0]) if lengths else None
+    return SequenceSplit(plan.axes.context, lengths[0]) if lengths else None
 
 
 def _leaf_spec(plan, ndim: int, axis, split: bool) -> P:
     if not split:  # no sequence axis in this step: rows over every data axis
-        return P(data_axes(plan.mesh))
-    if axis is None or CONTEXT not in plan.mesh.axis_names:
+        return P(plan.data_axes)
+    if axis is None or not plan.axes.context_enabled:
         return P(AXES)  # rows over (replica, shard); the same on every context device
     return P(AXES, *([None] * (axis - 1)), CONTEXT)  # [B, ..., L, ...]: rows over (replica, shard), L over context
 
@@ -277,7 +277,7 @@ def put_batch(plan, batch, grad_accum: int = 1, sequence_axis=None):
             )
     placed = sequence_axes(plan, batch, sequence_axis)
     split = any(a is not None for _, _, a in placed)
-    rows = int(np.prod([plan.mesh.shape[a] for a in AXES])) if split else plan.world
+    rows = plan.axes.rows if split else plan.world
     world = rows * grad_accum  # the rows split into devices x micro-batches
     sizes = {f"batch{jax.tree_util.keystr(p)}": shape_of(x)[0] if np.shape(x) else None for p, x in leaves}
     if len(set(sizes.values())) > 1:
@@ -295,7 +295,7 @@ def put_batch(plan, batch, grad_accum: int = 1, sequence_axis=None):
                 f"must divide by the {rows} devices{over} of the mesh {dict(plan.mesh.shape)}{micro}; "
                 f"use a global batch that is a multiple of {world}"
             )
-    C = context_size(plan.mesh)
+    C = plan.axes.context
 
     def place(x, axis):
         sharding = NamedSharding(plan.mesh, _leaf_spec(plan, np.ndim(x), axis, split))

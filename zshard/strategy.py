@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from zshard.mesh import CONTEXT, REPLICA, SHARD
+from zshard.axes import REPLICA, SHARD, MeshAxes
 
 __all__ = ["ReplicaReduce", "Strategy", "with_context"]
 
@@ -17,10 +17,7 @@ def with_context(axes: tuple[str, ...], mesh) -> tuple[str, ...]:
     """``axes`` on ``mesh``: ``context`` inserted right after ``shard`` where the mesh has a
     ``context`` axis (context devices are data-parallel for the parameters: FSDP over ``shard x
     context``, torchtitan's ``dp_shard_cp``); unchanged otherwise (docs/long-sequences.md)."""
-    if CONTEXT not in mesh.axis_names or SHARD not in axes:
-        return tuple(axes)
-    at = axes.index(SHARD) + 1
-    return tuple(axes[:at]) + (CONTEXT,) + tuple(axes[at:])
+    return MeshAxes.of(mesh).with_context(axes)
 
 
 class Strategy(enum.Enum):
@@ -133,7 +130,7 @@ class ReplicaReduce(enum.Enum):
     The one decision of a step about the cross-replica reduction (FSDP2's
     ``foreach_reduce(..., all_reduce_grads)``, levanter's ``ReductionType``), resolved once by
     :meth:`resolve` and carried by the units' communication record
-    (:class:`zshard.collectives.UnitComm`); every place that reduces a gradient matches on it.
+    (:class:`zshard.grad_exit.GradExit`); every place that reduces a gradient matches on it.
 
     - ``NONE``: nothing to sum over replicas (the parameters are split over every mesh axis:
       FULL_SHARD, SHARD_GRAD_OP), or nothing is differentiated (the eval step, a forward).
@@ -143,15 +140,17 @@ class ReplicaReduce(enum.Enum):
     - ``PER_STEP``: gradient accumulation (``grad_accum > 1``): the units reduce-scatter over
       the shard axes only and the accumulated shard is all-reduced over replicas once per step
       (FSDP2's ``set_requires_all_reduce(False)`` on all but the last micro-batch).
-    - ``TO_SINKS``: HYBRID_SHARD_OPT: each unit's backward reduce-scatters its gradient shard
-      over the replica axes into the optimizer's slices, the cotangents of the *gradient
-      sinks* (docs/memory.md), in every micro-batch.
+    - ``TO_SLICES``: HYBRID_SHARD_OPT: each unit's backward reduce-scatters its gradient shard
+      over the replica axes into the optimizer's slices, the cotangents of the slices' exit
+      values (zshard/grad_exit.py, docs/memory.md), in every micro-batch. ``TO_SINKS``: its
+      former name, an alias for one release.
     """
 
     NONE = "none"
     PER_UNIT = "per_unit"
     PER_STEP = "per_step"
-    TO_SINKS = "to_sinks"
+    TO_SLICES = "to_slices"
+    TO_SINKS = "to_slices"  # the former name (an alias of TO_SLICES), kept for one release
 
     @classmethod
     def resolve(cls, strategy: Strategy, grad_accum: int = 1, *, differentiated: bool = True) -> "ReplicaReduce":
@@ -160,5 +159,5 @@ class ReplicaReduce(enum.Enum):
         if not differentiated or not strategy.replica_axes:
             return cls.NONE
         if strategy.scatters_replica:
-            return cls.TO_SINKS
+            return cls.TO_SLICES
         return cls.PER_STEP if grad_accum > 1 else cls.PER_UNIT

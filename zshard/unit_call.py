@@ -11,8 +11,8 @@ time (FSDP's ``pre_forward`` / ``post_forward`` / ``pre_backward`` / ``post_back
   cotangent exists (or the token a later unit hands back, prefetching);
 - **splice** (:meth:`UnitCall.pullback`): rebuild the pullback with the weights put back
   where the forward's pullback held them ([Note: pullback splice], docs/design.md 8.3);
-- **reduce** (:meth:`UnitCall.reduce`): the parameter gradients through
-  :func:`zshard.collectives.reduce_flats` (reduce-scatter, then the step's replica decision).
+- **reduce** (:meth:`UnitCall.reduce`): the parameter gradients through the gradient exit,
+  :func:`zshard.grad_exit.reduce_flats` (reduce-scatter, then the step's replica decision).
 
 The gathered weights are never residuals under reshard-after-forward (ZeRO-3 / FSDP
 ``reshard_after_forward=True``); with ZeRO++ hpZ (``comm.hpz``, zshard/hpz.py) the forward keeps
@@ -28,17 +28,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from zshard.collectives import (
-    UnitComm,
-    after,
-    after_tree,
-    gather_flats,
-    reduce_flats,
-    schedule_token,
-    sink_dtypes_of,
-    vary,
-    varying_axes,
-)
+from zshard.axes import vary, varying_axes
+from zshard.collectives import after, after_tree, gather_flats, schedule_token
+from zshard.grad_exit import exit_dtypes_of, reduce_flats
+from zshard.wire import UnitComm
 from zshard.flat import FlatParameter
 from zshard.hpz import gather_keeping_secondary, regather_secondary
 from zshard.jaxprs import unit_scope
@@ -114,7 +107,7 @@ class Residuals(NamedTuple):
       saved: the activations the remat policy saved (``remat != "block"``): the pullback's
         leaves that are not gathered weights, in order; ``[]`` for ``remat="block"``.
       feedback: error feedback: per FlatParameter, the residuals ``f32[n_pad]`` the call was
-        given as its sinks (zshard/feedback.py), else ``None``.
+        given as its gradient exit values (zshard/feedback.py), else ``None``.
       secondary: hpZ (``comm.hpz``, zshard/hpz.py): per parameter (slot order), this device's
         ``[n_pad/S]`` (split over tensor: ``[T, n_pad/S]``) of the gathered weights in the gather
         dtype, split over ``shard`` only (``M/S`` bytes per unit of ``M``);
@@ -157,7 +150,7 @@ class UnitCall:
       name: the unit's name (``zshard.unit.<name>.forward`` / ``.backward`` scopes).
       after: an earlier call's link the forward gather waits on (prefetch), or ``None``.
       link: this call's own link (``link.token`` set by the call).
-      sink_dtypes: per flat, the gradient sinks' dtypes (``TO_SINKS``), else ``None``.
+      exit_dtypes: per flat, the optimizer slices' dtypes (gradient exit ``TO_SLICES``), else ``None``.
       after_vma: the mesh axes ``after.token`` varies over (its cotangent gets the same type).
       layout: the pullback splice record.
     """
@@ -168,7 +161,7 @@ class UnitCall:
     name: str
     after: PrefetchLink | None
     link: PrefetchLink
-    sink_dtypes: Any = None
+    exit_dtypes: Any = None
     after_vma: frozenset = frozenset()
     layout: PullbackLayout = dataclasses.field(default_factory=PullbackLayout)
 
@@ -229,8 +222,8 @@ class UnitCall:
 
     # -- reduce --------------------------------------------------------------------------------
     def reduce(self, res: Residuals, d_params):
-        """Parameter gradients -> ``(cotangents of the shards, cotangents of the sinks)``."""
-        return reduce_flats(self.flats, res.shards, d_params, self.comm, self.sink_dtypes, res.feedback)
+        """Parameter gradients -> ``(cotangents of the shards, cotangents of the exit values)``."""
+        return reduce_flats(self.flats, res.shards, d_params, self.comm, self.exit_dtypes, res.feedback)
 
     def backward(self, res: Residuals, cts):
         g, g_token = cts
@@ -243,8 +236,8 @@ class UnitCall:
         d_inputs = jax.tree.map(_cotangent_like, d_inputs, res.inputs)
         # the earlier unit's re-gather may start now
         d_after = () if self.after is None else _like(schedule_token(g), self.after_vma)
-        d_bufs, d_sinks = self.reduce(res, d_params)
-        return d_bufs, d_sinks, d_inputs, d_after
+        d_bufs, d_exits = self.reduce(res, d_params)
+        return d_bufs, d_exits, d_inputs, d_after
 
 
 def run_unit(
@@ -257,7 +250,7 @@ def run_unit(
     after: PrefetchLink | None = None,
     link: PrefetchLink | None = None,
     name: str = "unit",
-    sinks=None,
+    exits=None,
 ):
     """Run ``apply(params, inputs)`` with the unit's parameters gathered just in time.
 
@@ -277,11 +270,12 @@ def run_unit(
         computes. ``None``: no prefetch.
       link: this call's own link, filled in here (``link.token``); a later call may take it.
       name: the unit's name, for ``jax.named_scope`` (``zshard.unit.<name>.forward`` / ``.backward``).
-      sinks: exactly when ``comm.sinks`` (HYBRID_SHARD_OPT, docs/memory.md "Gradient sinks"):
+      exits: the gradient exit values ([Note: gradient exit], zshard/grad_exit.py). Where the
+        gradients land in optimizer slices (``comm.exit.to_slices``, HYBRID_SHARD_OPT, docs/memory.md):
         per flat, a tuple of per-parameter arrays ``[n_pad/(R*S)]`` of the parameter dtype
         whose values are never read (``()`` for a frozen flat). The caller differentiates
         with respect to them; backward returns the gradient reduce-scattered over ``shard``
-        and ``replica`` as their cotangent. With error feedback (``comm.mp.error_feedback``): per
+        and ``replica`` as their cotangent. With error feedback (``comm.exit.residuals``): per
         flat the residuals ``f32[n_pad]`` (``f32[0]`` where not quantized); backward adds them
         before quantizing and returns the new residuals as their cotangent.
 
@@ -289,30 +283,31 @@ def run_unit(
       ``apply``'s outputs. Residuals: :class:`Residuals`.
 
     Raises:
-      ValueError: ``sinks`` given without ``comm.sinks`` or missing with it.
+      ValueError: ``exits`` given where the gradient exit takes none, or missing where it lands in slices.
     """
     flats = tuple(flats)
-    comm.check_sinks(sinks, any(f.trainable for f in flats), f"run_unit ({name})")
-    ef = comm.mp.error_feedback  # the sinks are the residuals, read by backward (zshard/feedback.py)
+    ex = comm.exit
+    ex.check(exits, any(f.trainable for f in flats), f"run_unit ({name})")
+    ef = ex.residuals  # the exit values are the residuals, read by backward (zshard/feedback.py)
     call = UnitCall(
-        apply, flats, comm, name, after, link if link is not None else PrefetchLink(), None if ef else sink_dtypes_of(sinks),
+        apply, flats, comm, name, after, link if link is not None else PrefetchLink(), None if ef else exit_dtypes_of(exits),
         frozenset() if after is None else varying_axes(after.token),
     )
 
     @jax.custom_vjp
-    def _unit(bufs, sinks, inputs, after_token):
+    def _unit(bufs, exits, inputs, after_token):
         return apply(gather_flats(flats, bufs, comm), inputs), schedule_token(inputs)
 
-    def fwd(bufs, sinks, inputs, after_token):  # the sinks' values are read only as residuals (error feedback)
+    def fwd(bufs, exits, inputs, after_token):  # the exit values are read only as residuals (error feedback)
         with jax.named_scope(unit_scope(name, "forward")):
-            return call.forward(bufs, inputs, after_token, sinks if ef else None)
+            return call.forward(bufs, inputs, after_token, exits if ef else None)
 
     def bwd(res, cts):
         with jax.named_scope(unit_scope(name, "backward")), in_backward():
             return call.backward(res, cts)
 
     _unit.defvjp(fwd, bwd)
-    out, call.link.token = _unit(tuple(bufs), None if sinks is None else tuple(sinks), inputs, () if after is None else after.token)
+    out, call.link.token = _unit(tuple(bufs), None if exits is None else tuple(exits), inputs, () if after is None else after.token)
     return out
 
 
