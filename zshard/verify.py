@@ -79,7 +79,14 @@ NO_SIGNAL = 1e-5
 (RMS) at most this times the whole gradient's RMS, has no gradient signal: its true gradient is
 zero (an attention key bias: softmax ignores a constant added to every score), so Adam-like
 optimizers turn rounding noise into updates of the learning rate's size, different on any other
-summation order. Its final value is not compared (its initial value is)."""
+summation order. Its final value is judged against its own scale, not the tolerance (its initial
+value must be within the tolerance): :meth:`VerifyResult.no_signal_limit`."""
+
+PROBE_LR = 1e6
+"""The rate of the one ``optax.sgd`` step zshard takes from the initial parameters when some
+parameter has no gradient signal: ``(initial - after) / PROBE_LR`` is zshard's gradient (a large
+rate keeps its float32 rounding below ``NO_SIGNAL`` of a real gradient where the parameter is
+not near zero). A parameter whose true gradient is zero must get none from zshard either."""
 
 FLOOR_FACTOR = 4.0
 """How far above the measured rounding floor a difference may be. The floor is the difference
@@ -105,12 +112,17 @@ class VerifyResult:
       param_diffs: ``{path: relative L2 difference}`` after the last step.
       initial_diffs: ``{path: relative L2 difference}`` before the first step.
       no_signal: parameters whose reference gradient is at rounding level at every step
-        (:data:`NO_SIGNAL`); their final difference is shown, not judged.
+        (:data:`NO_SIGNAL`); each is judged by :meth:`no_signal_limit`, not the tolerance.
       floor_losses: ``|twin - reference| / |reference|`` per step, the rounding twin's loss
         (:data:`FLOOR_FACTOR`).
       floor_params: ``{path: relative L2 difference}`` of the twin's final parameters.
       rng_state: paths of the model's ``nnx.RngState`` variables (``nnx.Rngs`` keys and counts,
         e.g. a ``Dropout``'s), named among the causes of a failure.
+      moved: ``{path: ||final - initial|| / ||final||}`` of the reference: how far its own steps
+        moved each parameter (relative L2), the scale of a no-signal parameter's limit.
+      probe_signal: ``{path: per-element RMS / the whole gradient's RMS}`` of zshard's own
+        gradient at the initial parameters, for each no-signal parameter (:data:`PROBE_LR`);
+        more than ``FLOOR_FACTOR * NO_SIGNAL`` fails: zshard gives it a gradient the reference does not.
     """
 
     strategy: str
@@ -125,6 +137,8 @@ class VerifyResult:
     floor_losses: list[float] = dataclasses.field(default_factory=list)
     floor_params: dict[str, float] = dataclasses.field(default_factory=dict)
     rng_state: tuple[str, ...] = ()
+    moved: dict[str, float] = dataclasses.field(default_factory=dict)
+    probe_signal: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def max_loss_diff(self) -> float:
@@ -135,6 +149,28 @@ class VerifyResult:
         """``(path, difference)`` of the judged parameter furthest from the reference after the
         last step (``("", 0.0)`` when none is judged)."""
         return _worst({p: d for p, d in self.param_diffs.items() if p not in self.no_signal})
+
+    def no_signal_limit(self, path: str) -> float:
+        """The largest final difference (relative L2) that passes for a parameter without gradient
+        signal: ``FLOOR_FACTOR * max(twin's difference there, the reference's own movement)``.
+
+        Its true gradient is zero, so a correct run moves it by rounding noise only, which Adam
+        turns into steps of up to ``lr`` per element: neither run can end further from the other
+        than both moved, and the twin measures how far rounding alone takes them apart. A wrong
+        update (a real gradient applied, a corrupted or scaled value) ends far outside both: the
+        tolerance of the other parameters would fail a correct run, and no limit at all (the
+        earlier "not judged") would pass any value. Without a twin or a recorded movement the
+        limit is the tolerance."""
+        scale = max(self.floor_params.get(path, 0.0), self.moved.get(path, 0.0))
+        return max(self.tolerance, FLOOR_FACTOR * scale)
+
+    @property
+    def worst_no_signal(self) -> tuple[str, float]:
+        """``(path, difference / its limit)`` of the no-signal parameter furthest beyond its
+        :meth:`no_signal_limit` (``("", 0.0)`` when there is none); passes at most 1."""
+        ratios = {p: self.param_diffs[p] / self.no_signal_limit(p) for p in self.no_signal if p in self.param_diffs}
+        ratios.update({p: max(ratios.get(p, 0.0), r / (FLOOR_FACTOR * NO_SIGNAL)) for p, r in self.probe_signal.items()})
+        return _worst(ratios)
 
     @property
     def worst_initial(self) -> tuple[str, float]:
@@ -165,7 +201,7 @@ class VerifyResult:
     @property
     def passed(self) -> bool:
         return (self.max_loss_diff <= self.loss_limit and self.worst_param[1] <= self.param_limit
-                and self.worst_initial[1] <= self.tolerance)
+                and self.worst_initial[1] <= self.tolerance and self.worst_no_signal[1] <= 1.0)
 
     def causes(self) -> list[str]:
         """The likely causes of a failure, from what differs (empty when it passed)."""
@@ -190,6 +226,17 @@ class VerifyResult:
             out.append(f"the losses agree at step 1 and differ from step {later[0]} ({self.loss_diffs[later[0] - 1]:.1e}): "
                        "the gradients or updates differ (randomness drawn after the first step, a gradient that reads "
                        "whole-batch statistics, or an optimizer transform computed differently on the shards)")
+        npath, ratio = self.worst_no_signal
+        if not ratio <= 1.0 and self.probe_signal.get(npath, 0.0) > FLOOR_FACTOR * NO_SIGNAL:
+            out.append(f"parameter {npath} has no gradient signal in the reference (its true gradient is zero) but zshard's "
+                       f"gradient there is {self.probe_signal[npath]:.1e} of the whole gradient's RMS per element (limit "
+                       f"{FLOOR_FACTOR * NO_SIGNAL:.0e}): the sharded gradient differs (a loss term or statistic computed "
+                       "on each device's slice)")
+        elif not ratio <= 1.0:
+            out.append(f"parameter {npath} has no gradient signal in the reference (its true gradient is zero) but "
+                       f"ended {self.param_diffs[npath]:.1e} from it, {ratio:.1f}x its limit {self.no_signal_limit(npath):.1e} "
+                       f"({FLOOR_FACTOR:g} x the larger of the rounding twin's difference and the reference's own "
+                       "movement there): zshard gave it a gradient or update that the single-device run does not")
         path, diff = self.worst_param
         if not diff <= self.param_limit and not out:
             fpath, floor = self.param_floor
@@ -220,8 +267,14 @@ class VerifyResult:
             f"{ok(self.max_loss_diff, self.loss_limit)}",
             f"largest initial difference:   {idiff:.3e} ({ipath}, relative L2)  {ok(idiff, self.tolerance)}",
             f"largest parameter difference: {pd:.3e} ({path}, relative L2)  {ok(pd, self.param_limit)}",
-            *(["not judged (reference gradient at rounding level, true gradient zero): "
-               + ", ".join(f"{p} {self.param_diffs[p]:.1e}" for p in self.no_signal)] if self.no_signal else []),
+            *(["no gradient signal (reference gradient at rounding level, true gradient zero), judged against "
+               f"{FLOOR_FACTOR:g} x max(twin's difference, reference's movement): "
+               + ", ".join(f"{p} {self.param_diffs[p]:.1e} (limit {self.no_signal_limit(p):.1e}"
+                           + (f"; zshard's gradient {self.probe_signal[p]:.1e} of the RMS, limit "
+                              f"{FLOOR_FACTOR * NO_SIGNAL:.0e}" if p in self.probe_signal else "")
+                           + f") {ok(self.param_diffs[p], self.no_signal_limit(p)) if self.probe_signal.get(p, 0.0) <= FLOOR_FACTOR * NO_SIGNAL else 'MISMATCH'}"
+                           for p in self.no_signal)]
+              if self.no_signal else []),
             "PASS" if self.passed else f"FAIL: zshard's {self.strategy} training differs from the single-device "
             "reference by more than the limits; likely: " + "; ".join(self.causes()),
         ]
@@ -373,6 +426,17 @@ def verify(model_or_builder, tx: optax.GradientTransformation, loss_fn: Callable
     twin_losses = [float(ref_step(twin, twin_opt, ref_batch)[0]) for _ in range(steps)]
     twin_params = _flat_params(twin)
 
+    no_signal = tuple(sorted(p for p, r in signal.items() if r <= NO_SIGNAL))
+    probe_signal = {}
+    if no_signal:  # zshard's own gradient of those parameters (one SGD step, a second compile)
+        probe = zshard.init(_copy_module(model_or_builder) if built else model_or_builder, optax.sgd(PROBE_LR), mesh,
+                            strategy=strategy, mixed_precision=mp)
+        before = _flat_params(zshard.unshard(probe))
+        probe, _ = zshard.make_train_step(loss_fn)(probe, batch)
+        grads = {p: (before[p].astype(np.float64) - v) / PROBE_LR for p, v in _flat_params(zshard.unshard(probe)).items()}
+        total = np.sqrt(sum(np.sum(g ** 2) for g in grads.values()) / sum(g.size for g in grads.values()))
+        probe_signal = {p: float(np.sqrt(np.mean(grads[p] ** 2)) / total) if total else 0.0 for p in no_signal}
+
     dtype = _dtype(init_ref, param_dtype)
     tol = TOLERANCE.get(dtype, 1e-5) if tolerance is None else tolerance
     return VerifyResult(
@@ -384,10 +448,12 @@ def verify(model_or_builder, tx: optax.GradientTransformation, loss_fn: Callable
         loss_diffs=[abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got_losses, ref_losses)],
         param_diffs={p: _rel_l2(got[p], b) for p, b in want.items()},
         initial_diffs={p: _rel_l2(init_got[p], b) for p, b in init_ref.items()},
-        no_signal=tuple(sorted(p for p, r in signal.items() if r <= NO_SIGNAL)),
+        no_signal=no_signal,
         floor_losses=[abs(a - b) / max(abs(b), 1e-30) for a, b in zip(twin_losses, ref_losses)],
         floor_params={p: _rel_l2(twin_params[p], b) for p, b in want.items()},
         rng_state=rng_state,
+        moved={p: _rel_l2(init_ref[p], b) for p, b in want.items()},
+        probe_signal=probe_signal,
     )
 
 
