@@ -269,7 +269,7 @@ def test_a_wrong_update_of_a_parameter_without_gradient_signal_fails():
                 moved={"a": 1e-2, "b": 1e-2, "s": 1.0})
     noise = _result(**base)  # Adam's lr-sized rounding steps: 0.9 of a parameter that moved 1.0 of its norm
     assert noise.passed and noise.no_signal_limit("s") == FLOOR_FACTOR * 1.0, noise.table()
-    assert "s 9.0e-01 (limit 4.0e+00) ok" in noise.table()
+    assert "s 9.0e-01 (limit 4.0e+00; gradient 0.0e+00) ok" in noise.table()
     sgd = _result(**{**base, "param_diffs": {"a": 1e-6, "b": 3e-6, "s": 0.5}, "floor_params": {"a": 2e-6, "b": 5e-6, "s": 1e-7},
                      "moved": {"a": 1e-2, "b": 1e-2, "s": 1e-6}})  # the reference barely moved it; zshard moved it far
     assert not sgd.passed and sgd.worst_no_signal[0] == "s", sgd.table()
