@@ -462,6 +462,84 @@ def test_a_model_that_only_annotates_trains_like_one_device():
         assert rel_l2(got[path], ref) <= 1e-5, path
 
 
+# --- a model written for JAX's explicit sharding: activations annotated with mesh axes ------------------
+
+
+class ExplicitBlock(nnx.Module):
+    """The style of jax-ml/bonsai: the up projection's dot told to split its output over `tensor`
+    (``out_sharding=``) and the activation resharded after it (``jax.sharding.reshard``)."""
+
+    def __init__(self, rngs, style):
+        self.style = style
+        self.up, self.down = nnx.Linear(8, 32, rngs=rngs), nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):  # [B, 8]
+        if self.style == "explicit":
+            h = jax.sharding.reshard(self.up(x, out_sharding=P(None, "tensor")), P(None, "tensor"))  # [B, 32]
+        elif self.style == "reshard":
+            h = jax.sharding.reshard(self.up(x), P(None, "tensor"))
+        elif self.style == "logical":
+            h = self.up(x, out_sharding=P("fsdp", "tp"))
+        elif self.style == "hint":  # the fix the refusal names: a constraint an Auto axis accepts
+            h = jax.lax.with_sharding_constraint(self.up(x), P(None, "tensor"))
+        else:  # "plain": no annotation (the single-device reference)
+            h = self.up(x)
+        return x + self.down(jax.nn.gelu(h))
+
+
+class ExplicitModel(nnx.Module):
+    def __init__(self, style="explicit"):
+        rngs = nnx.Rngs(0)
+        self.blocks = nnx.List([ExplicitBlock(rngs, style) for _ in range(2)])
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def mse(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+EXPLICIT_PLAN = {"blocks.*.up.kernel": -1, "blocks.*.up.bias": 0, "blocks.*.down.kernel": 0}
+EXPLICIT_DATA = [(np.random.default_rng(i).standard_normal((8, 8)).astype(np.float32),
+                  np.random.default_rng(i + 9).standard_normal((8, 3)).astype(np.float32)) for i in range(3)]
+
+
+@pytest.mark.parametrize("style,call,named", [
+    ("explicit", r"out_sharding=P\(None, 'tensor'\)", r"names the Auto mesh axis 'tensor'"),
+    ("reshard", r"jax.sharding.reshard\(x, P\(None, 'tensor'\)\)", r"names the Auto mesh axis 'tensor'"),
+    ("logical", r"out_sharding=P\('fsdp', 'tp'\)", r"names 'fsdp', an axis the step's mesh .* does not have"),
+])
+def test_activation_annotations_of_explicit_sharding_are_refused_before_compiling(style, call, named):
+    """On 1x4x2 the step is traced (nothing compiled) and JAX's refusal is explained: the annotation,
+    the model's line, the axis `tensor`, and the fix."""
+    state = zshard.init(lambda: ExplicitModel(style), optax.adam(1e-2), mesh(1, 4, 2), tensor_parallel=EXPLICIT_PLAN, abstract=True)
+    with pytest.raises(ValueError, match=call + r" at .*test_tensor_parallel.py:\d+ \(__call__\) " + named) as e:
+        zshard.make_train_step(mse).lower(state, EXPLICIT_DATA[0])
+    text = str(e.value)
+    assert "the axis `tensor` is Auto" in text and "Fix: drop the annotation (out_sharding=None, no reshard)" in text
+    assert "jax.lax.with_sharding_constraint(x, P(None, 'tensor'))" in text and "tensor_parallel=" in text
+
+
+def test_the_fix_it_names_trains_equal_to_one_device():
+    """The refusal's fix, a with_sharding_constraint hint over `tensor`, trains on 1x4x2 like one
+    device running the same model without annotations."""
+    want = reference_run(lambda: ExplicitModel("plain"), optax.adam(1e-2), mse, EXPLICIT_DATA)
+    state = zshard.init(lambda: ExplicitModel("hint"), optax.adam(1e-2), mesh(1, 4, 2), tensor_parallel=EXPLICIT_PLAN)
+    step, losses = zshard.make_train_step(mse), []
+    for b in EXPLICIT_DATA:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, want.losses, rtol=1e-5)
+    got = _flat(state)
+    for path, ref in want.params.items():
+        assert rel_l2(got[path], ref) <= 1e-5, path
+
+
 # --- any Optax chain on split parameters: the global view ------------------------------------------------
 
 GLOBAL = {

@@ -15,16 +15,23 @@ itself, ``replica`` / ``shard``) are ignored for the layout: zshard shards over 
 itself. A glob wins over an annotation of the same parameter. Column-parallel (split the
 output dimension) and row-parallel (split the input dimension) layers are Megatron-LM's
 (arXiv 1909.08053 section 3); the plan is data, the model code does not change.
+
+Activations are not annotated: inside the step ``tensor`` is an Auto axis and the data axes are
+manual, so an activation's ``out_sharding=`` / ``jax.sharding.reshard`` naming them (code written
+for JAX's explicit sharding) is refused with the fix (:func:`activation_annotation_error`).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import linecache
+import re
+from pathlib import Path
 from typing import Mapping
 
 from zshard.units import path_str
 
-__all__ = ["MESH_AXES", "check_logical_rules", "tensor_dims"]
+__all__ = ["MESH_AXES", "activation_annotation_error", "check_logical_rules", "tensor_dims"]
 
 MESH_AXES = ("replica", "shard", "context", "tensor")  # every axis name a zshard mesh may have
 _META_KEYS = ("out_sharding", "sharding_names", "sharding")
@@ -127,3 +134,60 @@ def tensor_dims(template, layers: Mapping, tensor_parallel, rules: dict, tensor:
                 f"MLP width must all divide by T), or pad the model"
             )
     return dims if tensor > 1 else {}
+
+
+_AUTO_OR_MANUAL = re.compile(r"PartitionSpec passed to (\w+) cannot contain axis names that are of type Auto or Manual\. "
+                             r"Got PartitionSpec: (.*?) with axis name: (\w+) of type: AxisType\.(\w+)")
+_NOT_IN_MESH = re.compile(r"Resource axis: (\w+) of (.*) is not found in mesh: (\(.*?\))")
+
+
+def _user_line(tb) -> tuple[str, str]:
+    """``("file:line (function)", source text)`` of the innermost frame outside the installed
+    libraries and zshard (the model's line), or ``("the model", "")``."""
+    library = ("site-packages", "dist-packages", str(Path(__file__).parent))
+    found = ("the model", "")
+    while tb is not None:
+        code, line = tb.tb_frame.f_code, tb.tb_lineno
+        if not any(x in code.co_filename for x in library):
+            found = (f"{code.co_filename}:{line} ({code.co_name})", linecache.getline(code.co_filename, line).strip())
+        tb = tb.tb_next
+    return found
+
+
+def activation_annotation_error(e: ValueError, mesh) -> ValueError | None:
+    """The explained error for JAX's refusal of an activation sharding that names a mesh axis the
+    step cannot honour, or ``None`` for any other error.
+
+    Code written for explicit sharding (jax-ml/bonsai, new JAX code) names mesh axes in its
+    activations: ``nnx.Linear.__call__(x, out_sharding=P(None, "tensor"))`` (a ``dot_general``'s
+    ``out_sharding``), ``jax.sharding.reshard(x, P(...))``, or logical names (``"fsdp"``,
+    ``"tp"``). Inside zshard's step the data axes are manual (each device holds its rows) and
+    ``tensor`` is an Auto axis (the model runs in its global view over it); JAX accepts neither
+    in an activation's sharding, and names it no mesh has are unknown."""
+    text = str(e)
+    auto, missing = _AUTO_OR_MANUAL.search(text), _NOT_IN_MESH.search(text)
+    if auto is None and missing is None:
+        return None
+    where, source = _user_line(e.__traceback__)
+    if auto is not None:
+        api, spec, axis, kind = auto.groups()
+        what = f"names the {kind} mesh axis {axis!r}"
+    else:
+        axis, spec, axes = missing.groups()
+        api, what = "", f"names {axis!r}, an axis the step's mesh {axes} does not have"
+    if api == "reshard" or (not api and "reshard" in source):
+        call = f"jax.sharding.reshard(x, {spec})"
+    else:  # a dot_general's out_sharding, as nnx.Linear / nnx.Einsum pass it
+        call = f"out_sharding={spec}"
+    return ValueError(
+        f"zshard: the activation annotation {call} at {where} {what}: the model is written for JAX's explicit sharding. "
+        f"Inside zshard's step the data axes {tuple(a for a in mesh.axis_names if a != 'tensor')} are manual (each device "
+        "already holds its own rows) and the axis `tensor` is Auto (the model runs in its global view over it; the "
+        "compiler places the activations from how the parameters are split), so no activation may be annotated with "
+        "them, with out_sharding= or jax.sharding.reshard. Fix: drop the annotation (out_sharding=None, no reshard): "
+        "zshard splits the rows itself, and zshard.init(..., tensor_parallel={glob: dim}) or logical_rules= split "
+        "the parameters over `tensor`; to keep a placement hint over the tensor axis, write "
+        "jax.lax.with_sharding_constraint(x, P(None, 'tensor')) (with only `tensor` or None in it, which an Auto axis "
+        "accepts). Logical names of your own ('fsdp', 'tp', 'data') map to no axis here; docs/your-model.md, "
+        "'Sharding annotations'"
+    )
