@@ -8,6 +8,7 @@ before anything is placed (docs/tensor-parallel.md)."""
 import dataclasses
 import functools
 import re
+import warnings
 from collections import Counter
 
 import chex
@@ -23,6 +24,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import zshard
+import zshard.tp
 from train.model import GPT, GPTConfig, cross_entropy_loss, tensor_plan
 from train.models.gpt import MODEL_PRESETS
 from zshard.report import parse_collectives
@@ -460,6 +462,51 @@ def test_a_model_that_only_annotates_trains_like_one_device():
     got = _flat(state)
     for path, ref in want.params.items():
         assert rel_l2(got[path], ref) <= 1e-5, path
+
+
+# --- a split that cuts across attention heads: warned where the model declares its heads -------------------
+
+
+class MHABlock(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.MultiHeadAttention(4, 32, qkv_features=32, decode=False, rngs=rngs)  # 4 heads of 8
+
+    def __call__(self, x):
+        return x + self.attn(x)
+
+
+class GQA(nnx.Module):
+    """Declares 4 query heads sharing 1 key/value head of size 8 (``n_heads``, ``n_kv_heads``, ``hs``)."""
+
+    def __init__(self, rngs):
+        self.n_heads, self.n_kv_heads, self.hs = 4, 1, 8
+        self.wq, self.wkv = nnx.Linear(32, 32, rngs=rngs), nnx.Linear(32, 16, rngs=rngs)
+
+
+class HeadModel(nnx.Module):
+    def __init__(self, kind):
+        rngs = nnx.Rngs(0)
+        self.blocks = nnx.List([(MHABlock if kind == "mha" else GQA)(rngs) for _ in range(2)])
+
+
+def _head_warnings(kind, plan):
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        zshard.init(lambda: HeadModel(kind), optax.adam(1e-3), mesh(1, 4, 2), tensor_parallel=plan, abstract=True)
+    return [str(w.message) for w in got if issubclass(w.category, zshard.tp.HeadSplitWarning)]
+
+
+def test_a_split_that_cuts_attention_heads_is_warned_naming_the_parameter():
+    inside = _head_warnings("mha", {"blocks.*.attn.query.kernel": 2})  # [32, 4, 8]: the head size itself
+    assert len(inside) == 2 and "'blocks.0.attn.query.kernel' [32, 4, 8] on dimension 2" in inside[0], inside
+    assert "module 'blocks.0.attn' (MultiHeadAttention) declares 4 heads of size 8: its dimension 2 (8) is the head size" in inside[0]
+    assert "Fix: split the heads dimension" in inside[0]
+    assert _head_warnings("mha", {"blocks.*.attn.query.kernel": 1, "blocks.*.attn.out.kernel": 0}) == []  # whole heads
+    kv = _head_warnings("gqa", {"blocks.*.wq.kernel": -1, "blocks.*.wkv.kernel": -1})
+    assert kv and "tensor=2 does not divide its 4 heads and 1 key/value heads" in kv[0], kv
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the zoo's Megatron plan keeps whole heads
+        zshard.init(make, optax.adam(1e-3), mesh(1, 4, 2), tensor_parallel=PLAN, abstract=True)
 
 
 # --- a model written for JAX's explicit sharding: activations annotated with mesh axes ------------------
