@@ -304,6 +304,32 @@ def test_a_model_that_never_asks_for_positions_is_warned():
         zshard.make_train_step(loss_fn, sequence_axis=1).lower(zshard.init(make(), optax.adamw(1e-3), mesh(1, 4, 2), abstract=True), b)
 
 
+def test_a_context_axis_the_model_never_reads_is_refused_before_compiling():
+    """Without sequence_axis a context mesh ran silently as data parallelism; with it, a model that
+    never calls zshard.attention computed attention on each device's tokens only. Both are refused
+    while tracing (abstract state: nothing is compiled)."""
+    state = zshard.init(make(), optax.adamw(1e-3), mesh(1, 4, 2), abstract=True)
+    b = batches(1)[0]
+    with pytest.raises(ValueError, match=r"context axis of 2 devices but make_train_step\(...\) got no sequence_axis.*"
+                                         r"sequence_axis=1.*zshard.attention"):
+        zshard.make_train_step(loss_fn).lower(state, b8 := batches(1, rows=8)[0])
+
+    class OwnAttention(Llama):  # positions right, attention by hand: wrong on a split sequence
+        def __call__(self, tok, seg=None):
+            x = self.embed(tok)
+            q = x[:, :, None, :]  # [B, T, 1, D]
+            return self.head(self.norm(x + jax.nn.dot_product_attention(q, q, q, is_causal=True)[:, :, 0]))
+
+    own = zshard.init(lambda: OwnAttention(nnx.Rngs(0)), optax.adamw(1e-3), mesh(1, 4, 2), abstract=True)
+    with pytest.raises(ValueError, match=r"split over context=2 .*never called zshard.attention.*"
+                                         r"Fix: compute attention with zshard.attention"):
+        zshard.make_train_step(loss_fn, sequence_axis=1).lower(own, b)
+    with pytest.raises(ValueError, match=r"never called zshard.attention"):
+        zshard.make_eval_step(loss_fn, sequence_axis=1).lower(own, b)
+    rows = {k: None for k in b8}  # every leaf without a sequence: rows over context too, said on purpose
+    zshard.make_train_step(loss_fn, sequence_axis=rows).lower(state, b8)
+
+
 # --- the reference GPT and the Llama of train/models on a context mesh -------------------------------------
 
 

@@ -47,7 +47,8 @@ CASES = {  # name -> (model, loss, data, mixed precision, make_train_step option
     # a context axis: the secondary partition is over (shard, context), the data axes inside a node; with
     # remat="none" (the saved activations spliced back), prefetch 0 and 2 micro-batches
     "context_none_accum2": (mlp, mse_loss, MLP_DATA, None,
-                            dict(remat="none", prefetch=0, grad_accum=2, mesh=(2, 2, 1), context=2)),
+                            dict(remat="none", prefetch=0, grad_accum=2, mesh=(2, 2, 1), context=2,
+                                 sequence_axis=(None, None))),  # rows over context too, on purpose
     # a tensor axis: each piece's secondary slice [T, n_pad/S] kept and gathered over shard in its own shard_map
     "tensor": (mlp_tp, mse_loss, MLP_DATA, None, dict(remat="block", prefetch=1, mesh=(2, 2, 2), tensor_parallel=TP_PLAN)),
 }

@@ -23,7 +23,7 @@ def test_int8_gathers_and_gradients_on_a_context_mesh_train_close_to_one_device(
     mesh = zshard.make_mesh(1, 4, context=2)
     mp = zshard.MixedPrecision(gather_format=Q16, reduce_format=Q16)
     state = zshard.init(mlp, optax.adam(1e-2), mesh, strategy="FULL_SHARD", mixed_precision=mp)
-    step = zshard.make_train_step(mse_loss)
+    step = zshard.make_train_step(mse_loss, sequence_axis=(None, None))  # no sequence: rows over context too, on purpose
     emitted = step.lower(state, DATA[0]).as_text(dialect="hlo")
     colls = parse_collectives(emitted, state.plan.mesh)
     axes = {c.axis for c in colls if c.kind in ("all-gather", "all-to-all")}

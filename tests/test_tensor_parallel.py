@@ -8,6 +8,7 @@ before anything is placed (docs/tensor-parallel.md)."""
 import dataclasses
 import functools
 import re
+import warnings
 from collections import Counter
 
 import chex
@@ -23,6 +24,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import zshard
+import zshard.tp
 from train.model import GPT, GPTConfig, cross_entropy_loss, tensor_plan
 from train.models.gpt import MODEL_PRESETS
 from zshard.report import parse_collectives
@@ -464,6 +466,129 @@ def test_a_model_that_only_annotates_trains_like_one_device():
         state, m = step(state, b)
         losses.append(float(m["loss"]))
     assert np.isfinite(want.losses).all() and np.isfinite(losses).all(), (want.losses, losses)  # NaN would compare equal
+    np.testing.assert_allclose(losses, want.losses, rtol=1e-5)
+    got = _flat(state)
+    for path, ref in want.params.items():
+        assert rel_l2(got[path], ref) <= 1e-5, path
+
+
+# --- a split that cuts across attention heads: warned where the model declares its heads -------------------
+
+
+class MHABlock(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.MultiHeadAttention(4, 32, qkv_features=32, decode=False, rngs=rngs)  # 4 heads of 8
+
+    def __call__(self, x):
+        return x + self.attn(x)
+
+
+class GQA(nnx.Module):
+    """Declares 4 query heads sharing 1 key/value head of size 8 (``n_heads``, ``n_kv_heads``, ``hs``)."""
+
+    def __init__(self, rngs):
+        self.n_heads, self.n_kv_heads, self.hs = 4, 1, 8
+        self.wq, self.wkv = nnx.Linear(32, 32, rngs=rngs), nnx.Linear(32, 16, rngs=rngs)
+
+
+class HeadModel(nnx.Module):
+    def __init__(self, kind):
+        rngs = nnx.Rngs(0)
+        self.blocks = nnx.List([(MHABlock if kind == "mha" else GQA)(rngs) for _ in range(2)])
+
+
+def _head_warnings(kind, plan):
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        zshard.init(lambda: HeadModel(kind), optax.adam(1e-3), mesh(1, 4, 2), tensor_parallel=plan, abstract=True)
+    return [str(w.message) for w in got if issubclass(w.category, zshard.tp.HeadSplitWarning)]
+
+
+def test_a_split_that_cuts_attention_heads_is_warned_naming_the_parameter():
+    inside = _head_warnings("mha", {"blocks.*.attn.query.kernel": 2})  # [32, 4, 8]: the head size itself
+    assert len(inside) == 2 and "'blocks.0.attn.query.kernel' [32, 4, 8] on dimension 2" in inside[0], inside
+    assert "module 'blocks.0.attn' (MultiHeadAttention) declares 4 heads of size 8: its dimension 2 (8) is the head size" in inside[0]
+    assert "Fix: split the heads dimension" in inside[0]
+    assert _head_warnings("mha", {"blocks.*.attn.query.kernel": 1, "blocks.*.attn.out.kernel": 0}) == []  # whole heads
+    kv = _head_warnings("gqa", {"blocks.*.wq.kernel": -1, "blocks.*.wkv.kernel": -1})
+    assert kv and "tensor=2 does not divide its 4 heads and 1 key/value heads" in kv[0], kv
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the zoo's Megatron plan keeps whole heads
+        zshard.init(make, optax.adam(1e-3), mesh(1, 4, 2), tensor_parallel=PLAN, abstract=True)
+
+
+# --- a model written for JAX's explicit sharding: activations annotated with mesh axes ------------------
+
+
+class ExplicitBlock(nnx.Module):
+    """The style of jax-ml/bonsai: the up projection's dot told to split its output over `tensor`
+    (``out_sharding=``) and the activation resharded after it (``jax.sharding.reshard``)."""
+
+    def __init__(self, rngs, style):
+        self.style = style
+        self.up, self.down = nnx.Linear(8, 32, rngs=rngs), nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):  # [B, 8]
+        if self.style == "explicit":
+            h = jax.sharding.reshard(self.up(x, out_sharding=P(None, "tensor")), P(None, "tensor"))  # [B, 32]
+        elif self.style == "reshard":
+            h = jax.sharding.reshard(self.up(x), P(None, "tensor"))
+        elif self.style == "logical":
+            h = self.up(x, out_sharding=P("fsdp", "tp"))
+        elif self.style == "hint":  # the fix the refusal names: a constraint an Auto axis accepts
+            h = jax.lax.with_sharding_constraint(self.up(x), P(None, "tensor"))
+        else:  # "plain": no annotation (the single-device reference)
+            h = self.up(x)
+        return x + self.down(jax.nn.gelu(h))
+
+
+class ExplicitModel(nnx.Module):
+    def __init__(self, style="explicit"):
+        rngs = nnx.Rngs(0)
+        self.blocks = nnx.List([ExplicitBlock(rngs, style) for _ in range(2)])
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def mse(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+EXPLICIT_PLAN = {"blocks.*.up.kernel": -1, "blocks.*.up.bias": 0, "blocks.*.down.kernel": 0}
+EXPLICIT_DATA = [(np.random.default_rng(i).standard_normal((8, 8)).astype(np.float32),
+                  np.random.default_rng(i + 9).standard_normal((8, 3)).astype(np.float32)) for i in range(3)]
+
+
+@pytest.mark.parametrize("style,call,named", [
+    ("explicit", r"out_sharding=P\(None, 'tensor'\)", r"names the Auto mesh axis 'tensor'"),
+    ("reshard", r"jax.sharding.reshard\(x, P\(None, 'tensor'\)\)", r"names the Auto mesh axis 'tensor'"),
+    ("logical", r"out_sharding=P\('fsdp', 'tp'\)", r"names 'fsdp', an axis the step's mesh .* does not have"),
+])
+def test_activation_annotations_of_explicit_sharding_are_refused_before_compiling(style, call, named):
+    """On 1x4x2 the step is traced (nothing compiled) and JAX's refusal is explained: the annotation,
+    the model's line, the axis `tensor`, and the fix."""
+    state = zshard.init(lambda: ExplicitModel(style), optax.adam(1e-2), mesh(1, 4, 2), tensor_parallel=EXPLICIT_PLAN, abstract=True)
+    with pytest.raises(ValueError, match=call + r" at .*test_tensor_parallel.py:\d+ \(__call__\) " + named) as e:
+        zshard.make_train_step(mse).lower(state, EXPLICIT_DATA[0])
+    text = str(e.value)
+    assert "the axis `tensor` is Auto" in text and "Fix: drop the annotation (out_sharding=None, no reshard)" in text
+    assert "jax.lax.with_sharding_constraint(x, P(None, 'tensor'))" in text and "tensor_parallel=" in text
+
+
+def test_the_fix_it_names_trains_equal_to_one_device():
+    """The refusal's fix, a with_sharding_constraint hint over `tensor`, trains on 1x4x2 like one
+    device running the same model without annotations."""
+    want = reference_run(lambda: ExplicitModel("plain"), optax.adam(1e-2), mse, EXPLICIT_DATA)
+    state = zshard.init(lambda: ExplicitModel("hint"), optax.adam(1e-2), mesh(1, 4, 2), tensor_parallel=EXPLICIT_PLAN)
+    step, losses = zshard.make_train_step(mse), []
+    for b in EXPLICIT_DATA:
+        state, m = step(state, b)
+        losses.append(float(m["loss"]))
     np.testing.assert_allclose(losses, want.losses, rtol=1e-5)
     got = _flat(state)
     for path, ref in want.params.items():

@@ -1,13 +1,17 @@
 """find_units: the wrap policy -> module paths of the block units."""
 
 import functools
+import warnings
 
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from conftest import ResBlock, ResMLP
-from zshard.units import find_units, path_str
+import zshard
+from zshard.units import UnitWarning, find_units, path_str
 
 
 class Inner(nnx.Module):
@@ -172,3 +176,72 @@ def test_every_policy_trains_like_the_reference(policy):
         np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)
         for path, ref in want.params.items():
             np.testing.assert_allclose(got.params[path], ref, rtol=1e-5, atol=1e-6, err_msg=str(path))
+
+
+# --- the default policy leaving blocks in the root unit: warned once, naming unit= / nnx.List -------------------
+
+
+class Down(nnx.Module):
+    def __init__(self, d_in, d_out, rngs):
+        self.conv = nnx.Conv(d_in, d_out, (3, 3), rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.relu(self.conv(x))
+
+
+class Up(nnx.Module):
+    def __init__(self, d_in, d_out, rngs):
+        self.conv = nnx.ConvTranspose(d_in, d_out, (3, 3), rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.relu(self.conv(x))
+
+
+class TinyUNet(nnx.Module):
+    """Every stage a different class or width: no repeated blocks for the default policy."""
+
+    def __init__(self, rngs):
+        self.down = Down(3, 8, rngs)
+        self.mid = nnx.Conv(8, 8, (3, 3), rngs=rngs)
+        self.up = Up(16, 3, rngs)
+
+    def __call__(self, x):
+        h = self.down(x)
+        return self.up(jnp.concatenate([h, self.mid(h)], -1))
+
+
+class Attributes(nnx.Module):
+    """Two blocks of one class as separate attributes, not in an nnx.List."""
+
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(13, 19, rngs=rngs)
+        self.block0, self.block1 = ResBlock(19, rngs=rngs), ResBlock(19, rngs=rngs)
+        self.head = nnx.Linear(19, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.block1(self.block0(self.inp(x))))
+
+
+def _init_warnings(model_cls):
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        state = zshard.init(lambda: model_cls(nnx.Rngs(0)), optax.adam(1e-3), zshard.make_mesh(1, 8), abstract=True)
+    return state, [str(w.message) for w in got if issubclass(w.category, UnitWarning)]
+
+
+def test_a_model_without_units_is_warned_once_at_init():
+    state, got = _init_warnings(TinyUNet)
+    assert [u.path for u in state.plan.units] == [()]  # it still runs: one root unit
+    assert len(got) == 1 and "found no units in TinyUNet" in got[0] and "unit=" in got[0], got
+    assert _init_warnings(TinyUNet)[1] == []  # once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model whose blocks are found: nothing to say
+        zshard.init(lambda: ResMLP(n_blocks=2, rngs=nnx.Rngs(0)), optax.adam(1e-3), zshard.make_mesh(1, 8), abstract=True)
+
+
+def test_blocks_kept_as_attributes_are_named_with_the_fix():
+    state, got = _init_warnings(Attributes)
+    assert len(got) == 1, got
+    assert "block0, block1 are 2 modules of class ResBlock kept as separate attributes" in got[0], got[0]
+    assert "nnx.List" in got[0] and "unit=ResBlock" in got[0]
+    assert find_units(nnx.eval_shape(lambda: Attributes(nnx.Rngs(0))), ResBlock) == [("block0",), ("block1",)]  # the fix it names works

@@ -15,7 +15,7 @@ from flax import nnx
 
 import zshard
 from verify_cases import CFG, token_batch
-from zshard.verify import FLOOR_FACTOR, TOLERANCE, VerifyResult, load_function, main, verify
+from zshard.verify import FLOOR_FACTOR, NO_SIGNAL, TOLERANCE, VerifyResult, load_function, main, verify
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,14 +97,15 @@ def _shifted_loss(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
 
-def test_a_parameter_without_gradient_signal_is_shown_not_judged():
+def test_a_parameter_without_gradient_signal_is_judged_on_its_own_scale():
     rng = np.random.default_rng(0)
     batch = (rng.normal(size=(16, 8)).astype(np.float32), rng.integers(0, 5, 16).astype(np.int32))
     res = verify(lambda: _Shifted(nnx.Rngs(0)), optax.adam(1e-2), _shifted_loss, batch,
                  strategy="FULL_SHARD", mesh=zshard.make_mesh(1, 8), steps=3)
     assert res.no_signal == ("shift",), res.no_signal  # every other parameter has a real gradient
     assert res.passed, res.table()
-    assert "not judged (reference gradient at rounding level" in res.table() and "shift" in res.table()
+    assert "no gradient signal (reference gradient at rounding level" in res.table() and "shift" in res.table()
+    assert res.probe_signal["shift"] <= FLOOR_FACTOR * NO_SIGNAL and res.param_diffs["shift"] <= res.no_signal_limit("shift")
 
 
 class _DropoutMLP(nnx.Module):
@@ -257,3 +258,22 @@ def test_limits_and_causes_follow_what_was_measured():
     assert no_twin.param_limit == 1e-5 and not no_twin.passed
     nan = _result(param_diffs={"a": float("nan"), "b": 0.0})
     assert not nan.passed and nan.worst_param[0] == "a"
+
+
+def test_a_wrong_update_of_a_parameter_without_gradient_signal_fails():
+    """Built by hand (nothing compiled). A parameter whose reference gradient is rounding noise was
+    "not judged" (any final value passed); now it passes only within FLOOR_FACTOR x the larger of
+    the twin's difference and the reference's own movement there, and only if zshard's own gradient
+    there is at rounding level too."""
+    base = dict(no_signal=("s",), param_diffs={"a": 1e-6, "b": 3e-6, "s": 0.9}, floor_params={"a": 2e-6, "b": 5e-6, "s": 0.6},
+                moved={"a": 1e-2, "b": 1e-2, "s": 1.0})
+    noise = _result(**base)  # Adam's lr-sized rounding steps: 0.9 of a parameter that moved 1.0 of its norm
+    assert noise.passed and noise.no_signal_limit("s") == FLOOR_FACTOR * 1.0, noise.table()
+    assert "s 9.0e-01 (limit 4.0e+00; gradient 0.0e+00) ok" in noise.table()
+    sgd = _result(**{**base, "param_diffs": {"a": 1e-6, "b": 3e-6, "s": 0.5}, "floor_params": {"a": 2e-6, "b": 5e-6, "s": 1e-7},
+                     "moved": {"a": 1e-2, "b": 1e-2, "s": 1e-6}})  # the reference barely moved it; zshard moved it far
+    assert not sgd.passed and sgd.worst_no_signal[0] == "s", sgd.table()
+    assert "parameter s has no gradient signal in the reference" in sgd.causes()[0] and "MISMATCH" in sgd.table()
+    grad = _result(**base, probe_signal={"s": 3e-2})  # within its value limit, but zshard gives it a real gradient
+    assert not grad.passed and "zshard's gradient there is 3.0e-02" in grad.causes()[0], grad.table()
+    assert _result(**base, probe_signal={"s": 1e-7}).passed

@@ -27,6 +27,9 @@ error model code meets while being traced (a pmap-era axis name):
   "shard")``, where JAX fails on the unknown name with a bare ``AssertionError`` (or a
   ``NameError``). The trace is then repeated with JAX's traceback filtering off, and the
   collective's frame gives the axis name, the module (its path in the model) and the line.
+  Model code written for JAX's explicit sharding (an activation's ``out_sharding=`` or
+  ``jax.sharding.reshard`` naming a mesh axis) is explained the same way
+  (:func:`zshard.tp.activation_annotation_error`).
 - :func:`warn_uniform_keys`: a random draw in ``loss_fn`` (``random_bits``: dropout masks,
   noise) whose key is the same on every device (made in ``loss_fn``, ``nnx.Rngs(dropout=0)``,
   ``jax.random.key(step)``: its type does not vary over ``replica`` / ``shard``) and whose bits
@@ -51,6 +54,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from zshard.jaxprs import LOSS_SCOPE, is_own, is_var, routes, scope_owner, sub_jaxprs, varying
+from zshard.tp import activation_annotation_error
 from zshard.units import path_str
 
 __all__ = ["block_shard_inputs", "check_shard_reads", "check_traced", "check_uniform_collectives", "traced",
@@ -319,19 +323,25 @@ def _unknown_axis_error(trace: Callable[[], Any], mesh) -> ValueError | None:
 
 
 def traced(trace: Callable[[], Any], mesh) -> Any:
-    """``trace()`` (a jitted step's ``.trace(...)``), with one error explained.
+    """``trace()`` (a jitted step's ``.trace(...)``), with two errors explained.
 
     Raises:
       ValueError: (before compiling) the model calls a collective (``psum``, ``pmean``,
         ``axis_index``, ...) over an axis name ``mesh`` does not have, as code written for
         ``pmap(..., axis_name='batch')`` does; the message names the module (its path in the
         model), the axis name, the line, and the fix (``axis_name=("replica", "shard")``).
+        Or the model annotates an activation with mesh axes, as code written for JAX's explicit
+        sharding does (:func:`zshard.tp.activation_annotation_error`): named with the line and the fix.
       Anything else ``trace()`` raises, unchanged.
     """
     try:
         return trace()
     except (AssertionError, NameError):
         error = _unknown_axis_error(trace, mesh)
+        if error is None:
+            raise
+    except ValueError as e:
+        error = activation_annotation_error(e, mesh)
         if error is None:
             raise
     raise error

@@ -36,7 +36,7 @@ from zshard.intercept import materialize
 from zshard.jaxprs import LOSS_SCOPE
 from zshard.mesh import sharded_map
 from zshard.state import ShardedState
-from zshard.sequence import tracing, warn_positions
+from zshard.sequence import check_split, tracing
 from zshard.step import TokenMean
 from zshard.step_config import StepConfig, batch_specs, put_batch, sequence_split, trace_key
 
@@ -83,7 +83,7 @@ def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *a
 
     with tracing(split, plan.data_axes) as record:
         out, _ = jax.vjp(run, floats)
-    warn_positions(split, record)
+    check_split(split, record)  # split sequences and no zshard.attention: refused
     return out
 
 

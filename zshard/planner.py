@@ -31,7 +31,7 @@ from zshard.optim_global import build_view
 from zshard.precision import FULL_PRECISION, MixedPrecision
 from zshard.quant import check_plan, pad_multiple
 from zshard.strategy import Strategy
-from zshard.tp import tensor_dims
+from zshard.tp import tensor_dims, warn_head_splits
 from zshard.units import find_units, path_str, stacked_layers
 from zshard.wire import ParamWire, resolve_wires
 
@@ -186,7 +186,7 @@ class Plan:
     @property
     def shard_axes(self) -> tuple[str, ...]:
         """Mesh axes a parameter is split over at rest (``Strategy.shard_axes``, with ``context``
-        after ``shard`` on a mesh with a context axis: :func:`zshard.strategy.with_context`)."""
+        after ``shard`` on a mesh with a context axis: :meth:`zshard.axes.MeshAxes.with_context`)."""
         return self.axes.with_context(self.strategy.shard_axes)
 
     @property
@@ -287,6 +287,7 @@ def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int,
     stacked = {upath: stacked_layers(_submodule(abstract_model, upath)) if upath else None for upath in [()] + unit_paths}
     layers_of = {path: stacked[u] for u, params in members.items() for path, _ in params}
     tp_dims = tensor_dims(flat_state, layers_of, tp[0], tp[1], tp[2])
+    warn_head_splits(abstract_model, flat_state, tp_dims, layers_of, tp[2])  # a split that cuts heads: warned
     shard_axes = strategy.shard_axes if mesh is None else MeshAxes.of(mesh).with_context(strategy.shard_axes)
     units = []
     for upath in [()] + unit_paths:

@@ -36,7 +36,8 @@ import numpy as np
 
 from zshard.mesh import CONTEXT
 
-__all__ = ["AttentionCall", "SequenceSplit", "SequenceTrace", "active", "head_tail_order", "in_backward", "in_unit", "positions", "tracing", "warn_positions"]
+__all__ = ["AttentionCall", "SequenceSplit", "SequenceTrace", "active", "check_split", "head_tail_order", "in_backward",
+           "in_unit", "positions", "tracing", "warn_positions"]
 
 
 def head_tail_order(length: int, context: int) -> np.ndarray:
@@ -240,3 +241,46 @@ def warn_positions(split: SequenceSplit | None, record) -> None:
             "zshard.positions(x.shape[1]) (the global position of each local token), and zshard.attention for attention",
             stacklevel=2,
         )
+
+
+def check_split(split: SequenceSplit | None, record: SequenceTrace, context: int = 1, sequence_axis_given: bool = True) -> None:
+    """After a step traced (before compiling): refuse a ``context`` axis the model never reads,
+    then :func:`warn_positions`.
+
+    Args:
+      split: the step's split (``None``: no leaf has a sequence axis).
+      record: what the trace recorded (:func:`tracing`).
+      context: ``C``, the mesh's ``context`` size (the train step passes it; 1 skips the first check).
+      sequence_axis_given: ``make_train_step(..., sequence_axis=...)`` was given (a pytree of
+        ``None`` says on purpose that no leaf has a sequence: the rows are then split over
+        ``context`` too, as data parallelism).
+
+    Raises:
+      ValueError: ``C > 1`` and no ``sequence_axis`` (each device would get whole sequences and
+        the ``context`` axis would only split rows: data parallelism, with none of the memory a
+        sequence split saves); or the sequences are split over ``C > 1`` devices and the model
+        never called ``zshard.attention`` (attention written by hand sees only this device's
+        ``2c`` tokens of each sequence: a silently wrong model). Both name ``sequence_axis`` and
+        ``zshard.attention`` and the fix.
+    """
+    if context > 1 and split is None and not sequence_axis_given:
+        raise ValueError(
+            f"zshard: the mesh has a context axis of {context} devices but make_train_step(...) got no sequence_axis, so "
+            "nothing reads the sequence split: each device would hold whole sequences and the context axis would only "
+            "split rows (data parallelism), without the activation memory a sequence split saves. Fix: "
+            "make_train_step(loss_fn, sequence_axis=1) (the batch's sequence dimension; a pytree with None for leaves "
+            "without one) and zshard.attention for attention, zshard.positions for positions in the model "
+            "(docs/long-sequences.md); or a mesh without context (zshard.make_mesh(R, S * C)); or, to split rows over "
+            "context on purpose, sequence_axis with None for every leaf"
+        )
+    if split is not None and split.context > 1 and not record.calls:
+        raise ValueError(
+            f"zshard: the sequences are split over context={split.context} (sequence_axis given: each device holds 2 of "
+            f"{2 * split.context} chunks of every sequence of {split.length} tokens), but the model never called "
+            "zshard.attention: attention computed any other way (jax.nn.dot_product_attention, a softmax of q @ k.T) "
+            "sees only this device's tokens, a silently wrong model. Fix: compute attention with "
+            "zshard.attention(q, k, v, ...) ([B, L, H, D], causal by default; it gathers or rings the keys and values "
+            "over context) and positions with zshard.positions; a model without attention gains nothing from a context "
+            "axis: drop sequence_axis and use a mesh without context (docs/long-sequences.md)"
+        )
+    warn_positions(split, record)

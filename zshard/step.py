@@ -36,10 +36,10 @@ from zshard.feedback import feedback_exits, new_feedback
 from zshard.grad_exit import all_reduce_replicas
 from zshard.intercept import materialize, read_variables
 from zshard.jaxprs import LOSS_SCOPE
-from zshard.mesh import sharded_map
+from zshard.mesh import context_size, sharded_map
 from zshard.offload import check_placement, compute_params, traced_naming_host_leaf, update_offloaded
 from zshard.optim import apply_optimizer, global_norm
-from zshard.sequence import SequenceSplit, tracing, warn_positions
+from zshard.sequence import SequenceSplit, check_split, tracing, warn_positions
 from zshard.state import Plan, ShardedState
 from zshard.step_config import StepConfig, batch_specs, default_prefetch, put_batch, sequence_split, trace_key
 from zshard.strategy import ReplicaReduce
@@ -203,7 +203,7 @@ def _local_step(plan: Plan, config: StepConfig, state: ShardedState, batch, spli
     ``zshard.attention`` while the whole body (backward and recomputes included) traces."""
     with tracing(split, plan.data_axes) as record:
         out = _step_body(plan, config, state, batch)
-    warn_positions(split, record)
+    check_split(split, record, context_size(plan.mesh), config.sequence_axis is not None)  # a context axis nothing reads: refused
     return out, record
 
 

@@ -8,13 +8,27 @@ not inside a unit (embeddings, final norm, head) forms the root unit.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from typing import Any
 
 import numpy as np
 from flax import nnx
 
-__all__ = ["find_units", "path_str", "stacked_layers"]
+__all__ = ["UnitWarning", "find_units", "path_str", "stacked_layers"]
+
+
+class UnitWarning(UserWarning):
+    """The default wrap policy left parameters that look like blocks in the root unit (:func:`find_units`)."""
+
+
+_warned: set = set()  # messages already given (once per process)
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, UnitWarning, stacklevel=4)
 
 
 def path_str(path: tuple) -> str:
@@ -147,4 +161,48 @@ def find_units(model: nnx.Module, unit: Any = None) -> list[tuple]:
             f"(path, module) -> bool, or a minimum parameter count"
         )
     order = {p: i for i, (p, _) in enumerate(_modules(model))}
-    return sorted(_outermost(found), key=lambda p: order[p])
+    found = sorted(_outermost(found), key=lambda p: order[p])
+    if unit is None:
+        _warn_root_blocks(model, found)
+    return found
+
+
+def _warn_root_blocks(model: nnx.Module, found: list[tuple]) -> None:
+    """Warn (:class:`UnitWarning`, once per message) when the default policy leaves blocks in the
+    root unit: sibling attributes holding modules of one user class (``self.block0``,
+    ``self.block1``), or no unit at all in a model with parameters below its top level (a UNet,
+    whose stages are all different): the root unit is all-gathered whole for every step."""
+    modules = _modules(model)
+    params = {p: _num_params(m) for p, m in modules if not isinstance(m, _CONTAINERS)}
+    siblings: dict[tuple, list] = defaultdict(list)
+    containers = {tuple(p) for p, n in nnx.iter_graph(model) if isinstance(n, _CONTAINERS)}
+    for path, mod in modules:
+        inside = any(path[: len(u)] == u for u in found)
+        # a block: a user class made of submodules (not a layer such as an Embed holding its own
+        # parameters), the same parameter shapes as its siblings of that class
+        composite = not type(mod).__module__.startswith("flax.") and any(
+            q[: len(path)] == path and len(q) > len(path) and params.get(q, 0) for q, _ in modules)
+        if not inside and composite and path[:-1] not in containers and params.get(path, 0) > 0:
+            shapes = tuple((tuple(k), v.get_value().shape) for k, v in nnx.to_flat_state(nnx.state(mod, nnx.Param)))
+            siblings[path[:-1], type(mod), shapes].append(path)
+    for (parent, cls, _), paths in siblings.items():
+        if len(paths) < 2:
+            continue
+        names = ", ".join(path_str(p) for p in paths)
+        _warn_once(
+            f"zshard: {names} are {len(paths)} modules of class {cls.__name__} kept as separate attributes of "
+            f"{'the model' if not parent else repr(path_str(parent))}, so the default unit policy (an nnx.List of "
+            "blocks) does not find them: they stay in the root unit, all-gathered whole for every step. Fix: hold them "
+            f"in an nnx.List (self.blocks = nnx.List([...])), or pass unit={cls.__name__} to zshard.init; "
+            "docs/your-model.md, 'How a unit runs'"
+        )
+    total = sum(params.get(p, 0) for p in params if len(p) == 1)
+    if not found and total and sum(1 for p in params if params[p]) >= 2 and not any(len(v) >= 2 for v in siblings.values()):
+        _warn_once(
+            f"zshard: the default unit policy found no units in {type(model).__name__} (no nnx.List of two or more "
+            "blocks of one class, no stacked layers): the whole model is one root unit, all-gathered for every "
+            "step, so FSDP saves no memory for the parameters while they compute. Fix: choose units with "
+            "zshard.init(..., unit=...): a module class (unit=ResBlock), a tuple of classes, a callable (path, "
+            "module) -> bool, or a parameter count (unit=1_000_000: the deepest modules holding that many); "
+            "docs/your-model.md, 'How a unit runs'"
+        )
