@@ -156,23 +156,91 @@ def test_written_out_gradients_equal_autodiff():
     np.testing.assert_array_equal(got, want)
 
 
-def test_no_logits_sized_scatter_in_the_step():
-    # left to autodiff, the loss's gradient is a logits-sized scatter of -1/n that depends on
-    # the targets only: XLA computed it at the start of the step and held it through the
-    # forward pass (Llama-2-70B on 8x8: 0.52 GB). Written out, no such scatter exists.
+def _loss_models():
+    from train.model import GPT, Gemma, GemmaConfig, GPTConfig, Llama, LlamaConfig
+
+    small = dict(vocab_size=97, seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48)
+    return {
+        "llama": lambda: Llama(LlamaConfig(**small), rngs=nnx.Rngs(0)),  # untied head [C, V]
+        "gemma-softcap": lambda: Gemma(GemmaConfig(**small, head_dim=8, final_softcap=3.0), rngs=nnx.Rngs(0)),  # tied [V, C]
+        "gpt-tied": lambda: GPT(GPTConfig(vocab_size=97, seq_len=16, d_model=32, n_layers=2, n_heads=2,
+                                          tie_embeddings=True), rngs=nnx.Rngs(0)),
+    }
+
+
+@pytest.mark.parametrize("arch,chunk", [("llama", None), ("llama", 6), ("gemma-softcap", 7), ("gpt-tied", 5),
+                                        pytest.param("gemma-softcap", None, marks=pytest.mark.exhaustive)])
+def test_chunked_loss_equals_the_logits_loss(arch, chunk):
+    # the chunked loss (hidden states and head, no [tokens, V] logits) against token_nll of model(tokens):
+    # the value and every parameter's gradient, fp32 (48 tokens: one chunk, 8 of 6, or padded chunks of 5 and 7)
+    import jax.numpy as jnp
+    import numpy as np
+
+    from train.model import _token_nll
+    from train.models.core import chunked_token_nll
+
+    rng = np.random.default_rng(0)
+    tokens, targets = (jnp.asarray(rng.integers(0, 97, (3, 16)), jnp.int32) for _ in range(2))
+    graphdef, params = nnx.split(_loss_models()[arch]())
+
+    def plain(p):
+        return _token_nll(nnx.merge(graphdef, p)(tokens).astype(jnp.float32), targets)
+
+    def chunked(p):
+        model = nnx.merge(graphdef, p)
+        return chunked_token_nll(model.hidden(tokens), model.output_head(), targets, chunk=chunk)
+
+    want, want_g = jax.jit(jax.value_and_grad(plain))(params)
+    got, got_g = jax.jit(jax.value_and_grad(chunked))(params)
+    assert float(got) == pytest.approx(float(want), rel=2e-7)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree.leaves(want_g)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def _logits_sized(hlo: str, tokens: int, vocab: int, allowed=()) -> list[str]:
+    """The float32 shapes in ``hlo`` of ``tokens`` (or a multiple) x ``vocab`` elements, ``vocab`` last."""
+    import math
+    import re
+
+    shapes = {tuple(int(d) for d in m.split(",")) for m in re.findall(r"f32\[([\d,]+)\]", hlo)}
+    return sorted(str(s) for s in shapes if s[-1] == vocab and s not in allowed
+                  and math.prod(s[:-1]) >= tokens and math.prod(s[:-1]) % tokens == 0)
+
+
+def test_chunked_loss_has_no_tokens_by_vocab_buffer(monkeypatch):
+    # In the sharded step: no float32 [tokens, V] logits in forward or backward, only one chunk's [4, V],
+    # and no logits-sized scatter (left to autodiff, the loss's gradient is a scatter of -1/n that depends
+    # on the targets only: XLA computed it at the start of the step and held it through the forward
+    # pass, Llama-2-70B on 8x8: 0.52 GB). d_model 24: the head [24, V] is not a multiple of the 16 tokens.
     from conftest import gpt_batches
 
+    import train.models.core as core
     from train.model import Llama, LlamaConfig, cross_entropy_loss
 
-    cfg = LlamaConfig(vocab_size=256, seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48)
+    monkeypatch.setattr(core, "LOSS_CHUNK_ELEMENTS", 4 * 256)  # 4 tokens per chunk: 4 chunks of a device's 16
+    cfg = LlamaConfig(vocab_size=256, seq_len=16, d_model=24, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48)
     state = zshard.init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3), zshard.make_mesh(2, 4), strategy="FULL_SHARD",
                         abstract=True)  # compiled only
     step = zshard.make_train_step(cross_entropy_loss)
-    hlo = step.lower(state, gpt_batches(1)[0]).compile().as_text()
-    logits_shape = f"f32[1,16,{cfg.vocab_size}]"  # one sequence per device
-    scatters = [line for line in hlo.splitlines() if " scatter(" in line and f"= {logits_shape}" in line]
+    hlo = step.lower(state, gpt_batches(1)[0]).compile().as_text()  # one sequence of 16 tokens per device
+    assert not _logits_sized(hlo, 16, cfg.vocab_size)
+    assert "f32[4,256]" in hlo  # one chunk's logits: the check looks at the right shapes
+    scatters = [line for line in hlo.splitlines() if " scatter(" in line and "= f32[4,256]" in line]
     assert not scatters, scatters[:2]
-    assert f"{logits_shape}" in hlo  # the logits are there (the check looks at the right shape)
+
+
+def test_default_chunk_splits_a_large_vocabulary():
+    # the default budget (core.LOSS_CHUNK_ELEMENTS) on 1024 tokens of V = 32768: 512-token chunks; no [1024, V]
+    import jax.numpy as jnp
+
+    from train.models.core import Head, chunked_token_nll, loss_chunk
+
+    assert loss_chunk(1024, 32768) == 512 and loss_chunk(10, 32768) == 10 and loss_chunk(8, 1 << 30) == 1
+    h, w = jax.ShapeDtypeStruct((2, 512, 8), jnp.bfloat16), jax.ShapeDtypeStruct((8, 32768), jnp.bfloat16)
+    t = jax.ShapeDtypeStruct((2, 512), jnp.int32)
+    grad = jax.jit(jax.grad(lambda h, w, t: chunked_token_nll(h, Head(w, 1), t), argnums=(0, 1)))
+    hlo = grad.lower(h, w, t).compile().as_text()
+    assert not _logits_sized(hlo, 1024, 32768, allowed={(8, 32768)}) and "f32[512,32768]" in hlo
 
 
 def _ends_model(arch):

@@ -39,6 +39,7 @@ def reference():
         ("HYBRID_SHARD", (2, 4), "dots"),
         ("SHARD_GRAD_OP", (2, 4), "block"),
         ("HYBRID_SHARD_ZERO2", (4, 2), "dots"),
+        ("FULL_SHARD", (1, 8), "offload"),  # XLA:CPU keeps "host" memory in RAM: the numbers of "dots"
     ],
 )
 def test_every_policy_trains_like_the_reference(strategy, mesh, remat):
@@ -89,6 +90,26 @@ def test_shard_grad_op_block_recompute_saves_temp_and_keeps_one_gather_per_unit(
     assert g_none == g_block == 1  # gathered weights kept from forward to backward: each kernel gathered once
 
 
+def test_offload_saves_the_dots_in_host_memory():
+    # "offload" saves what "dots" saves (every matmul output), as residuals in host memory: the
+    # vjp's residuals of a two-matmul function are its inputs and the two products, on the host
+    import jax.numpy as jnp
+
+    from zshard.unit_call import checkpointed
+
+    def apply(w, x):
+        return jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w))
+
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+
+    def residuals(remat):
+        jaxpr = jax.make_jaxpr(lambda w, x: jax.tree.leaves(jax.vjp(checkpointed(apply, remat), w, x)[1]))(w, x)
+        return [v.aval.str_short(short_dtypes=True) for v in jaxpr.jaxpr.outvars]
+
+    assert residuals("offload") == ["f32[4,4]", "f32[2,4]", "f32<host>[2,4]", "f32<host>[2,4]"]
+    assert residuals("dots") == ["f32[4,4]", "f32[2,4]", "f32[2,4]", "f32[2,4]"]
+
+
 def test_unknown_policy_is_refused_before_compiling():
-    with pytest.raises(ValueError, match=r"remat='full'.*'none', 'block', 'dots'"):
+    with pytest.raises(ValueError, match=r"remat='full'.*'none', 'block', 'dots', 'offload'"):
         zshard.make_train_step(cross_entropy_loss, remat="full")

@@ -206,7 +206,7 @@ class Config:
             if getattr(t, name) is not None:
                 choice(f"training.{name}", getattr(t, name), list(DTYPES))
         self._validate_precision()
-        choice("training.remat", t.remat, ["block", "dots", "none"])
+        choice("training.remat", t.remat, ["block", "dots", "none", "offload"])
         choice("mesh.unit", me.unit, ["blocks", "ends"])
         if me.offload is not None:
             choice("mesh.offload", me.offload, ["optimizer", "optimizer+master"])

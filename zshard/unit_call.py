@@ -27,6 +27,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import Offloadable, Recompute
 
 from zshard.axes import vary, varying_axes
 from zshard.collectives import after, after_tree, gather_flats, schedule_token
@@ -37,16 +38,16 @@ from zshard.hpz import gather_keeping_secondary, regather_secondary
 from zshard.jaxprs import unit_scope
 from zshard.sequence import in_backward
 
-__all__ = ["REMAT_POLICIES", "PrefetchLink", "Residuals", "UnitCall", "checkpointed", "remat_policy", "run_unit"]
+__all__ = ["REMAT_POLICIES", "PrefetchLink", "Residuals", "UnitCall", "checkpointed", "offload_dots", "remat_policy", "run_unit"]
 
-REMAT_POLICIES = ("none", "block", "dots")
+REMAT_POLICIES = ("none", "block", "dots", "offload")
 
 
 def remat_policy(remat):
     """Validate a ``remat=`` value; returns it (a name, or a ``jax.checkpoint`` policy callable).
 
     Raises:
-      ValueError: not one of ``"none"``, ``"block"``, ``"dots"`` or a callable.
+      ValueError: not one of ``"none"``, ``"block"``, ``"dots"``, ``"offload"`` or a callable.
     """
     if callable(remat) or remat in REMAT_POLICIES:
         return remat
@@ -56,13 +57,30 @@ def remat_policy(remat):
     )
 
 
+def offload_dots(prim, *_, **__):
+    """The ``"offload"`` policy: what ``"dots"`` saves (every ``dot_general`` output), moved to host
+    memory (``pinned_host``) in forward and back to the device in backward; the rest recomputed.
+
+    ``jax.checkpoint_policies.offload_dot_with_no_batch_dims`` offloads only the dots without batch
+    dimensions (the weight matmuls); this one offloads exactly ``"dots"``'s set, so the two save the
+    same values and differ only in where they live (docs/memory.md, "Remat policies").
+    """
+    if prim is jax.lax.dot_general_p:
+        return Offloadable(src="device", dst="pinned_host")
+    return Recompute
+
+
 def checkpointed(apply: Callable, remat) -> Callable:
     """``apply`` under the activation-checkpointing policy ``remat`` (gathered weights are inputs).
 
     ``"none"``: no recompute, every activation saved; ``"block"``: save only the inputs
     (``jax.checkpoint``, recompute the whole block); ``"dots"``: save matmul outputs
-    (``jax.checkpoint_policies.dots_saveable``), recompute the rest; a callable:
+    (``jax.checkpoint_policies.dots_saveable``), recompute the rest; ``"offload"``: the matmul
+    outputs saved in host memory (:func:`offload_dots`); a callable:
     ``jax.checkpoint(apply, policy=remat)``.
+
+    Raises:
+      ValueError: any other ``remat``.
     """
     match remat:
         case "none":
@@ -71,6 +89,8 @@ def checkpointed(apply: Callable, remat) -> Callable:
             return jax.checkpoint(apply)
         case "dots":
             return jax.checkpoint(apply, policy=jax.checkpoint_policies.dots_saveable)
+        case "offload":
+            return jax.checkpoint(apply, policy=offload_dots)
         case _ if callable(remat):
             return jax.checkpoint(apply, policy=remat)
         case _:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import zshard
-from train.models.core import Embed, attend, make_blocks, run_blocks
+from train.models.core import Embed, Head, attend, make_blocks, run_blocks
 
 __all__ = ["GPTConfig", "GPT", "Block", "MODEL_PRESETS"]
 
@@ -123,6 +123,19 @@ class GPT(nnx.Module):
         self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
         if not cfg.tie_embeddings:
             self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, rngs=rngs)
+
+    def hidden(self, tokens):
+        """(B, T) int -> (B, T, C): the final LayerNorm's output, what the head projects
+        (``cross_entropy_loss`` takes it with :meth:`output_head` instead of the logits)."""
+        positions = zshard.positions(tokens.shape[1])  # as __call__ without a cache
+        x = self.wte(tokens) + self.wpe(positions)[None]  # (B, T, C)
+        return self.ln_f(run_blocks(self.blocks, x, self.cfg.scan))
+
+    def output_head(self) -> Head:
+        """The output projection: the tied embedding ``wte`` ``[V, C]`` or the head's kernel ``[C, V]``."""
+        if self.cfg.tie_embeddings:
+            return Head(self.wte.embedding[...], 0)
+        return Head(self.head.kernel[...], 1)
 
     def __call__(self, tokens, cache=None, pos=None):
         T = tokens.shape[1]

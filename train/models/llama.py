@@ -18,7 +18,7 @@ import dataclasses
 
 from flax import nnx
 
-from train.models.core import Attention, Embed, GatedMLP, RopeScaling, head_size, make_blocks, rope_frequencies, run_blocks
+from train.models.core import Attention, Embed, GatedMLP, Head, RopeScaling, head_size, make_blocks, rope_frequencies, run_blocks
 
 __all__ = ["LlamaConfig", "Llama", "LlamaBlock", "RopeScaling", "LAYER_TYPES"]
 
@@ -148,6 +148,20 @@ class Llama(nnx.Module):
         """Final norm and output projection: (B, T, C) -> (B, T, vocab)."""
         x = self.norm(x)
         return self.embed.attend(x) if self.cfg.tie_embeddings else self.head(x)
+
+    def hidden(self, tokens):
+        """(B, T) int -> (B, T, C): the final norm's output, what the head projects
+        (``cross_entropy_loss`` takes it with :meth:`output_head` instead of the logits)."""
+        x = self.embed_tokens(tokens)  # (B, T, C)
+        return self.norm(run_blocks(self.blocks, x, self.cfg.scan))
+
+    def output_head(self) -> Head:
+        """The output projection: the tied embedding ``[V, C]`` or the head's kernel ``[C, V]``,
+        and the final soft-cap (Gemma 2's ``final_softcap``)."""
+        cap = getattr(self.cfg, "final_softcap", None)
+        if self.cfg.tie_embeddings:
+            return Head(self.embed.embedding[...], 0, cap)
+        return Head(self.head.kernel[...], 1, cap)
 
     def __call__(self, tokens, cache=None, pos=None):
         x = self.embed_tokens(tokens)  # (B, T, C)

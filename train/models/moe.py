@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from train.models.core import ACTIVATIONS, Attention, token_nll
+from train.models.core import ACTIVATIONS, Attention, chunked_token_nll
 from train.models.llama import Llama, LlamaConfig
 
 __all__ = ["MoEConfig", "MoE", "MoEBlock", "Qwen3Moe", "moe_loss"]
@@ -134,6 +134,11 @@ class Qwen3Moe(Llama):
     def __call__(self, tokens, cache=None, pos=None, *, router_aux=False):
         if not router_aux:
             return super().__call__(tokens, cache, pos)
+        x, aux = self.trunk(tokens)
+        return self.logits(x), aux
+
+    def trunk(self, tokens):
+        """(B, T) int -> ``(x (B, T, C) before the final norm, load-balancing loss)``."""
         cfg = self.cfg
         x = self.embed_tokens(tokens)  # (B, T, C)
         if cfg.scan:  # per-layer stats as scan outputs [L, B, E] (no carry to initialise)
@@ -149,14 +154,16 @@ class Qwen3Moe(Llama):
                 x, s = block(x, router_aux=True)
                 stats.append(s)
             counts, probs = (sum(parts) for parts in zip(*stats))  # (B, E) each, summed over the layers
-        aux = load_balancing_loss(counts, probs, cfg.n_layers * tokens.shape[1], cfg.n_experts)
-        return self.logits(x), aux
+        return x, load_balancing_loss(counts, probs, cfg.n_layers * tokens.shape[1], cfg.n_experts)
 
 
 def moe_loss(model: Qwen3Moe, batch):
     """``(cross_entropy + router_aux_coef * aux_loss, {"router_aux_loss", "cross_entropy"})``
-    for ``zshard.make_train_step(moe_loss, has_aux=True)``; ``batch = (inputs, targets)``."""
+    for ``zshard.make_train_step(moe_loss, has_aux=True)``; ``batch = (inputs, targets)``.
+
+    The cross-entropy is :func:`~train.models.core.chunked_token_nll` of the final hidden
+    states and the head: no float32 ``[tokens, V]`` logits (as ``cross_entropy_loss``)."""
     inputs, targets = batch
-    logits, aux = model(inputs, router_aux=True)
-    ce = token_nll(logits.astype(jnp.float32), targets)
+    x, aux = model.trunk(inputs)
+    ce = chunked_token_nll(model.norm(x), model.output_head(), targets)
     return ce + model.cfg.router_aux_coef * aux, {"router_aux_loss": aux, "cross_entropy": ce}
