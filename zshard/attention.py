@@ -1,5 +1,13 @@
 """``zshard.attention``: scaled dot-product attention that works on a sequence split over ``context``.
 
+The kernel follows the devices of the mesh being compiled for (:func:`zshard.gpu.traced_platform`:
+the enclosing ``shard_map``'s mesh, else the process's backend), never the process's default
+backend alone: on a mesh of CUDA GPUs, one device's attention is cuDNN's flash attention
+(:func:`cuda_attention`, with a named fallback to the tiled block where cuDNN refuses); on a split
+sequence the all-gather / ring walk below runs on every platform (its merge of partial results needs
+each block's log-sum-exp and a backward from the global one, which ``jax.nn``'s cuDNN call does not
+expose). On CPU (and TPU, ROCm) the paths are:
+
 Outside a step whose sequence is split (one device, ``C = 1``, an eval or forward without a
 sequence axis, plain JAX) it is ``jax.nn.dot_product_attention`` (the mask passed as an additive
 bias, GQA's keys and values repeated to the query heads: the same numbers, less memory in a
@@ -39,16 +47,18 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import warnings
 
 import jax
 import jax.numpy as jnp
 
+from zshard.gpu import traced_platform
 from zshard.flash import NEG, TILE, block, block_backward, block_forward, from_tiles, varying, zero
 from zshard.jaxprs import CONTEXT_SCOPE
 from zshard.mesh import CONTEXT
 from zshard.sequence import AttentionCall, SequenceSplit, active
 
-__all__ = ["IMPLS", "attention", "schedule"]
+__all__ = ["CUDNN_DTYPES", "IMPLS", "attention", "cuda_attention", "cudnn_refusal", "schedule"]
 
 IMPLS = ("allgather", "ring")
 DIAG, LOWER, UPPER = 0, 1, 2  # which blocks of (my 2 chunks) x (a source's 2 chunks) are computed
@@ -231,6 +241,10 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
         does not divide is cut into ``ceil(n / tile)`` equal tiles, the last padded with masked
         tokens. The plain one-device path (``jax.nn.dot_product_attention``) does not tile.
 
+    On a mesh of CUDA GPUs (``zshard.gpu_devices`` or real ones) one device's call (no split
+    sequence) is cuDNN's flash attention (:func:`cuda_attention`; ``tile`` unused), falling back to
+    the tiled block with a warning naming the reason (:func:`cudnn_refusal`, or cuDNN's own).
+
     Returns:
       ``[B, L, H, D]`` in ``q``'s dtype (logits and softmax in float32).
 
@@ -241,13 +255,11 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
     _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap, tile)
     record = active()
     split = None if record is None else record.split
+    if (split is None or split.context == 1) and traced_platform(q) == "cuda":  # the mesh's devices decide
+        return cuda_attention(q, k, v, causal=causal, segment_ids=segment_ids, sliding_window=sliding_window, scale=scale,
+                              softcap=softcap, tile=tile)
     if (split is None or split.context == 1) and softcap is not None:
-        B, L, H, D = q.shape
-        pos = jnp.arange(L, dtype=jnp.int32)
-        opts = ((causal, sliding_window, float(1 / math.sqrt(D) if scale is None else scale), float(softcap)), int(tile))
-        o = block(q.reshape(B, L, k.shape[2], H // k.shape[2], D), k, v, pos, pos, segment_ids, segment_ids,
-                   opts)  # [B, L, n_kv, G, Dv] float32
-        return o.astype(q.dtype).reshape(B, L, H, v.shape[3])  # -> [B, L, H, Dv]
+        return _tiled(q, k, v, causal, segment_ids, sliding_window, scale, softcap, tile)
     if split is None or split.context == 1:
         # GQA: K/V repeated to the query heads, [B, S, n_kv, D] -> [B, S, H, D]: jax.nn's grouped
         # [B, n_kv, G, L, S] scores cost one scores-sized copy more in a scanned block (measured:
@@ -265,6 +277,72 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
                                 segment_ids is not None, impl))
     return context_attention(q, k, v, split, jax.lax.axis_index(CONTEXT), causal=causal, segment_ids=segment_ids,
                              sliding_window=sliding_window, scale=scale, softcap=softcap, impl=impl, tile=tile)
+
+
+def _tiled(q, k, v, causal, segment_ids, sliding_window, scale, softcap, tile):
+    """One device's attention by the tiled block (:func:`zshard.flash.block`): one ``L x L`` block
+    in tiles of ``tile``, FlashAttention-2's backward. ``q [B, L, H, D]`` -> ``[B, L, H, Dv]``."""
+    B, L, H, D = q.shape
+    pos = jnp.arange(L, dtype=jnp.int32)
+    cap = None if softcap is None else float(softcap)
+    opts = ((causal, sliding_window, float(1 / math.sqrt(D) if scale is None else scale), cap), int(tile))
+    o = block(q.reshape(B, L, k.shape[2], H // k.shape[2], D), k, v, pos, pos, segment_ids, segment_ids,
+              opts)  # [B, L, n_kv, G, Dv] float32
+    return o.astype(q.dtype).reshape(B, L, H, v.shape[3])  # -> [B, L, H, Dv]
+
+
+CUDNN_DTYPES = ("bfloat16", "float16")
+_WARNED: set = set()  # the fallback reasons already warned of (once each per process)
+
+
+def cudnn_refusal(q, k, v, *, causal: bool = True, sliding_window=None, softcap=None) -> str | None:
+    """Why ``jax.nn.dot_product_attention(..., implementation="cudnn")`` cannot take this call,
+    known before calling it, or ``None``: a soft-cap (jax.nn has none), a dtype other than
+    bfloat16 / float16 or q, k, v of different dtypes, a window that is not causal (cuDNN's window
+    is left-sided only). Shapes cuDNN refuses (e.g. ``head_dim > 128`` in an ahead-of-time compile
+    on a host without a GPU, where JAX cannot read the GPU's compute capability) are found by the
+    call itself (:func:`cuda_attention`)."""
+    if softcap is not None:
+        return "a soft-cap (jax.nn.dot_product_attention has no soft-cap option)"
+    dtypes = {jnp.dtype(x.dtype).name for x in (q, k, v)}
+    if len(dtypes) > 1 or not dtypes <= set(CUDNN_DTYPES):
+        return f"q, k, v of dtype {'/'.join(sorted(dtypes))} (cuDNN's flash attention takes one of {', '.join(CUDNN_DTYPES)})"
+    if sliding_window is not None and not causal:
+        return "a two-sided sliding window (cuDNN's window is left-sided, under a causal mask)"
+    return None
+
+
+def cuda_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None, scale=None, softcap=None, tile=TILE):
+    """One device's attention on CUDA: cuDNN's flash attention (``jax.nn.dot_product_attention(...,
+    implementation="cudnn")``: the ``__cudnn$fmhaSoftmax`` forward and ``__cudnn$fmhaSoftmaxBackward``
+    custom calls), else the tiled block (:func:`_tiled`) with a warning, once per reason, naming it.
+
+    Grouped-query keys and values ``[B, L, n_kv, D]`` go to cuDNN as they are (no repeat to the query
+    heads); ``causal`` is cuDNN's causal mask; ``sliding_window`` ``W`` its left window (``W - 1``
+    keys before the query's own); ``segment_ids`` a boolean ``[B, 1, L, L]`` mask of equal ids, which
+    jax.nn passes to cuDNN as an additive bias in ``q``'s dtype (a ``[B, 1, L, L]`` buffer forward,
+    and cuDNN writes its gradient backward). Refused (:func:`cudnn_refusal`, or the call raising):
+    the tiled block, exact in float32 (zshard/flash.py). ``q [B, L, H, D]`` -> ``[B, L, H, Dv]``."""
+    reason = cudnn_refusal(q, k, v, causal=causal, sliding_window=sliding_window, softcap=softcap)
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = [a for a, kind in zip(mesh.axis_names, mesh.axis_types) if kind != jax.sharding.AxisType.Manual and mesh.shape[a] > 1]
+    if reason is None and auto:
+        # JAX 0.10.2: its cuDNN call's partitioner fails on a compiler-partitioned (Auto) axis ("'GSPMDSharding' object has
+        # no attribute 'spec'"), and a shard_map over tensor inside zshard's fails lowering (its residuals' sharding)
+        reason = f"the mesh axes {auto} are partitioned by the compiler (JAX's cuDNN call cannot be partitioned over them)"
+    if reason is None:
+        mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, L, L]
+        window = None if sliding_window is None else (sliding_window - 1, 0)  # keys p' in [p - (W-1), p]
+        try:
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal, local_window_size=window,
+                                                implementation="cudnn")
+        except (NotImplementedError, ValueError, RuntimeError) as e:  # cuDNN's (JAX's) refusal of this shape
+            reason = f"cuDNN refused q {tuple(q.shape)}, k {tuple(k.shape)}: {e}"
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"zshard.attention on CUDA: {reason}; running zshard's tiled attention (zshard/flash.py) instead "
+                      "of cuDNN's", stacklevel=3)
+    return _tiled(q, k, v, causal, segment_ids, sliding_window, scale, softcap, tile)
 
 
 def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segment_ids=None, sliding_window=None,
