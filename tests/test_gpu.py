@@ -11,6 +11,7 @@ JAX's CUDA plugin (``pip install "zshard[cuda12]"``, CI installs it) and skip wi
 import dataclasses
 import importlib
 import importlib.util
+import re
 import warnings
 
 import jax
@@ -22,7 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import zshard
-from train.model import LlamaConfig, build_model, cross_entropy_loss
+from train.model import LlamaConfig, build_model, cross_entropy_loss, tensor_plan
 from zshard import gpu
 from zshard.attention import _bias, cudnn_refusal
 from zshard.step_config import default_prefetch
@@ -128,6 +129,17 @@ def test_gpu_compiler_options_reach_xla_through_zshards_jit(h100, monkeypatch):
     step = zshard.make_train_step(cross_entropy_loss)  # the step's jit on a CUDA mesh is the one with the profile
     assert step._jit_for(_state(h100)) is step._jits[tuple(sorted(gpu.GPU_COMPILER_OPTIONS.items()))]
     assert step._jit_for(_state(zshard.make_mesh(1, 8))) is step._jitted  # CPU: XLA's defaults, as before
+
+
+@needs_cuda
+def test_cudnn_on_a_tensor_axis_splits_the_heads_by_hand():
+    mesh = zshard.make_mesh(1, 4, tensor=2, devices=zshard.gpu_devices("h100", 8))
+    state = zshard.init(lambda: build_model(CFG, nnx.Rngs(0)), optax.adamw(1e-3), mesh, abstract=True, mixed_precision=MP,
+                        tensor_parallel=tensor_plan(CFG, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback: the heads (4 query, 2 key/value) divide over tensor 2
+        text = zshard.make_train_step(cross_entropy_loss).lower(state, (jax.ShapeDtypeStruct((4, CFG.seq_len), jnp.int32),) * 2).as_text()
+    assert re.search(r"__cudnn\$fmhaSoftmax\b(?!Backward)", text) and "__cudnn$fmhaSoftmaxBackward" in text
 
 
 def _attention_on(mesh, q, k, v, **kw):

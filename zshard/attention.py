@@ -51,11 +51,12 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from zshard.gpu import traced_platform
 from zshard.flash import NEG, TILE, block, block_backward, block_forward, from_tiles, varying, zero
 from zshard.jaxprs import CONTEXT_SCOPE
-from zshard.mesh import CONTEXT
+from zshard.mesh import CONTEXT, TENSOR
 from zshard.sequence import AttentionCall, SequenceSplit, active
 
 __all__ = ["CUDNN_DTYPES", "IMPLS", "attention", "cuda_attention", "cudnn_refusal", "schedule"]
@@ -326,16 +327,21 @@ def cuda_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=Non
     reason = cudnn_refusal(q, k, v, causal=causal, sliding_window=sliding_window, softcap=softcap)
     mesh = jax.sharding.get_abstract_mesh()
     auto = [a for a, kind in zip(mesh.axis_names, mesh.axis_types) if kind != jax.sharding.AxisType.Manual and mesh.shape[a] > 1]
-    if reason is None and auto:
-        # JAX 0.10.2: its cuDNN call's partitioner fails on a compiler-partitioned (Auto) axis ("'GSPMDSharding' object has
-        # no attribute 'spec'"), and a shard_map over tensor inside zshard's fails lowering (its residuals' sharding)
-        reason = f"the mesh axes {auto} are partitioned by the compiler (JAX's cuDNN call cannot be partitioned over them)"
+    tensor = mesh.shape[TENSOR] if auto == [TENSOR] else 0
+    if reason is None and auto and not (tensor and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0):
+        # JAX 0.10.2's cuDNN call cannot be partitioned by the compiler ("'GSPMDSharding' object has no attribute 'spec'")
+        reason = (f"the mesh axes {auto} are partitioned by the compiler around q {tuple(q.shape)}, k {tuple(k.shape)} (JAX's "
+                  "cuDNN call cannot be; a tensor axis that divides the query and key/value heads is split by hand)")
     if reason is None:
         mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, L, L]
         window = None if sliding_window is None else (sliding_window - 1, 0)  # keys p' in [p - (W-1), p]
-        try:
+
+        def cudnn(q, k, v, mask):
             return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal, local_window_size=window,
                                                 implementation="cudnn")
+
+        try:
+            return (_over_tensor(cudnn, mesh) if auto else cudnn)(q, k, v, mask)
         except (NotImplementedError, ValueError, RuntimeError) as e:  # cuDNN's (JAX's) refusal of this shape
             reason = f"cuDNN refused q {tuple(q.shape)}, k {tuple(k.shape)}: {e}"
     if reason not in _WARNED:
@@ -343,6 +349,26 @@ def cuda_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=Non
         warnings.warn(f"zshard.attention on CUDA: {reason}; running zshard's tiled attention (zshard/flash.py) instead "
                       "of cuDNN's", stacklevel=3)
     return _tiled(q, k, v, causal, segment_ids, sliding_window, scale, softcap, tile)
+
+
+def _over_tensor(cudnn, mesh):
+    """``cudnn(q, k, v, mask)`` with the heads split over the (compiler-partitioned) ``tensor`` axis
+    by hand: a ``shard_map`` over ``tensor`` (Megatron's layout: each device holds whole key/value
+    groups with their query heads, ``q [B, L, H/T, D]``, ``k, v [B, L, n_kv/T, D]``), under a custom
+    VJP whose backward runs cuDNN's forward again and its backward in a second ``shard_map``: JAX
+    0.10.2 cannot lower a differentiated ``shard_map`` over ``tensor`` inside zshard's (its residuals'
+    sharding puts ``tensor`` after ``shard``). One more cuDNN forward per call in the backward."""
+    heads = P(None, None, TENSOR, None)
+    fwd = jax.shard_map(cudnn, mesh=mesh, in_specs=(heads, heads, heads, P()), out_specs=heads, axis_names={TENSOR})
+
+    def grads(q, k, v, mask, do):
+        return jax.vjp(lambda q, k, v: cudnn(q, k, v, mask), q, k, v)[1](do)
+
+    bwd = jax.shard_map(grads, mesh=mesh, in_specs=(heads, heads, heads, P(), heads), out_specs=(heads,) * 3,
+                        axis_names={TENSOR})
+    run = jax.custom_vjp(fwd)
+    run.defvjp(lambda q, k, v, mask: (fwd(q, k, v, mask), (q, k, v, mask)), lambda res, do: (*bwd(*res, do), None))
+    return run
 
 
 def context_attention(q, k, v, split: SequenceSplit, index, *, causal=True, segment_ids=None, sliding_window=None,
