@@ -25,10 +25,10 @@ from jax.sharding import PartitionSpec as P
 import zshard
 from train.model import LlamaConfig, build_model, cross_entropy_loss, tensor_plan
 from zshard import gpu
-from zshard.attention import _bias, cudnn_refusal
+from zshard.attention import _bias
+from zshard.gpu import cudnn_refusal
 from zshard.step_config import default_prefetch
 
-zshard_attention = importlib.import_module("zshard.attention")  # the module (zshard.attention is the function)
 
 # compile-only GPU executables cannot be read back from JAX's persistent cache (tests/conftest.py sets one)
 pytestmark = pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry:UserWarning")
@@ -142,6 +142,12 @@ def test_cudnn_on_a_tensor_axis_splits_the_heads_by_hand():
     assert re.search(r"__cudnn\$fmhaSoftmax\b(?!Backward)", text) and "__cudnn$fmhaSoftmaxBackward" in text
 
 
+@needs_cuda
+def test_gpu_step_exports_with_cudnn_calls(h100):  # zshard.report's offload view exports the GPU program
+    text = zshard.make_train_step(cross_entropy_loss).export(_state(h100), _batch()).mlir_module()
+    assert "@__cudnn$fmhaSoftmaxBackward(" in text
+
+
 def _attention_on(mesh, q, k, v, **kw):
     spec = P(("replica", "shard"))
     f = jax.shard_map(lambda q, k, v: zshard.attention(q, k, v, **kw), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
@@ -176,7 +182,7 @@ def test_cpu_mesh_attention_is_the_xla_path_bitwise():
 
 @needs_cuda
 def test_cuda_mesh_attention_kernel_and_its_named_fallbacks(h100, monkeypatch):
-    monkeypatch.setattr(zshard_attention, "_WARNED", set())  # each fallback warns once per process
+    monkeypatch.setattr(gpu, "_WARNED", set())  # each fallback warns once per process
     def lowered(q, k, v, **kw):
         shard = jax.sharding.NamedSharding(h100, P(("replica", "shard")))
         args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard) for x in (q, k, v)]

@@ -11,6 +11,8 @@
   (:func:`zshard.step_config.default_prefetch`) and the compiler options below follow it.
 - :data:`GPU_COMPILER_OPTIONS` / :func:`compiler_options`: the XLA:GPU options zshard's own
   ``jax.jit`` passes (``compiler_options=``) when the mesh is on CUDA; not ``XLA_FLAGS``.
+- :func:`cuda_attention`: ``zshard.attention``'s kernel on a CUDA mesh, cuDNN's flash attention,
+  with the fallbacks :func:`cudnn_refusal` names.
 """
 
 from __future__ import annotations
@@ -19,12 +21,20 @@ import functools
 import importlib.resources
 import importlib.util
 import re
+import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["CUDA_EXTRA", "GPU_COMPILER_OPTIONS", "TARGETS", "compiler_options", "gpu_devices", "platform", "target_spec",
-           "traced_platform"]
+from zshard.flash import TILE, one_device
+from zshard.mesh import TENSOR
+
+__all__ = [
+    "CUDA_EXTRA", "CUDNN_CALLS", "CUDNN_DTYPES", "GPU_COMPILER_OPTIONS", "TARGETS", "compiler_options", "cuda_attention",
+    "cudnn_refusal", "export_checks", "gpu_devices", "mesh_jit", "platform", "target_spec", "traced_platform",
+]  # fmt: skip
 
 TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb", "a100": "a100_sxm_80.txtpb"}  # target -> zshard/targets/ file
 CUDA_EXTRA = 'pip install "zshard[cuda12]"'  # JAX's CUDA plugin (jax[cuda12]): needed to compile for a GPU target
@@ -181,3 +191,96 @@ def mesh_jit(cache: dict, fn, mesh, **jit_kw):
     if key not in cache:
         cache[key] = jax.jit(fn, compiler_options=options, **jit_kw)
     return cache[key]
+
+
+# ------------------------------------------------------------------------------------------------
+# cuDNN attention: zshard.attention's kernel on a CUDA mesh
+
+CUDNN_DTYPES = ("bfloat16", "float16")
+# the custom calls cuDNN's attention lowers to (jax.nn.dot_product_attention; a mask makes it a bias)
+CUDNN_CALLS = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward", "__cudnn$fmhaScaleBiasSoftmax",
+               "__cudnn$fmhaScaleBiasSoftmaxBackward")
+
+
+def export_checks() -> list:
+    """``jax.export.export(..., disabled_checks=...)`` for a program with cuDNN attention: its
+    custom calls are not among jax.export's stable ones (their ABI may change between jaxlib
+    versions), so an exported GPU program is for reading (``mlir_module()``), not for keeping."""
+    return [jax.export.DisabledSafetyCheck.custom_call(name) for name in CUDNN_CALLS]
+_WARNED: set = set()  # the fallback reasons already warned of (once each per process)
+
+
+def cudnn_refusal(q, k, v, *, causal: bool = True, sliding_window=None, softcap=None) -> str | None:
+    """Why ``jax.nn.dot_product_attention(..., implementation="cudnn")`` cannot take this call,
+    known before calling it, or ``None``: a soft-cap (jax.nn has none), a dtype other than
+    bfloat16 / float16 or q, k, v of different dtypes, a window that is not causal (cuDNN's window
+    is left-sided only). Shapes cuDNN refuses (e.g. ``head_dim > 128`` in an ahead-of-time compile
+    on a host without a GPU, where JAX cannot read the GPU's compute capability) are found by the
+    call itself (:func:`cuda_attention`)."""
+    if softcap is not None:
+        return "a soft-cap (jax.nn.dot_product_attention has no soft-cap option)"
+    dtypes = {jnp.dtype(x.dtype).name for x in (q, k, v)}
+    if len(dtypes) > 1 or not dtypes <= set(CUDNN_DTYPES):
+        return f"q, k, v of dtype {'/'.join(sorted(dtypes))} (cuDNN's flash attention takes one of {', '.join(CUDNN_DTYPES)})"
+    if sliding_window is not None and not causal:
+        return "a two-sided sliding window (cuDNN's window is left-sided, under a causal mask)"
+    return None
+
+
+def cuda_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None, scale=None, softcap=None, tile=TILE):
+    """One device's attention on CUDA: cuDNN's flash attention (``jax.nn.dot_product_attention(...,
+    implementation="cudnn")``: the ``__cudnn$fmhaSoftmax`` forward and ``__cudnn$fmhaSoftmaxBackward``
+    custom calls), else the tiled block (:func:`zshard.flash.one_device`) with a warning, once per
+    reason, naming it.
+
+    Grouped-query keys and values ``[B, L, n_kv, D]`` go to cuDNN as they are (no repeat to the query
+    heads); ``causal`` is cuDNN's causal mask; ``sliding_window`` ``W`` its left window (``W - 1``
+    keys before the query's own); ``segment_ids`` a boolean ``[B, 1, L, L]`` mask of equal ids, which
+    jax.nn passes to cuDNN as an additive bias in ``q``'s dtype (a ``[B, 1, L, L]`` buffer forward,
+    and cuDNN writes its gradient backward). Refused (:func:`cudnn_refusal`, or the call raising):
+    the tiled block, exact in float32 (zshard/flash.py). ``q [B, L, H, D]`` -> ``[B, L, H, Dv]``."""
+    reason = cudnn_refusal(q, k, v, causal=causal, sliding_window=sliding_window, softcap=softcap)
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = [a for a, kind in zip(mesh.axis_names, mesh.axis_types) if kind != jax.sharding.AxisType.Manual and mesh.shape[a] > 1]
+    tensor = mesh.shape[TENSOR] if auto == [TENSOR] else 0
+    if reason is None and auto and not (tensor and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0):
+        # JAX 0.10.2's cuDNN call cannot be partitioned by the compiler ("'GSPMDSharding' object has no attribute 'spec'")
+        reason = (f"the mesh axes {auto} are partitioned by the compiler around q {tuple(q.shape)}, k {tuple(k.shape)} (JAX's "
+                  "cuDNN call cannot be; a tensor axis that divides the query and key/value heads is split by hand)")
+    if reason is None:
+        mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, L, L]
+        window = None if sliding_window is None else (sliding_window - 1, 0)  # keys p' in [p - (W-1), p]
+
+        def cudnn(q, k, v, mask):
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal, local_window_size=window,
+                                                implementation="cudnn")
+
+        try:
+            return (_over_tensor(cudnn, mesh) if auto else cudnn)(q, k, v, mask)
+        except (NotImplementedError, ValueError, RuntimeError) as e:  # cuDNN's (JAX's) refusal of this shape
+            reason = f"cuDNN refused q {tuple(q.shape)}, k {tuple(k.shape)}: {e}"
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"zshard.attention on CUDA: {reason}; running zshard's tiled attention (zshard/flash.py) instead "
+                      "of cuDNN's", stacklevel=3)
+    return one_device(q, k, v, causal, segment_ids, sliding_window, scale, softcap, tile)
+
+
+def _over_tensor(cudnn, mesh):
+    """``cudnn(q, k, v, mask)`` with the heads split over the (compiler-partitioned) ``tensor`` axis
+    by hand: a ``shard_map`` over ``tensor`` (Megatron's layout: each device holds whole key/value
+    groups with their query heads, ``q [B, L, H/T, D]``, ``k, v [B, L, n_kv/T, D]``), under a custom
+    VJP whose backward runs cuDNN's forward again and its backward in a second ``shard_map``: JAX
+    0.10.2 cannot lower a differentiated ``shard_map`` over ``tensor`` inside zshard's (its residuals'
+    sharding puts ``tensor`` after ``shard``). One more cuDNN forward per call in the backward."""
+    heads = P(None, None, TENSOR, None)
+    fwd = jax.shard_map(cudnn, mesh=mesh, in_specs=(heads, heads, heads, P()), out_specs=heads, axis_names={TENSOR})
+
+    def grads(q, k, v, mask, do):
+        return jax.vjp(lambda q, k, v: cudnn(q, k, v, mask), q, k, v)[1](do)
+
+    bwd = jax.shard_map(grads, mesh=mesh, in_specs=(heads, heads, heads, P(), heads), out_specs=(heads,) * 3,
+                        axis_names={TENSOR})
+    run = jax.custom_vjp(fwd)
+    run.defvjp(lambda q, k, v, mask: (fwd(q, k, v, mask), (q, k, v, mask)), lambda res, do: (*bwd(*res, do), None))
+    return run

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from zshard.checks import check_traced, traced
 from zshard.feedback import feedback_sinks, new_feedback
-from zshard.gpu import compiler_options, mesh_jit
+from zshard.gpu import compiler_options, export_checks, mesh_jit
 from zshard.collectives import vary
 from zshard.intercept import materialize, read_variables
 from zshard.jaxprs import LOSS_SCOPE
@@ -397,7 +397,8 @@ class TrainStep:
         exported on a CPU-only machine): ``.mlir_module()`` is its StableHLO text, where host
         offload shows as ``annotate_device_placement`` calls (:func:`zshard.offload.exported_placements`)."""
         check_placement(state)
-        return jax.export.export(self._jit_for(state), platforms=list(platforms))(state, self.put_batch(state, batch))
+        return jax.export.export(self._jit_for(state), platforms=list(platforms),
+                                 disabled_checks=export_checks())(state, self.put_batch(state, batch))  # cuDNN's calls
 
     def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
         """The lowered step (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
