@@ -102,7 +102,7 @@ def test_gpu_step_uses_cudnn_and_reports_overlap(gpu_report):
         assert o["compute_between"] >= 0 and (o["async"] or o["compute_between"] == 0)
     started = [o for o in gpu_report.overlap if o["async"] and o["op"] in ("all-gather", "reduce-scatter")]
     assert started and sum(o["compute_between"] > 0 for o in started) >= 0.9 * len(started)
-    assert "with compute between start and done" in gpu_report.table()
+    assert "with compute between start and done" in gpu_report.table() and gpu_report.prefetch == 1
 
 
 @needs_cuda

@@ -89,6 +89,8 @@ class Report:
         ``bytes`` (the full buffer ``X``), ``async`` (XLA:GPU runs it on its own stream; XLA:CPU
         never does), ``compute_between`` (fusions, dots, custom calls, loops scheduled between its
         start and its done), ``name``, ``trips``, ``computation``.
+      prefetch: units gathered ahead in this program (``make_train_step(prefetch=...)``, or the
+        default of the mesh's platform: 1 on GPUs, 0 on CPU).
       attention: the attention kernel of the compiled program: ``kernel`` (``"cudnn"`` when
         cuDNN's fused attention calls are present, else ``"xla"``: zshard's own or jax.nn's XLA
         path), ``forward_calls`` and ``backward_calls`` (``__cudnn$fmha*`` custom calls in the text).
@@ -112,6 +114,7 @@ class Report:
     quantized: dict | None = None
     overlap: list = dataclasses.field(default_factory=list)
     attention: dict = dataclasses.field(default_factory=dict)
+    prefetch: int | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -284,6 +287,7 @@ def report(step, state, batch) -> Report:
         quantized=coverage(plan) if plan.mp.quantized else None,
         overlap=parse_overlap(text, plan.mesh),
         attention=attention_calls(text),
+        prefetch=step.config.resolved_prefetch(plan.mesh),
     )
 
 
