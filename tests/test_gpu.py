@@ -143,6 +143,24 @@ def test_cudnn_on_a_tensor_axis_splits_the_heads_by_hand():
 
 
 @needs_cuda
+def test_eval_step_on_a_gpu_mesh_runs_cudnn_forward_only(h100):
+    text = zshard.make_eval_step(cross_entropy_loss).lower(_state(h100), _batch()).as_text()
+    assert "@__cudnn$fmhaSoftmax(" in text and "Backward" not in text
+
+
+@needs_cuda
+def test_packed_segments_reach_cudnn_as_a_mask(h100):
+    spec = P(("replica", "shard"))
+    f = jax.shard_map(lambda q, k, v, seg: zshard.attention(q, k, v, segment_ids=seg), mesh=h100, in_specs=(spec,) * 4,
+                      out_specs=spec)
+    shard = jax.sharding.NamedSharding(h100, spec)
+    q, k, v = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shard) for x in _qkv(jnp.bfloat16))
+    text = jax.jit(jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))).lower(
+        q, k, v, jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=shard)).as_text()
+    assert "@__cudnn$fmhaScaleBiasSoftmax(" in text and "@__cudnn$fmhaScaleBiasSoftmaxBackward(" in text
+
+
+@needs_cuda
 def test_gpu_step_exports_with_cudnn_calls(h100):  # zshard.report's offload view exports the GPU program
     text = zshard.make_train_step(cross_entropy_loss).export(_state(h100), _batch()).mlir_module()
     assert "@__cudnn$fmhaSoftmaxBackward(" in text
