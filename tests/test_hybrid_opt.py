@@ -355,9 +355,9 @@ def test_replica_reduce_scatter_per_layer_inside_backward(r, s):
     block = next(u for u in plan.units if u.layers)
     root = next(u for u in plan.units if not u.path)
     per_layer = [o for o in rs_rep if o.count == layers]
-    assert [o.sizes for o in per_layer] == [[f.shard_size // r] for f in block.flats], _describe(rs_rep)
+    assert [o.sizes for o in per_layer] == [[f.shard_size // r] for f in block.flats], [o.line for o in rs_rep]
     rest = [o for o in rs_rep if o.count != layers]
-    assert [o.sizes for o in rest] == [[f.shard_size // r] for f in root.flats], _describe(rs_rep)
+    assert [o.sizes for o in rest] == [[f.shard_size // r] for f in root.flats], [o.line for o in rs_rep]
     # every one of them in the backward pass (transpose), the block's in its unit's backward scope
     lines = [o.line for o in rs_rep]
     assert all("/transpose(jvp(" in ln for ln in lines), "\n".join(lines)

@@ -15,17 +15,21 @@ compiled program's HLO, by mesh axis), ``parse_mesh`` (``"RxS"`` or a preset nam
 ``zshard.formulas`` (the memory and communication formulas, also in closed form for
 ``python -m train.scale``). For long sequences
 (docs/long-sequences.md): ``attention`` (exact on a sequence split over the ``context`` axis)
-and ``positions`` (each local token's global position).
+and ``positions`` (each local token's global position). For the GPU program on any machine:
+``gpu_devices`` (a compile-only topology of H100 / H200 / A100 from XLA's target specs), the
+submodule ``zshard.gpu`` (``GPU_COMPILER_OPTIONS``, ``TARGETS``, ``platform`` of a mesh) and
+``parse_overlap`` (each collective of a compiled program: async or not, compute between start and done).
 """
 
-from zshard import distributed, formulas
+from zshard import distributed, formulas, gpu
 from zshard.attention import attention
 from zshard.checkpoint import Checkpointer, export, load_params, restore, save
 from zshard.evaluate import EvalStep, make_eval_step, make_forward
+from zshard.gpu import gpu_devices
 from zshard.mesh import make_mesh, parse_mesh
 from zshard.precision import MixedPrecision
 from zshard.quant import Quant
-from zshard.report import Report, parse_collectives, report
+from zshard.report import Report, parse_collectives, parse_overlap, report
 from zshard.sequence import positions
 from zshard.state import Plan, ShardedState, init, unshard
 from zshard.intercept import device_key
@@ -51,6 +55,8 @@ __all__ = [
     "EvalStep",
     "export",
     "fetch_params",
+    "gpu",
+    "gpu_devices",
     "init",
     "load_params",
     "make_eval_step",
@@ -59,6 +65,7 @@ __all__ = [
     "make_train_step",
     "parse_collectives",
     "parse_mesh",
+    "parse_overlap",
     "path_str",
     "positions",
     "report",

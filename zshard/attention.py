@@ -1,5 +1,13 @@
 """``zshard.attention``: scaled dot-product attention that works on a sequence split over ``context``.
 
+The kernel follows the devices of the mesh being compiled for (:func:`zshard.gpu.traced_platform`:
+the enclosing ``shard_map``'s mesh, else the process's backend), never the process's default
+backend alone: on a mesh of CUDA GPUs, one device's attention is cuDNN's flash attention
+(:func:`cuda_attention`, with a named fallback to the tiled block where cuDNN refuses); on a split
+sequence the all-gather / ring walk below runs on every platform (its merge of partial results needs
+each block's log-sum-exp and a backward from the global one, which ``jax.nn``'s cuDNN call does not
+expose). On CPU (and TPU, ROCm) the paths are:
+
 Outside a step whose sequence is split (one device, ``C = 1``, an eval or forward without a
 sequence axis, plain JAX) it is ``jax.nn.dot_product_attention`` (the mask passed as an additive
 bias, GQA's keys and values repeated to the query heads: the same numbers, less memory in a
@@ -43,7 +51,8 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from zshard.flash import NEG, TILE, block, block_backward, block_forward, from_tiles, varying, zero
+from zshard.gpu import cuda_attention, traced_platform
+from zshard.flash import NEG, TILE, block_backward, block_forward, from_tiles, one_device, varying, zero
 from zshard.jaxprs import CONTEXT_SCOPE
 from zshard.mesh import CONTEXT
 from zshard.sequence import AttentionCall, SequenceSplit, active
@@ -231,6 +240,10 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
         does not divide is cut into ``ceil(n / tile)`` equal tiles, the last padded with masked
         tokens. The plain one-device path (``jax.nn.dot_product_attention``) does not tile.
 
+    On a mesh of CUDA GPUs (``zshard.gpu_devices`` or real ones) one device's call (no split
+    sequence) is cuDNN's flash attention (:func:`cuda_attention`; ``tile`` unused), falling back to
+    the tiled block with a warning naming the reason (:func:`cudnn_refusal`, or cuDNN's own).
+
     Returns:
       ``[B, L, H, D]`` in ``q``'s dtype (logits and softmax in float32).
 
@@ -241,13 +254,11 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
     _check(q, k, v, causal, segment_ids, sliding_window, scale, impl, softcap, tile)
     record = active()
     split = None if record is None else record.split
+    if (split is None or split.context == 1) and traced_platform(q) == "cuda":  # the mesh's devices decide
+        return cuda_attention(q, k, v, causal=causal, segment_ids=segment_ids, sliding_window=sliding_window, scale=scale,
+                              softcap=softcap, tile=tile)
     if (split is None or split.context == 1) and softcap is not None:
-        B, L, H, D = q.shape
-        pos = jnp.arange(L, dtype=jnp.int32)
-        opts = ((causal, sliding_window, float(1 / math.sqrt(D) if scale is None else scale), float(softcap)), int(tile))
-        o = block(q.reshape(B, L, k.shape[2], H // k.shape[2], D), k, v, pos, pos, segment_ids, segment_ids,
-                   opts)  # [B, L, n_kv, G, Dv] float32
-        return o.astype(q.dtype).reshape(B, L, H, v.shape[3])  # -> [B, L, H, Dv]
+        return one_device(q, k, v, causal, segment_ids, sliding_window, scale, softcap, tile)
     if split is None or split.context == 1:
         # GQA: K/V repeated to the query heads, [B, S, n_kv, D] -> [B, S, H, D]: jax.nn's grouped
         # [B, n_kv, G, L, S] scores cost one scores-sized copy more in a scanned block (measured:

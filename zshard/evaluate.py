@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from zshard.checks import check_traced, traced
 from zshard.collectives import gather_params
+from zshard.gpu import mesh_jit
 from zshard.offload import gather_source
 from zshard.intercept import materialize
 from zshard.jaxprs import LOSS_SCOPE
@@ -76,7 +77,7 @@ def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *a
     others = {p: x for p, x in flat.items() if p not in floats}
 
     def run(floats):
-        model = materialize(plan, {**others, **floats}, var_flat, comm, config.resolved_prefetch())
+        model = materialize(plan, {**others, **floats}, var_flat, comm, config.resolved_prefetch(plan.mesh))
         model.eval()  # evaluation mode: nnx.Dropout off, nnx.BatchNorm on its running averages
         with jax.named_scope(LOSS_SCOPE):  # where zshard.checks judges uses of raw shards
             return fn(model, *args)
@@ -132,11 +133,15 @@ class EvalStep:
             raise TypeError(f"EvalStep takes a zshard.step_config.StepConfig (use zshard.make_eval_step), got {type(config).__name__}")
         self.config = config
         self._jitted = jax.jit(self._eval)
+        self._jits: dict = {None: self._jitted}  # compiler options -> jitted (zshard.gpu.mesh_jit)
         self._checked: set = set()  # (plan, batch shapes) whose traced step passed the check
 
     fn = property(lambda self: self.config.fn)
     prefetch = property(lambda self: self.config.prefetch)
     grad_accum = property(lambda self: 1)
+
+    def _jit(self, state: ShardedState):  # with XLA:GPU's options on a CUDA mesh (zshard.gpu.compiler_options)
+        return mesh_jit(self._jits, self._eval, state.plan.mesh)
 
     def _eval(self, state: ShardedState, batch):
         plan, config = state.plan, self.config
@@ -159,13 +164,13 @@ class EvalStep:
         batch = self.put_batch(state, batch)
         key = trace_key(state, batch)
         if key not in self._checked:  # trace (no compile) once: a block's raw shard used as a value, divergent collectives
-            check_traced(traced(lambda: self._jitted.trace(state, batch), state.plan.mesh).jaxpr.jaxpr, state, batch)
+            check_traced(traced(lambda: self._jit(state).trace(state, batch), state.plan.mesh).jaxpr.jaxpr, state, batch)
             self._checked.add(key)
-        return self._jitted(state, batch)
+        return self._jit(state)(state, batch)
 
     def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
         """The lowered eval step (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
-        return self._jitted.lower(state, self.put_batch(state, batch))
+        return self._jit(state).lower(state, self.put_batch(state, batch))
 
 
 def make_eval_step(fn: Callable[[nnx.Module, Any], Any], *, prefetch: int | None = None, sequence_axis=None) -> EvalStep:
@@ -225,6 +230,10 @@ class Forward:
     def __init__(self, config: StepConfig, gather_once: bool):
         self.config, self.gather_once = config, bool(gather_once)
         self._jitted = jax.jit(self._run)
+        self._jits: dict = {None: self._jitted}  # compiler options -> jitted (zshard.gpu.mesh_jit)
+
+    def _jit(self, state: ShardedState):  # with XLA:GPU's options on a CUDA mesh (zshard.gpu.compiler_options)
+        return mesh_jit(self._jits, self._run, state.plan.mesh)
 
     def _run(self, state: ShardedState, args):
         plan, config, gather_once = state.plan, self.config, self.gather_once
@@ -272,11 +281,11 @@ class Forward:
     def __call__(self, state: ShardedState, *args):
         if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state.params)):
             raise ValueError("this state was donated to a train step (its buffers are deleted); use the state that step returned")
-        return self._jitted(state, self.put_args(state, args))
+        return self._jit(state)(state, self.put_args(state, args))
 
     def lower(self, state: ShardedState, *args) -> jax.stages.Lowered:
         """The lowered program (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
-        return self._jitted.lower(state, self.put_args(state, args))
+        return self._jit(state).lower(state, self.put_args(state, args))
 
 
 def make_forward(fn: Callable, *, gather_once: bool = False, prefetch: int | None = None) -> Forward:

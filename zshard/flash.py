@@ -15,6 +15,7 @@ ids ``[B, L]`` int32 or ``None``; outputs float32.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ import numpy as np
 
 from zshard.collectives import varying_axes, vary
 
-__all__ = ["NEG", "TILE", "block", "block_backward", "block_forward", "from_tiles", "varying", "zero"]
+__all__ = ["NEG", "TILE", "block", "block_backward", "block_forward", "from_tiles", "one_device", "varying", "zero"]
 
 NEG = float(-0.7 * np.finfo(np.float32).max)  # jax.nn.dot_product_attention's masked logit
 
@@ -255,3 +256,15 @@ block.defvjp(_block_fwd, _block_bwd)
 def zero(x):
     """The cotangent of an integer input (positions, segment ids, a device index): float0 zeros."""
     return None if x is None else np.zeros(jnp.shape(x), jax.dtypes.float0)
+
+
+def one_device(q, k, v, causal, segment_ids, sliding_window, scale, softcap, tile):
+    """One device's attention by the tiled block (:func:`block`): one ``L x L`` block
+    in tiles of ``tile``, FlashAttention-2's backward. ``q [B, L, H, D]`` -> ``[B, L, H, Dv]``."""
+    B, L, H, D = q.shape
+    pos = jnp.arange(L, dtype=jnp.int32)
+    cap = None if softcap is None else float(softcap)
+    opts = ((causal, sliding_window, float(1 / math.sqrt(D) if scale is None else scale), cap), int(tile))
+    o = block(q.reshape(B, L, k.shape[2], H // k.shape[2], D), k, v, pos, pos, segment_ids, segment_ids,
+              opts)  # [B, L, n_kv, G, Dv] float32
+    return o.astype(q.dtype).reshape(B, L, H, v.shape[3])  # -> [B, L, H, Dv]

@@ -7,6 +7,10 @@ reduce-scatter of ``X`` over ``n`` devices: ``X(n-1)/n``; all-reduce: ``2X(n-1)/
 & Yuan 2009); a collective inside a ``while`` body counts once per iteration
 (``known_trip_count``). :mod:`zshard.report` checks them against the formulas
 (:mod:`zshard.formulas`).
+
+:func:`parse_overlap` reads the schedule: for each all-gather, reduce-scatter and all-reduce,
+whether it is asynchronous (an XLA:GPU ``*-start`` whose backend config says ``"is_sync":false``)
+and how many compute instructions the scheduled text puts between its start and its done.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 from zshard.mesh import REPLICA, SHARD, data_axes
 from zshard.jaxprs import CONTEXT_SCOPE, OPTIMIZER_SCOPE, unit_of
 
-__all__ = ["Collective", "parse_collectives", "parse_replica_groups"]
+__all__ = ["COMPUTE_OPS", "Collective", "parse_collectives", "parse_overlap", "parse_replica_groups"]
 
 _KINDS = {
     "all-gather": "all-gather",
@@ -225,4 +229,44 @@ def parse_collectives(hlo: str, mesh) -> list[Collective]:
             unit = unit_of(op.group(1)) if op else None
             axis = _axis_of(groups, mesh) if not pairs else _axis_name(mesh, _pairs_axes(groups, mesh))
             out.append(Collective(name, kind, axis, n if not pairs else 2, full, sent, trips.get(comp, 1), phase, unit))
+    return out
+
+
+COMPUTE_OPS = ("fusion", "dot", "convolution", "custom-call", "while", "conditional", "call")
+_OVERLAP_KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+def parse_overlap(hlo: str, mesh) -> list[dict]:
+    """How each all-gather, reduce-scatter and all-reduce of a compiled program overlaps compute.
+
+    One entry per instruction of the program text (a collective in a scanned loop's body counts
+    once, however many iterations run), in program order: ``{"name", "op"`` (``"all-gather"``,
+    ``"reduce-scatter"``, ``"all-reduce"``), ``"axis"`` (the mesh axis, as :func:`parse_collectives`),
+    ``"bytes"`` (the full buffer ``X`` of :func:`parse_collectives`), ``"async"`` (an ``*-start``
+    with ``"is_sync":false``: XLA:GPU issues it on its own stream), ``"compute_between"`` (the
+    instructions of :data:`COMPUTE_OPS` (fusions, dots, custom calls such as cuBLAS GEMMs and cuDNN
+    attention, loops and calls) scheduled between the start and its done in the same computation;
+    0 for a synchronous one), ``"trips"`` (executions per step), ``"computation"``}.
+
+    The compiled text is in schedule order (``is_scheduled=true``), so the instructions between a
+    start's line and its done's line are what the GPU stream runs while the collective is in flight.
+    """
+    info = {c.name: c for c in parse_collectives(hlo, mesh)}
+    out = []
+    for comp, lines in _computations(hlo).items():
+        parsed = [m.groups() for m in map(_INSTR.match, lines) if m]
+        for i, (name, _shape, op, rest) in enumerate(parsed):
+            base = op[: -len("-start")] if op.endswith("-start") else op
+            if base not in _OVERLAP_KINDS or name not in info:
+                continue
+            is_async = op.endswith("-start") and re.search(r'"is_sync":\s*false', rest) is not None
+            between = 0
+            if is_async:  # the done is the instruction that takes this start as its operand
+                ref = re.compile(rf"%{re.escape(name)}\b")
+                done = next((j for j in range(i + 1, len(parsed)) if parsed[j][2] == f"{base}-done" and ref.search(parsed[j][3])),
+                            len(parsed))
+                between = sum(1 for _, _, o, _ in parsed[i + 1 : done] if o in COMPUTE_OPS)
+            c = info[name]
+            out.append({"name": name, "op": c.kind, "axis": c.axis, "bytes": c.buffer_bytes, "async": bool(is_async),
+                        "compute_between": between, "trips": c.trips, "computation": comp})
     return out

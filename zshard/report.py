@@ -25,6 +25,7 @@ compiles, measures and puts the two side by side in one :class:`Report`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter, defaultdict
 
 import jax
@@ -36,9 +37,10 @@ from zshard.formulas import (
     PARAM_CONTEXT, _formula_comm, _moves, _param_axis, _policy_name, _state_formula,
     _tensor_formula, context_formula, optimizer_report,
 )
-from zshard.hlo import Collective, parse_collectives, parse_replica_groups
+from zshard.hlo import Collective, parse_collectives, parse_overlap, parse_replica_groups
 
-__all__ = ["Collective", "Report", "optimizer_report", "parse_collectives", "parse_replica_groups", "report"]
+__all__ = ["Collective", "Report", "attention_calls", "optimizer_report", "parse_collectives", "parse_overlap",
+           "parse_replica_groups", "report"]
 
 @dataclasses.dataclass
 class Report:
@@ -82,6 +84,16 @@ class Report:
       quantized: with quantized formats (:func:`zshard.quant.coverage`), per role (``gather``,
         ``reduce``, ``replica``): ``format``, the parameters it ``quantized`` and the ``fallback``
         ones left in ``param_dtype`` / ``reduce_dtype`` (rank < 2, or under one block per device); else ``None``.
+      overlap: each all-gather, reduce-scatter and all-reduce of the compiled program text (a
+        scanned loop's body counts once; :func:`zshard.hlo.parse_overlap`): ``op``, ``axis``,
+        ``bytes`` (the full buffer ``X``), ``async`` (XLA:GPU runs it on its own stream; XLA:CPU
+        never does), ``compute_between`` (fusions, dots, custom calls, loops scheduled between its
+        start and its done), ``name``, ``trips``, ``computation``.
+      prefetch: units gathered ahead in this program (``make_train_step(prefetch=...)``, or the
+        default of the mesh's platform: 1 on GPUs, 0 on CPU).
+      attention: the attention kernel of the compiled program: ``kernel`` (``"cudnn"`` when
+        cuDNN's fused attention calls are present, else ``"xla"``: zshard's own or jax.nn's XLA
+        path), ``forward_calls`` and ``backward_calls`` (``__cudnn$fmha*`` custom calls in the text).
     """
 
     strategy: str
@@ -100,6 +112,9 @@ class Report:
     offload: dict | None = None
     moves: dict = dataclasses.field(default_factory=dict)
     quantized: dict | None = None
+    overlap: list = dataclasses.field(default_factory=list)
+    attention: dict = dataclasses.field(default_factory=dict)
+    prefetch: int | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -137,6 +152,12 @@ class Report:
             for role, c in self.quantized.items():
                 rest = ", ".join(c["fallback"][:4]) + (f" and {len(c['fallback']) - 4} more" if len(c["fallback"]) > 4 else "")
                 lines.append(f"| {role} | {c['format']} | {len(c['quantized'])} | {rest or '-'} |")
+        started = [o for o in self.overlap if o["async"] and o["op"] in ("all-gather", "reduce-scatter")]
+        if started:  # a GPU program (XLA:CPU runs every collective synchronously)
+            lines += ["", f"async all-gathers / reduce-scatters (program text, a loop body once): {len(started)}, "
+                      f"{sum(o['compute_between'] > 0 for o in started)} with compute between start and done; attention: "
+                      f"{self.attention.get('kernel')} ({self.attention.get('forward_calls', 0)} forward, "
+                      f"{self.attention.get('backward_calls', 0)} backward calls)"]
         if self.tensor is not None:
             t = self.tensor
             lines += [
@@ -183,7 +204,9 @@ def report(step, state, batch) -> Report:
     """Compile ``step`` for ``(state, batch)`` ahead of time and account for memory and bytes.
 
     ``state`` is not consumed (lowering does not donate). ``batch`` may hold arrays or
-    ``jax.ShapeDtypeStruct`` leaves.
+    ``jax.ShapeDtypeStruct`` leaves. On a mesh of GPUs (real, or :func:`zshard.gpu_devices` on any
+    machine) this is XLA:GPU's program, compiled with the step's GPU compiler options
+    (:data:`zshard.gpu.GPU_COMPILER_OPTIONS`); ``overlap`` and ``attention`` read its schedule.
     """
     plan = state.plan
     compiled = step.lower(state, batch).compile()
@@ -205,7 +228,8 @@ def report(step, state, batch) -> Report:
     formula = _state_formula(plan)
     split = {k: formula.pop(k) for k in ("opt_state_host", "masters", "copies")}  # the offload lines' formula
 
-    colls = parse_collectives(compiled.as_text(), plan.mesh)
+    text = compiled.as_text()
+    colls = parse_collectives(text, plan.mesh)
     by_axis: dict[str, float] = defaultdict(float)
     table: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
     for c in colls:
@@ -261,4 +285,16 @@ def report(step, state, batch) -> Report:
         offload=offload_report(step, state, batch, {**formula, **split}) if plan.offload else None,
         moves=_moves(plan, step.config.hpz),
         quantized=coverage(plan) if plan.mp.quantized else None,
+        overlap=parse_overlap(text, plan.mesh),
+        attention=attention_calls(text),
+        prefetch=step.config.resolved_prefetch(plan.mesh),
     )
+
+
+def attention_calls(hlo: str) -> dict:
+    """``{"kernel", "forward_calls", "backward_calls"}`` of a compiled program: cuDNN's fused
+    attention custom calls (``__cudnn$fmha...``; ``...Backward`` the backward), ``kernel`` ``"cudnn"``
+    when there is one, else ``"xla"``."""
+    calls = re.findall(r'custom_call_target="(__cudnn\$fmha[^"]*)"', hlo)
+    backward = sum("Backward" in c for c in calls)
+    return {"kernel": "cudnn" if calls else "xla", "forward_calls": len(calls) - backward, "backward_calls": backward}

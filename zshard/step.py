@@ -34,6 +34,7 @@ from zshard.checks import check_traced, traced
 from zshard.axes import vary
 from zshard.feedback import feedback_exits, new_feedback
 from zshard.grad_exit import all_reduce_replicas
+from zshard.gpu import compiler_options, export_checks, mesh_jit
 from zshard.intercept import materialize, read_variables
 from zshard.jaxprs import LOSS_SCOPE
 from zshard.mesh import context_size, sharded_map
@@ -210,7 +211,7 @@ def _local_step(plan: Plan, config: StepConfig, state: ShardedState, batch, spli
 def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
     world, k = plan.world, config.grad_accum
     comm = config.comm(plan)  # the step's one replica-reduction decision (ReplicaReduce)
-    prefetch = config.resolved_prefetch()
+    prefetch = config.resolved_prefetch(plan.mesh)
     token_weighted = []  # set while tracing: loss_fn returned zshard.TokenMean
 
     train, frozen = plan.split_trainable(state.params)
@@ -324,6 +325,7 @@ class TrainStep:
             raise TypeError(f"TrainStep takes a zshard.step_config.StepConfig (use zshard.make_train_step), got {type(config).__name__}")
         self.config = config
         self._jitted = jax.jit(self._step, donate_argnums=0)
+        self._jits: dict = {None: self._jitted}  # compiler options -> the step jitted with them (zshard.gpu.mesh_jit)
         self._tensor_jits: dict = {}  # plan -> the step jitted with out_shardings (meshes with a tensor axis)
         self._checked: set = set()  # (plan, batch shapes) whose traced step passed the checks
         self.last_trace = None  # the zshard.sequence.SequenceTrace of the latest trace (attention calls: zshard.report)
@@ -331,13 +333,15 @@ class TrainStep:
     def _jit_for(self, state: ShardedState):
         """The jitted step for ``state``'s plan: with a ``tensor`` axis or host offload, compiled
         with the state's own shardings (memory kinds included) as ``out_shardings``
-        (``ShardedState.shardings``), else :attr:`_jitted`."""
+        (``ShardedState.shardings``), else :attr:`_jitted` (with :func:`zshard.gpu.compiler_options`
+        on a CUDA mesh)."""
         plan = state.plan
         if plan.tensor == 1 and plan.offload is None:
-            return self._jitted
+            return mesh_jit(self._jits, self._step, plan.mesh, donate_argnums=0)  # + XLA:GPU's options on a CUDA mesh
         if plan not in self._tensor_jits:
             out = (state.shardings(), jax.sharding.NamedSharding(plan.mesh, P()))
-            self._tensor_jits[plan] = jax.jit(self._step, donate_argnums=0, out_shardings=out)
+            self._tensor_jits[plan] = jax.jit(self._step, donate_argnums=0, out_shardings=out,
+                                              compiler_options=compiler_options(plan.mesh))
         return self._tensor_jits[plan]
 
     loss_fn = property(lambda self: self.config.fn)
@@ -395,7 +399,8 @@ class TrainStep:
         exported on a CPU-only machine): ``.mlir_module()`` is its StableHLO text, where host
         offload shows as ``annotate_device_placement`` calls (:func:`zshard.offload.exported_placements`)."""
         check_placement(state)
-        return jax.export.export(self._jit_for(state), platforms=list(platforms))(state, self.put_batch(state, batch))
+        return jax.export.export(self._jit_for(state), platforms=list(platforms),
+                                 disabled_checks=export_checks())(state, self.put_batch(state, batch))  # cuDNN's calls
 
     def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
         """The lowered step (``.compile().memory_analysis()``, ``.compile().as_text()``)."""

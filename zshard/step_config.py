@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zshard.gpu import platform
 from zshard.hpz import check_hpz
 from zshard.axes import AXES, CONTEXT
 from zshard.sequence import SequenceSplit, head_tail_order
@@ -30,7 +31,7 @@ __all__ = ["SequenceAxes", "StepConfig", "batch_specs", "default_prefetch", "put
            "trace_key"]
 
 
-def default_prefetch(backend: str | None = None) -> int:
+def default_prefetch(backend: str | None = None, *, mesh=None) -> int:
     """The ``prefetch`` of a step built without one: ``0`` on CPU, ``1`` elsewhere.
 
     XLA:CPU runs collectives synchronously, so a prefetched gather overlaps nothing and only
@@ -38,9 +39,11 @@ def default_prefetch(backend: str | None = None) -> int:
     devices: temp 16.9 MiB without, 19.9 MiB with; step time 2073 vs 2082 ms, median of 10
     rounds; config P: 2.35 vs 3.22 gathered units; docs/benchmarks.md). On GPU / TPU the
     latency-hiding scheduler overlaps the early gather with the previous unit's compute (FSDP's
-    default ``BACKWARD_PRE`` / ``forward_prefetch``). ``backend``: default ``jax.default_backend()``.
+    default ``BACKWARD_PRE`` / ``forward_prefetch``). The platform is ``backend``, else that of
+    ``mesh``'s devices (a step's plan: a mesh of GPUs compiled on a CPU host gets 1), else the
+    process's default backend (:func:`zshard.gpu.platform`).
     """
-    return 0 if (backend or jax.default_backend()) == "cpu" else 1
+    return 0 if (backend or platform(mesh)) == "cpu" else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,12 +146,12 @@ class StepConfig:
         if c is not None and (isinstance(c, bool) or not isinstance(c, numbers.Real) or not c > 0 or not np.isfinite(c)):
             raise ValueError(f"clip_norm={c!r}: must be a positive finite number (or None for no clipping)")
 
-    def resolved_prefetch(self) -> int:
-        """``prefetch``, or the backend's default when it is ``None``."""
-        return default_prefetch() if self.prefetch is None else self.prefetch
+    def resolved_prefetch(self, mesh=None) -> int:
+        """``prefetch``, or :func:`default_prefetch` of ``mesh``'s platform when it is ``None``."""
+        return default_prefetch(mesh=mesh) if self.prefetch is None else self.prefetch
 
     def comm(self, plan, *, differentiated: bool = True) -> UnitComm:
-        """The units' :class:`~zshard.collectives.UnitComm` for this step on ``plan``: the one
+        """The units' :class:`~zshard.wire.UnitComm` for this step on ``plan``: the one
         :class:`~zshard.strategy.ReplicaReduce` decision of the step, resolved here."""
         reduce = ReplicaReduce.resolve(plan.strategy, self.grad_accum, differentiated=differentiated)
         comm = UnitComm.of(plan, reduce, self.remat)
