@@ -56,7 +56,8 @@ class _Checkpointed(nnx.Module):
         return nnx.remat(lambda blk, x: blk(x), policy=self.policy)(self.block, x)
 
 
-def fsdp_jit(graphdef, params, tx, mesh, mode="fsdp", remat="none", compute_dtype=None, loss_fn=cross_entropy_loss):
+def fsdp_jit(graphdef, params, tx, mesh, mode="fsdp", remat="none", compute_dtype=None, loss_fn=cross_entropy_loss,
+             compiler_options=None):
     """The plain peers' train step: ``jax.jit`` of ``(params, opt_state, batch) -> (params,
     opt_state, loss)`` over an NNX model's ``(graphdef, params)`` (arrays or
     ``jax.ShapeDtypeStruct``: nothing is allocated).
@@ -71,6 +72,9 @@ def fsdp_jit(graphdef, params, tx, mesh, mode="fsdp", remat="none", compute_dtyp
       compute_dtype: e.g. ``bfloat16``: the floating parameters are cast to it inside the loss
         (fp32 masters and Adam moments, the compute in ``compute_dtype``; the gradients reach
         the masters in fp32 through the cast's transpose), as ``zshard.MixedPrecision``.
+      loss_fn: ``loss_fn(model, batch)`` -> scalar.
+      compiler_options: XLA options of the jit (``jax.jit(compiler_options=...)``), e.g. the
+        GPU profile zshard's step compiles with.
 
     Returns:
       ``(jitted, (param_shardings, opt_shardings, batch_sharding), abstract_opt_state)``.
@@ -103,5 +107,6 @@ def fsdp_jit(graphdef, params, tx, mesh, mode="fsdp", remat="none", compute_dtyp
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    jitted = jax.jit(step, in_shardings=(p_sh, o_sh, (b_sh, b_sh)), out_shardings=(p_sh, o_sh, out_sh), donate_argnums=(0, 1))
+    jitted = jax.jit(step, in_shardings=(p_sh, o_sh, (b_sh, b_sh)), out_shardings=(p_sh, o_sh, out_sh), donate_argnums=(0, 1),
+                     compiler_options=compiler_options)
     return jitted, (p_sh, o_sh, b_sh), abs_opt

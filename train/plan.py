@@ -309,8 +309,8 @@ def _program_lines(summary: dict) -> None:
         n[0] += 1
         n[1] += c["async"]
         n[2] += c["compute_between"] > 0
-    print("collectives in the program (a loop body counts once): " + ", ".join(
-        f"{op} {n} ({a} async, {o} with compute between start and done)" for op, (n, a, o) in by_op.items()))
+    print("collectives in the program (a loop body counts once): " + (", ".join(
+        f"{op} {n} ({a} async, {o} with compute between start and done)" for op, (n, a, o) in by_op.items()) or "none"))
 
 
 def _offload_lines(rep, peak: int) -> float:

@@ -53,12 +53,16 @@ def target_devices(target: str, count: int) -> list:
     """``count`` compile-only devices of GPU ``target`` (``h100``, ``h200``, ``a100``), 8 per host.
 
     Raises:
-      ValueError: a target with no XLA target spec, or ``count`` not a multiple of 8 above 8.
+      ValueError: a target with no XLA target spec, or ``count`` not a multiple of 8 above 8
+        (also for JAX's CUDA plugin refusing the spec: its message).
     """
-    # [adapter: replace by zshard.gpu_devices(target, count) when it is merged]
+    # [adapter: replace the body by `return zshard.gpu_devices(target, count)` when zshard's is merged]
     helper = getattr(zshard, "gpu_devices", None)
     if helper is not None:
-        return list(helper(target, count))
+        try:
+            return list(helper(target, count))
+        except (ImportError, RuntimeError) as e:
+            raise ValueError(f"--target {target}: {e}") from e
     from jax.experimental import topologies  # noqa: PLC0415 (only with a GPU target)
 
     spec = resources.files("zshard") / "targets" / _SPECS.get(target, f"{target}.txtpb")
@@ -69,6 +73,14 @@ def target_devices(target: str, count: int) -> list:
         raise ValueError(f"--target {target}: {count} GPUs are not whole hosts of 8")
     topo = topologies.get_topology_desc(platform="cuda", target_config=spec.read_text(), topology=f"1x{count // per_host}x{per_host}")
     return list(topo.devices)
+
+
+def _compiler_options(mesh) -> dict | None:
+    """The XLA options zshard's own jit compiles a step on ``mesh`` with (its GPU profile on a CUDA
+    mesh, ``None`` elsewhere), so a peer compiled beside it gets the same."""
+    # [adapter: replace by zshard.gpu.compiler_options(mesh) when it is merged and public]
+    options = getattr(getattr(zshard, "gpu", None), "compiler_options", None)
+    return options(mesh) if options is not None else None
 
 
 def _computations(hlo: str) -> dict[str, list[tuple[str, str, str, str]]]:
@@ -166,7 +178,10 @@ def overlap(hlo: str, mesh) -> list[dict]:
     """Each collective of a compiled program: ``op``, ``axis``, ``bytes`` (``X``, the full buffer),
     ``trips``, ``async`` and ``compute_between`` (fusions, dots, custom calls and loops scheduled
     between its start and its done, 0 for a synchronous one), in program order."""
-    # [adapter: replace by zshard.report(...).overlap when it is merged]
+    # [adapter: replace by zshard's parse_overlap (what Report.overlap holds) when it is merged and public]
+    parse = getattr(zshard, "parse_overlap", None)
+    if parse is not None:
+        return parse(hlo, mesh)
     info = {c.name: c for c in zshard.parse_collectives(hlo, mesh)}
     out = []
     for instrs in _computations(hlo).values():
@@ -210,9 +225,11 @@ def program_summary(compiled, mesh, *, target: str, cfg, batch_per_device: int, 
 
 
 def compile_peer(cfg, devices, mesh_shape: dict, batch: int, seq: int, tx, *, remat: str, compute_dtype, build):
-    """Compile train/bench/peers.py's FSDP-compiler step (``jax.jit``, every parameter and Adam
-    moment sharded on its largest dimension divisible by the device count) for ``batch`` x
-    ``seq`` tokens on ``devices``, abstractly (nothing allocated).
+    """Compile the benchmark's FSDP-compiler step (:func:`train.compiler_fsdp.fsdp_jit`: ``jax.jit``,
+    every parameter and Adam moment sharded on its largest dimension divisible by the device
+    count) for ``batch`` x ``seq`` tokens on ``devices``, abstractly (nothing allocated), traced
+    under the mesh (``jax.set_mesh``: the attention kernel follows its devices, as in zshard's
+    step) and compiled with the XLA options zshard's step gets on that mesh.
 
     Returns:
       ``(compiled, mesh, seconds)``.
@@ -220,11 +237,14 @@ def compile_peer(cfg, devices, mesh_shape: dict, batch: int, seq: int, tx, *, re
     mesh = jax.sharding.Mesh(np.asarray(devices, dtype=object).reshape(tuple(mesh_shape.values())), tuple(mesh_shape))
     graphdef, params = nnx.split(nnx.eval_shape(build))
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    jitted, (p_sh, o_sh, b_sh), abs_opt = fsdp_jit(graphdef, params, tx, mesh, "fsdp", remat, compute_dtype)
+    jitted, (p_sh, o_sh, b_sh), abs_opt = fsdp_jit(graphdef, params, tx, mesh, "fsdp", remat, compute_dtype,
+                                                   compiler_options=_compiler_options(mesh))
     placed = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)  # noqa: E731
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=b_sh)
     t0 = time.perf_counter()
-    compiled = jitted.lower(placed(params, p_sh), placed(abs_opt, o_sh), (tokens, tokens)).compile()
+    with jax.set_mesh(mesh):  # traced under the mesh: zshard.attention picks its kernel from these devices, as in zshard's step
+        lowered = jitted.lower(placed(params, p_sh), placed(abs_opt, o_sh), (tokens, tokens))
+    compiled = lowered.compile()
     return compiled, mesh, time.perf_counter() - t0
 
 
