@@ -43,17 +43,39 @@ def _policy(remat):
             raise ValueError(f"remat={remat!r}: the plain peers know 'none', 'block' and 'dots'")
 
 
-class _Checkpointed(nnx.Module):
-    """A block under ``jax.checkpoint`` (``nnx.remat``): the plain peers' ``remat="block"``,
-    the same policy as zshard's default (each block's input saved, the block recomputed in
-    backward). Wraps one block of a list, or the stacked blocks of a scanned model (``nnx.scan``
+class _Block(nnx.Module):
+    """A block as zshard runs a unit: its floating input cast to the compute dtype (as
+    ``zshard.MixedPrecision(param_dtype=...)`` casts a unit's inputs: the token embedding's
+    output is float32, ``nnx.Embed``'s dtype) and, with ``remat``, under ``jax.checkpoint``
+    (``nnx.remat``; ``"block"``: each block's input saved, the block recomputed in backward, zshard's
+    default). Wraps one block of a list, or the stacked blocks of a scanned model (``nnx.scan``
     then slices this module like the stack: each layer is checkpointed alone)."""
 
-    def __init__(self, block, remat):
-        self.block, self.policy = block, _policy(remat)
+    def __init__(self, block, remat, dtype):
+        self.block, self.remat, self.dtype = block, remat != "none", dtype
+        self.policy = _policy(remat) if self.remat else None
 
     def __call__(self, x):
+        if self.dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(self.dtype)
+        if not self.remat:
+            return self.block(x)
         return nnx.remat(lambda blk, x: blk(x), policy=self.policy)(self.block, x)
+
+
+class _CastEmbed(nnx.Module):
+    """A token (or position) embedding whose lookup returns ``dtype``: ``nnx.Embed`` promotes to
+    its ``dtype`` (float32), where zshard casts the first block unit's input to the compute dtype.
+    ``attend`` (a tied output head) is the embedding's own, unchanged."""
+
+    def __init__(self, embed, dtype):
+        self.embed, self.dtype = embed, dtype
+
+    def __call__(self, ids):
+        return self.embed(ids).astype(self.dtype)
+
+    def attend(self, x):
+        return self.embed.attend(x)
 
 
 def fsdp_jit(graphdef, params, tx, mesh, mode="fsdp", remat="none", compute_dtype=None, loss_fn=cross_entropy_loss,
@@ -70,8 +92,9 @@ def fsdp_jit(graphdef, params, tx, mesh, mode="fsdp", remat="none", compute_dtyp
       remat: ``"none"`` (every activation saved), ``"block"`` or ``"dots"`` (each block, listed
         or stacked, under ``jax.checkpoint`` with zshard's policy of that name).
       compute_dtype: e.g. ``bfloat16``: the floating parameters are cast to it inside the loss
-        (fp32 masters and Adam moments, the compute in ``compute_dtype``; the gradients reach
-        the masters in fp32 through the cast's transpose), as ``zshard.MixedPrecision``.
+        and so is each block's input (fp32 masters and Adam moments, the compute in
+        ``compute_dtype``; the gradients reach the masters in fp32 through the cast's transpose),
+        as ``zshard.MixedPrecision(param_dtype=...)`` does per unit.
       loss_fn: ``loss_fn(model, batch)`` -> scalar.
       compiler_options: XLA options of the jit (``jax.jit(compiler_options=...)``), e.g. the
         GPU profile zshard's step compiles with.
@@ -79,7 +102,8 @@ def fsdp_jit(graphdef, params, tx, mesh, mode="fsdp", remat="none", compute_dtyp
     Returns:
       ``(jitted, (param_shardings, opt_shardings, batch_sharding), abstract_opt_state)``.
     """
-    _policy(remat) if remat != "none" else None  # an unknown name fails here, before tracing
+    if remat != "none":
+        _policy(remat)  # an unknown name fails here, before tracing
     abs_opt = jax.eval_shape(tx.init, params)
     axes = tuple(mesh.axis_names)
     if mode == "reference":
@@ -97,10 +121,14 @@ def fsdp_jit(graphdef, params, tx, mesh, mode="fsdp", remat="none", compute_dtyp
             if compute_dtype is not None:  # bf16 compute, fp32 masters
                 p = jax.tree.map(lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
             model = nnx.merge(graphdef, p)
-            if remat != "none":  # the model calls each block (a Python loop or nnx.scan): wrap them in jax.checkpoint
+            if compute_dtype is not None:  # the blocks compute in compute_dtype from the first one on
+                for name in ("embed", "wte", "wpe"):
+                    if isinstance(getattr(model, name, None), nnx.Embed):
+                        setattr(model, name, _CastEmbed(getattr(model, name), compute_dtype))
+            if remat != "none" or compute_dtype is not None:  # the model calls each block (a loop or nnx.scan): wrap them
                 blocks = model.blocks
-                model.blocks = [_Checkpointed(b, remat) for b in blocks] if isinstance(blocks, (list, nnx.List)) \
-                    else _Checkpointed(blocks, remat)
+                model.blocks = [_Block(b, remat, compute_dtype) for b in blocks] if isinstance(blocks, (list, nnx.List)) \
+                    else _Block(blocks, remat, compute_dtype)
             return loss_fn(model, batch)
 
         loss, grads = jax.value_and_grad(loss_of)(params)

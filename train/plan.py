@@ -257,6 +257,9 @@ def main(argv=None) -> int:
         print(f"\nthe same step as jax.jit with FSDP shardings (the benchmark's FSDP-compiler peer; remat {args.remat}), "
               f"compiled in {peer_s:.0f} s:")
         print(side_by_side(summary, summary["peer"]))
+        kernels = summary["attention"]["kernel"], summary["peer"]["attention"]["kernel"]
+        if kernels[0] != kernels[1]:  # zshard.attention chose by itself (a warning above names its reason)
+            print(f"attention kernels differ: zshard {kernels[0]}, peer {kernels[1]}: memory and FLOPs are not like for like")
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(compiled.as_text())
