@@ -246,8 +246,9 @@ def main(argv=None) -> int:
     print(f"{what} = {peak / GB:.2f} GB of {memory_gb:g} GB: {verdict} (margin {(budget - peak) / GB:+.2f} GB)")
     geometry = {"cfg": cfg, "batch_per_device": batch // data, "seq": seq, "tensor": tensor}
     summary = {"model": args.model, "mesh": dict(mesh.shape), "strategy": rep.strategy, "batch": batch, "seq": seq,
-               "precision": precision, "remat": rep.remat, "compile_s": seconds, "fits": peak <= budget,
-               "device_memory_gb": memory_gb, **program_summary(compiled, mesh, target=target, **geometry)}
+               "precision": precision, "remat": rep.remat, "prefetch": getattr(rep, "prefetch", step.prefetch),
+               "compile_s": seconds, "fits": peak <= budget, "device_memory_gb": memory_gb,
+               **program_summary(compiled, mesh, target=target, **geometry)}
     _program_lines(summary)
     if args.peer:
         c, peer_mesh, peer_s = compile_peer(cfg, devices, dict(mesh.shape), batch, seq, optax.adamw(1e-4), remat=args.remat,
