@@ -17,6 +17,7 @@ from flax import nnx
 
 import zshard
 from train import plan
+from train.bench.gpu import model_flops_per_token, multiplying_params
 from train.model import GPT, GPTConfig, Llama, LlamaConfig, cross_entropy_loss
 from train.plan_gpu import dot_flops, overlap
 
@@ -219,3 +220,17 @@ def test_plan_without_the_cuda_plugin_says_so(monkeypatch, tmp_path):
     assert "--target h200: jax's CUDA plugin is not installed (the cuda12 extra): compiling on 2 emulated CPU devices" in out
     assert summary["target"] == "cpu" and summary["mesh"] == {"replica": 1, "shard": 2}
     assert summary["attention"]["kernel"] == "xla" and summary["memory"]["temp"] > 0
+
+
+def test_llama_3_2_1b_preset_and_its_flop_count():
+    """The preset has Llama 3.2 1B's 1,235,814,400 parameters (Meta's model card: 1.23B), and with
+    tied embeddings every parameter multiplies (the table is the output head), so the MFU count
+    of train/bench/gpu.py takes all of them; an untied table is a lookup and is left out."""
+    cfg = plan.PLAN_PRESETS["llama-3.2-1b"]
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert total == 1_235_814_400 and multiplying_params(model) == total
+    untied = nnx.eval_shape(lambda: Llama(LlamaConfig(**{**vars(cfg), "tie_embeddings": False}), rngs=nnx.Rngs(0)))
+    assert multiplying_params(untied) == total  # + the head, - the table: the same size
+    # PaLM appendix B: 6 N + 12 L H Q T
+    assert model_flops_per_token(cfg, total) == 6 * total + 12 * 16 * 32 * 64 * 4096
