@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # The GPU checks, in one run on a machine with one NVIDIA GPU (not run by the tests or CI):
 #   1. scripts/gpu_attention.py: cuDNN flash attention against zshard's tiled path (docs/long-sequences.md);
-#   2. the benchmark's GPU section: zshard FULL_SHARD 1x1 against a plain jax.jit step, and MFU
-#      (train/bench/sections.py gpu_section; docs/benchmarks.md);
+#   2. rows: llama-3.2-1b (4 x 4096 tokens) and the toy GPT (16 x 1024), each zshard FULL_SHARD 1x1 against
+#      the plain jax.jit step of the same code (same remat, bf16 compute, fp32 masters, the same XLA options):
+#      tokens/s, MFU (6N + 12 L H Q T per token, PaLM appendix B), peak HBM (python -m train.bench.gpu;
+#      docs/performance.md), in at most 8 minutes; the JSON is rewritten after each row;
 #   3. python -m train.bench --offload: HBM saved and step-time overhead of host offload (docs/offload.md).
 # Each part runs on whatever the previous one left; a failing part is named at the end and the next one
 # runs. Exit status: 0 when every chosen part passed, 1 when one failed or JAX sees no GPU (checked first).
-# Output: OUT/attention.txt, OUT/gpu_section.txt with OUT/gpu_section.json (written only when the section
-# ran), OUT/offload.txt (OUT: $OUT, else runs/gpu).
+# Output: OUT/attention.txt, OUT/gpu_rows.txt with OUT/gpu_rows.json (written once a row is measured),
+# OUT/offload.txt (OUT: $OUT, else runs/gpu).
 #
 #   bash scripts/gpu_checks.sh                  # with jax[cuda] and the project's dependencies installed
 #   PYTHON=.venv/bin/python bash scripts/gpu_checks.sh  # the interpreter to use (default: python3)
 #   WHEELS=.whl bash scripts/gpu_checks.sh      # a machine without them: pip-installs the wheels in .whl first
-#   PARTS="offload" bash scripts/gpu_checks.sh  # some of the parts: attention, section, offload
+#   PARTS="rows" bash scripts/gpu_checks.sh     # some of the parts: attention, rows, offload
+#   TINY=1 PARTS=rows bash scripts/gpu_checks.sh  # the rows' code on tiny shapes (any backend: the GPU check is skipped)
 #
 # Run 2026-12-04 on one H200 (jax 0.11.2, flax 0.12.10 of the machine's image) with WHEELS=.whl holding
 # what the image lacks: grain, array_record, portpicker, tensorboardX, tomli_w (`pip download --no-deps
@@ -22,7 +25,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs/gpu}"
-PARTS="${PARTS:-attention section offload}"
+PARTS="${PARTS:-attention rows offload}"
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
@@ -33,7 +36,7 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-if ! "$PY" -c "
+if [ -z "${TINY:-}" ] && ! "$PY" -c "
 import jax, flax, optax
 print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())
 assert jax.default_backend() == 'gpu', 'JAX sees ' + jax.default_backend() + ', not a GPU'"; then
@@ -54,15 +57,8 @@ run() {
 echo "== 1. attention: cuDNN against the tiled path"
 run attention "$OUT/attention.txt" timeout 150 "$PY" scripts/gpu_attention.py --lengths 4096,8192,16384,32768
 
-echo "== 2. the benchmark's GPU section"
-GPU_FLAGS=""  # the section's own XLA flags, read only when it runs
-part section && GPU_FLAGS=$("$PY" -c "from train.bench.sections import GPU_XLA_FLAGS; print(' '.join(GPU_XLA_FLAGS))")
-run section "$OUT/gpu_section.txt" env XLA_FLAGS="$GPU_FLAGS" timeout 150 "$PY" -c "
-import json, sys
-from train.bench.sections import gpu_section
-result = json.dumps(gpu_section(10))
-open(sys.argv[1], 'w').write(result + '\\n')
-print(result)" "$OUT/gpu_section.json"
+echo "== 2. rows: llama-3.2-1b and the toy GPT, zshard against the plain jax.jit step of the same code"
+run rows "$OUT/gpu_rows.txt" timeout 480 "$PY" -m train.bench.gpu --steps 10 --out "$OUT/gpu_rows.json" ${TINY:+--tiny}
 
 echo "== 3. host offload"
 run offload "$OUT/offload.txt" timeout 200 "$PY" -m train.bench --offload --out "$OUT/offload"

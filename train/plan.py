@@ -22,6 +22,18 @@ compiled step's ``memory_analysis()`` (donated outputs reuse their inputs' buffe
 Block units recompute their forward pass in backward (FULL_SHARD / HYBRID_SHARD), so the
 activations held are about one block's plus each block's input.
 
+With ``--target h100`` (``h200``, ``a100``) the step is compiled by XLA:GPU for that many GPUs of
+that kind, on any machine with the ``cuda12`` extra (no GPU needed; :mod:`train.plan_gpu`), in
+bf16 compute with fp32 masters and fp32 gradient reduction unless ``--compute-dtype`` /
+``--reduce-dtype`` say otherwise; the plan then also names the attention kernel (cuDNN's fused
+attention or XLA's ops) and, for each collective, whether it is asynchronous and how much
+compute the schedule puts between its start and its done. ``--hlo FILE`` writes the optimized
+program, ``--json FILE`` a summary (:func:`train.plan_gpu.program_summary`), and ``--peer`` compiles
+the same model and batch as ``jax.jit`` with FSDP shardings (the benchmark's FSDP-compiler peer)
+and prints the two side by side (docs/performance.md):
+
+    python -m train.plan --model llama-3-8b --mesh 1x8 --seq-len 8192 --target h100 --peer --json plan.json
+
 The model presets (``train/model.py``, ``PLAN_PRESETS``) are GPT-2 and Llama shapes from
 their papers. The planner lives with the application (zshard does not import ``train``).
 """
@@ -42,6 +54,8 @@ from flax import nnx
 import zshard
 from train.devices import emulate_devices
 from train.model import PLAN_PRESETS, build_model, cross_entropy_loss, tensor_plan, units_with_ends
+from train.plan_gpu import (TARGET_MEMORY_GB, TARGETS, compile_peer, cuda_plugin, program_summary, side_by_side,
+                            target_devices, write_json)
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
@@ -63,7 +77,7 @@ def _parse(argv):
         description="Compile one zshard train step of a preset model ahead of time on emulated "
         "devices and report per-device memory and communication against the ZeRO/FSDP formulas.",
     )
-    p.add_argument("--model", required=True, help="preset: gpt2-124m, gpt2-1.5b, llama-1b, llama-7b, llama-70b, llama-3-8b")
+    p.add_argument("--model", required=True, help="preset: " + ", ".join(PLAN_PRESETS))
     p.add_argument("--mesh", required=True, metavar="RxS[xT]", help="mesh shape, e.g. 8x8 (R*S emulated devices) or 1x8x8 (R*S*T, tensor axis T)")
     p.add_argument("--tensor", type=int, default=None, metavar="T", help="tensor-parallel size (the same as a mesh RxSxT)")
     p.add_argument("--context", type=int, default=1, metavar="C",
@@ -91,7 +105,23 @@ def _parse(argv):
                    "quantized parameter element on each device, in the model state)")
     p.add_argument("--quant-block", type=int, default=256, metavar="B",
                    help="elements per float32 scale of the formats (0: one scale per tensor); default 256")
-    p.add_argument("--device-memory-gb", type=float, default=80.0, metavar="GB", help="memory of one device, GB (10^9 bytes)")
+    p.add_argument("--device-memory-gb", type=float, default=None, metavar="GB",
+                   help="memory of one device, GB (10^9 bytes); default: the --target GPU's (H100 80, H200 141, A100 80), else 80")
+    p.add_argument("--target", default="cpu", choices=TARGETS,
+                   help="compile for: cpu = emulated CPU devices (default); h100, h200, a100 = that GPU's XLA:GPU program, "
+                   "compiled without one (needs the cuda12 extra)")
+    p.add_argument("--compute-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="dtype of the gathered parameters and the compute (zshard.MixedPrecision param_dtype, masters "
+                   "stay in --param-dtype); default: bfloat16 with a GPU --target, else none (the parameters' dtype)")
+    p.add_argument("--reduce-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the gradient reduce-scatter with --compute-dtype (default float32)")
+    p.add_argument("--remat", default="block", help="activation checkpointing of each block (make_train_step(remat=...)): "
+                   "none, block (default), dots")
+    p.add_argument("--hlo", default=None, metavar="FILE", help="write the compiled (optimized) program's HLO text")
+    p.add_argument("--json", default=None, metavar="FILE", help="write a JSON summary: target, memory, attention, collectives, flops")
+    p.add_argument("--peer", action="store_true",
+                   help="also compile the same model and batch as jax.jit with FSDP shardings (the benchmark's FSDP-compiler "
+                   "peer, same remat and precision) and print both side by side")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also compile every strategy and plot per-device memory side by side")
     return p, p.parse_args(argv)
 
@@ -113,7 +143,9 @@ def main(argv=None) -> int:
     data = replica * shard  # the batch's rows split over replica x shard; each sequence over context, shared by tensor
     world = data * context * tensor
     mesh_name = f"{replica}x{shard}" + (f"x{tensor}" if tensor > 1 else "") + (f", context {context}" if context > 1 else "")
-    emulate_devices(world, cpu_only=True)  # before jax starts its backend (the check below says when it had)
+    gpu = args.target != "cpu"
+    fallback = gpu and not cuda_plugin()  # no CUDA plugin: plan on emulated CPU devices, say so
+    emulate_devices(None if gpu and not fallback else world, cpu_only=True)  # before jax starts its backend
 
     if args.model not in PLAN_PRESETS:
         parser.error(f"--model {args.model!r}: choose one of {', '.join(PLAN_PRESETS)}")
@@ -121,7 +153,7 @@ def main(argv=None) -> int:
         zshard.Strategy.parse(args.strategy)
     except ValueError as e:
         parser.error(f"--strategy: {e}")
-    if len(jax.devices()) < world:
+    if (not gpu or fallback) and len(jax.devices()) < world:
         parser.error(f"--mesh {mesh_name} needs {world} devices, JAX sees {len(jax.devices())}")
     cfg = PLAN_PRESETS[args.model]
     try:
@@ -154,43 +186,88 @@ def main(argv=None) -> int:
                          "gathers and compute): leave --param-dtype float32, which here is the dtype parameters are "
                          "stored in, not python -m train's mixed-precision --param-dtype")
         mp = zshard.MixedPrecision(param_dtype="bfloat16", **formats)
-    mesh = zshard.make_mesh(replica, shard, tensor=tensor, context=context, devices=jax.devices()[:world])
+    compute = args.compute_dtype or ("bfloat16" if gpu else None)
+    if compute is not None:  # mixed precision: the masters in --param-dtype, the gathers and compute in `compute`
+        if mp is not None and mp.param_dtype is not None and jnp.dtype(mp.param_dtype) != jnp.dtype(compute):
+            parser.error(f"--compute-dtype {compute}: --offload optimizer+master computes in bfloat16")
+        mp = zshard.MixedPrecision(param_dtype=compute, reduce_dtype=args.reduce_dtype, **formats)
+    if args.peer and (tensor > 1 or context > 1 or args.offload or any(formats.values())):
+        parser.error("--peer compares with jax.jit over FSDP shardings: a mesh RxS without --tensor / --context, no --offload "
+                     "and no quantized formats")
+    if fallback:
+        print(f"--target {args.target}: jax's CUDA plugin is not installed (the cuda12 extra): compiling on {world} "
+              "emulated CPU devices instead")
+    try:
+        devices = target_devices(args.target, world) if gpu and not fallback else jax.devices()[:world]
+        step = zshard.make_train_step(cross_entropy_loss, sequence_axis=1 if context > 1 else None, remat=args.remat)
+    except ValueError as e:
+        parser.error(str(e))
+    target = "cpu" if fallback else args.target
+    mesh = zshard.make_mesh(replica, shard, tensor=tensor, context=context, devices=devices)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    step = zshard.make_train_step(cross_entropy_loss, sequence_axis=1 if context > 1 else None)
+
+    def build():
+        model = build_model(cfg, nnx.Rngs(0))
+        if dtype != jnp.float32:  # store every parameter in the chosen dtype
+            state = nnx.state(model, nnx.Param)
+            nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), state))
+        return model
 
     def plan_one(strategy):
-        def build():
-            model = build_model(cfg, nnx.Rngs(0))
-            if dtype != jnp.float32:  # store every parameter in the chosen dtype
-                state = nnx.state(model, nnx.Param)
-                nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), state))
-            return model
-
         unit = units_with_ends if args.unit == "ends" else None
         state = zshard.init(build, optax.adamw(1e-4), mesh, strategy=strategy, abstract=True, unit=unit, offload=args.offload,
                             mixed_precision=mp, tensor_parallel=tp_plan or None)
         t0 = time.perf_counter()
         rep = zshard.report(step, state, (tokens, tokens))
-        return rep, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        compiled = step.lower(state, (tokens, tokens)).compile() if strategy == args.strategy else None  # jax's cache answers
+        return rep, seconds, compiled
 
     try:
-        rep, seconds = plan_one(args.strategy)
+        rep, seconds, compiled = plan_one(args.strategy)
     except ValueError as e:  # a format for a collective the strategy does not have, or one that quantizes nothing
         parser.error(str(e))
     peak = peak_bytes(rep.per_device_bytes)
-    budget = args.device_memory_gb * GB
+    memory_gb = args.device_memory_gb or TARGET_MEMORY_GB.get(target, 80.0)
+    budget = memory_gb * GB
     print(rep.table())
     print()
     split = f", each sequence split over context {context} ({seq // context} tokens per device)" if context > 1 else ""
-    precision = "float32 masters, bfloat16 gathers and compute" if mp is not None else f"parameters {args.param_dtype}"
+    precision = (f"{args.param_dtype} masters, {jnp.dtype(mp.param_dtype).name} gathers and compute, {jnp.dtype(mp.reduce_dtype).name} "
+                 "gradient reduction" if mp is not None and mp.param_dtype is not None else f"parameters {args.param_dtype}")
+    on = f"{world} emulated devices" if target == "cpu" else f"{world} x {devices[0].device_kind} by XLA:GPU (no GPU needed)"
     print(f"global batch {batch} x {seq} tokens{split}, {precision}, AdamW, --unit {args.unit}"
-          f"{f', --offload {args.offload}' if args.offload else ''}; compiled in {seconds:.0f} s on {world} emulated devices")
+          f"{f', --offload {args.offload}' if args.offload else ''}; compiled in {seconds:.0f} s for {on}")
     if rep.offload is not None:
         peak = _offload_lines(rep, peak)
     verdict = "FITS" if peak <= budget else "DOES NOT FIT"
     what = "device peak (argument + output - alias + temp - host state + one parameter's update)" if rep.offload else \
         "peak per device (argument + output - alias + temp)"
-    print(f"{what} = {peak / GB:.2f} GB of {args.device_memory_gb:g} GB: {verdict} (margin {(budget - peak) / GB:+.2f} GB)")
+    print(f"{what} = {peak / GB:.2f} GB of {memory_gb:g} GB: {verdict} (margin {(budget - peak) / GB:+.2f} GB)")
+    geometry = {"cfg": cfg, "batch_per_device": batch // data, "seq": seq, "tensor": tensor}
+    summary = {"model": args.model, "mesh": dict(mesh.shape), "strategy": rep.strategy, "batch": batch, "seq": seq,
+               "precision": precision, "remat": rep.remat, "prefetch": getattr(rep, "prefetch", step.prefetch),
+               "compile_s": seconds, "fits": peak <= budget, "device_memory_gb": memory_gb,
+               **program_summary(compiled, mesh, target=target, **geometry)}
+    _program_lines(summary)
+    if args.peer:
+        c, peer_mesh, peer_s = compile_peer(cfg, devices, dict(mesh.shape), batch, seq, optax.adamw(1e-4), remat=args.remat,
+                                            compute_dtype=mp.param_dtype if mp is not None else None, build=build)
+        summary["peer"] = {"name": "FSDP-compiler (jax.jit, FSDP NamedShardings)", "compile_s": peer_s,
+                           **program_summary(c, peer_mesh, target=target, **geometry)}
+        print(f"\nthe same step as jax.jit with FSDP shardings (the benchmark's FSDP-compiler peer; remat {args.remat}), "
+              f"compiled in {peer_s:.0f} s:")
+        print(side_by_side(summary, summary["peer"]))
+        kernels = summary["attention"]["kernel"], summary["peer"]["attention"]["kernel"]
+        if kernels[0] != kernels[1]:  # zshard.attention chose by itself (a warning above names its reason)
+            print(f"attention kernels differ: zshard {kernels[0]}, peer {kernels[1]}: memory and FLOPs are not like for like")
+    if args.hlo:
+        with open(args.hlo, "w") as f:
+            f.write(compiled.as_text())
+        print(f"wrote {args.hlo}")
+    if args.json:
+        write_json(args.json, summary)
+        print(f"wrote {args.json}")
 
     if args.plot:
         names, rows = [], []
@@ -210,11 +287,11 @@ def main(argv=None) -> int:
             ax.bar(names, vals, bottom=bottom, label=label)
             bottom = [b + v for b, v in zip(bottom, vals)]
         top = max(bottom)
-        if args.device_memory_gb <= 1.5 * top:  # keep the bars readable when memory dwarfs them
-            ax.axhline(args.device_memory_gb, color="k", ls="--", lw=1, label=f"device memory {args.device_memory_gb:g} GB")
+        if memory_gb <= 1.5 * top:  # keep the bars readable when memory dwarfs them
+            ax.axhline(memory_gb, color="k", ls="--", lw=1, label=f"device memory {memory_gb:g} GB")
         else:
             ax.set_ylim(0, 1.2 * top)
-            ax.text(0.01, 0.97, f"device memory {args.device_memory_gb:g} GB (off the scale)", transform=ax.transAxes, va="top", fontsize=8)
+            ax.text(0.01, 0.97, f"device memory {memory_gb:g} GB (off the scale)", transform=ax.transAxes, va="top", fontsize=8)
         ax.set_ylabel("GB per device")
         ax.set_title(f"{args.model} on {mesh_name}, batch {batch} x {seq}, {args.param_dtype} params, AdamW")
         ax.legend(fontsize=8)
@@ -222,6 +299,22 @@ def main(argv=None) -> int:
         fig.savefig(args.plot, dpi=120)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _program_lines(summary: dict) -> None:
+    """Print the compiled program's attention kernel and the overlap of its collectives."""
+    att = summary["attention"]
+    calls = f" ({att['forward_calls']} forward, {att['backward_calls']} backward calls in the program)" if att["kernel"] == "cudnn" else \
+        " (no cuDNN fused attention call: XLA's own ops)"
+    print(f"attention: {att['kernel']}{calls}; {summary['flops'] / 1e12:.1f} TFLOPs per device per step")
+    by_op = {}
+    for c in summary["collectives"]:
+        n = by_op.setdefault(c["op"], [0, 0, 0])
+        n[0] += 1
+        n[1] += c["async"]
+        n[2] += c["compute_between"] > 0
+    print("collectives in the program (a loop body counts once): " + (", ".join(
+        f"{op} {n} ({a} async, {o} with compute between start and done)" for op, (n, a, o) in by_op.items()) or "none"))
 
 
 def _offload_lines(rep, peak: int) -> float:

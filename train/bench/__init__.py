@@ -9,7 +9,7 @@ Writes ``OUT/bench.json``, ``OUT/bench.md`` (the printed tables) and PNG plots i
 
 The package: ``peers`` (the compiled steps compared), ``sections`` (what each section
 measures), ``tables`` (the Markdown tables, the targets, the plots), ``run`` (the program),
-``quantized`` (section 5), ``offload`` (``--offload``: host offload on one GPU, docs/offload.md); the scale section and the
+``quantized`` (section 5), ``gpu`` (section 4), ``offload`` (``--offload``: host offload on one GPU, docs/offload.md); the scale section and the
 memory formulas are ``train/scale.py``.
 
 Sections
@@ -47,8 +47,9 @@ Sections
 3. **Scale by simulation** (``train/scale.py``, also ``python -m train.scale``): GPT-2 1.5B,
    Llama 7B and 70B shapes, seq 2048, one sequence per device, at 64 and 512 emulated devices,
    compiled ahead of time; per-device peak against :func:`train.scale.expected_peak`.
-4. **GPU** (only when ``jax.default_backend() == "gpu"``): one-device overhead of zshard
-   (FULL_SHARD on a 1x1 mesh) against a plain ``jax.jit`` step, and model FLOPs utilisation.
+4. **GPU** (only when ``jax.default_backend() == "gpu"``; ``train/bench/gpu.py``, also ``python -m
+   train.bench.gpu`` with llama-3.2-1b): zshard (FULL_SHARD on a 1x1 mesh) against the plain
+   ``jax.jit`` step of the same code (same remat, bf16 compute), tokens/s, MFU, peak HBM.
 5. **Quantized collectives** (``train/bench/quantized.py``; ``--no-quantized`` skips it): the
    reference GPT for ``--quant-steps`` (300) steps with ``python -m train``, exact and with int8
    weights, int8 and int4 gradients, fp8 tensorwise weights: held-out loss gaps beside the bytes.

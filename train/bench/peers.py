@@ -20,12 +20,10 @@ import time
 
 import jax
 import numpy as np
-import optax
 from flax import nnx
-from jax.sharding import NamedSharding, SingleDeviceSharding
-from jax.sharding import PartitionSpec as P
 
 import zshard
+from train.compiler_fsdp import fsdp_jit
 from train.model import GPT, cross_entropy_loss
 
 __all__ = ["Peer", "comm_by_axis", "initial_params", "plain_peer", "zshard_peer"]
@@ -55,16 +53,6 @@ def _flops(compiled) -> float | None:
     return float(cost["flops"]) if cost and "flops" in cost else None
 
 
-def _fsdp_spec(shape, world: int, axes):
-    """MaxText-style FSDP: shard the largest dimension divisible by ``world`` over ``axes``."""
-    dims = sorted((d for d in range(len(shape)) if shape[d] % world == 0 and shape[d] > 0), key=lambda d: -shape[d])
-    if not dims:
-        return P()
-    spec = [None] * len(shape)
-    spec[dims[0]] = axes
-    return P(*spec)
-
-
 class Peer:
     """A compiled train step with one uniform interface for checking and timing.
 
@@ -92,50 +80,14 @@ def initial_params(cfg):
     return graphdef, jax.tree.map(np.asarray, params)
 
 
-class _Checkpointed:
-    """A block under ``jax.checkpoint`` (``nnx.remat``): the plain peers' ``remat="block"``,
-    the same policy as zshard's default (each block's input saved, the block recomputed in
-    backward)."""
-
-    def __init__(self, block):
-        self.block = block
-
-    def __call__(self, x):
-        return nnx.remat(lambda blk, x: blk(x))(self.block, x)
-
-
 def plain_peer(name, init, tx, batches, mesh, mode, remat="none"):
     """DDP / FSDP-compiler / single-device reference: ``jax.jit`` over ``(graphdef, params)``
-    of an NNX model; ``mode`` (``"reference"``, ``"ddp"``, ``"fsdp"``) picks the shardings;
-    ``remat``: ``"none"`` (every activation saved) or ``"block"`` (each block under
+    of an NNX model (:func:`fsdp_jit`); ``mode`` (``"reference"``, ``"ddp"``, ``"fsdp"``) picks the
+    shardings; ``remat``: ``"none"`` (every activation saved) or ``"block"`` (each block under
     ``jax.checkpoint``, like zshard's default)."""
     graphdef, host = init
-    abs_opt = jax.eval_shape(tx.init, host)
-    axes = ("replica", "shard")
-    if mode == "reference":
-        dev = SingleDeviceSharding(mesh.devices.flat[0])
-        spec_of = lambda x: dev  # noqa: E731
-        b_sh = out_sh = dev
-        shards = 1
-    else:
-        world = mesh.size
-        shards = 1 if mode == "ddp" else world
-        spec_of = lambda x: NamedSharding(mesh, P() if mode == "ddp" else _fsdp_spec(x.shape, world, axes))  # noqa: E731
-        b_sh, out_sh = NamedSharding(mesh, P(axes)), NamedSharding(mesh, P())
-    p_sh, o_sh = jax.tree.map(spec_of, host), jax.tree.map(spec_of, abs_opt)
-
-    def step(params, opt_state, batch):
-        def loss_of(p):
-            model = nnx.merge(graphdef, p)
-            if remat == "block":  # the model's Python loop calls each block: wrap it in jax.checkpoint
-                model.blocks = [_Checkpointed(b) for b in model.blocks]
-            return cross_entropy_loss(model, batch)
-
-        loss, grads = jax.value_and_grad(loss_of)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    jitted = jax.jit(step, in_shardings=(p_sh, o_sh, (b_sh, b_sh)), out_shardings=(p_sh, o_sh, out_sh), donate_argnums=(0, 1))
+    jitted, (p_sh, o_sh, b_sh), abs_opt = fsdp_jit(graphdef, host, tx, mesh, mode, remat)
+    shards = 1 if mode in ("reference", "ddp") else mesh.size
     abstract = lambda tree, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)  # noqa: E731
     placed = [jax.device_put(b, (b_sh, b_sh)) for b in batches]
     peer = Peer(name, "reference" if mode == "reference" else "peer")

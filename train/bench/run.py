@@ -18,10 +18,11 @@ from pathlib import Path
 import jax
 from tqdm import tqdm
 
+from train.bench.gpu import gpu_rows
 from train.bench.offload import offload_main
 from train.bench.quantized import VARIANTS, quantized_section, quantized_table
-from train.bench.sections import (CONFIGS, DEPTHS, GPU_XLA_FLAGS, NUM_DEVICES, QUICK, STRATEGIES, TENSOR_CONFIGS, TENSOR_SIZES,
-                                  bench_config, depth_sweep, gpu_section)
+from train.bench.sections import (CONFIGS, DEPTHS, NUM_DEVICES, QUICK, STRATEGIES, TENSOR_CONFIGS, TENSOR_SIZES,
+                                  bench_config, depth_sweep)
 from train.bench.tables import config_table, depth_table, plots, targets, targets_table
 from train.devices import emulate_devices
 from train.scale import SCALE_DEVICES, SCALE_MODELS, SCALE_STRATEGIES, SCALE_TENSOR, run_scale, scale_table
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
         parser.error(f"--out {out}: exists and is not a directory; give a directory path")
     if args.offload:  # the GPU's own devices, no emulated ones
         return offload_main(str(out), args.repeats or 10)
-    emulate_devices(NUM_DEVICES, xla_flags=GPU_XLA_FLAGS)  # before jax starts (in a test process it has: its 8 stand)
+    emulate_devices(NUM_DEVICES)  # before jax starts (in a test process it has: its 8 stand)
     t_start = time.perf_counter()
 
     if len(jax.devices("cpu")) < NUM_DEVICES:
@@ -107,11 +108,13 @@ def main(argv=None) -> int:
             results["quantized"] = quantized_section(out / "quantized", args.quant_steps, progress, only=only)
             report(quantized_table(results["quantized"]) + "\n", progress)
     if jax.default_backend() == "gpu":
-        results["gpu"] = gpu_section(args.repeats or 10)
-        g = results["gpu"]
-        mfu = "n/a (unknown peak)" if g["mfu_zshard"] is None else f"{g['mfu_zshard']:.1%} (plain jit {g['mfu_plain']:.1%})"
-        report(f"### GPU ({g['device']})\n\nzshard FULL_SHARD 1x1 / plain jit step time: {g['overhead']:.3f}; "
-               f"MFU {mfu}, FLOPs = 6*N*T + 12*L*h*s*T (Kaplan 2020 s2.1, PaLM app. B); XLA_FLAGS {' '.join(g['xla_flags'])}\n")
+        results["gpu"] = gpu_rows(["toy"], args.repeats or 10)  # train/bench/gpu.py; scripts/gpu_checks.sh adds llama-3.2-1b
+        g = results["gpu"]["rows"]["toy"]
+        v = g["variants"]
+        mfu = "n/a (unknown peak)" if v["zshard"]["mfu"] is None else \
+            f"{v['zshard']['mfu']:.1%} (plain jit, same remat {v['peer']['mfu']:.1%}; no remat {v['peer remat=none']['mfu']:.1%})"
+        report(f"### GPU ({results['gpu']['device']})\n\nzshard FULL_SHARD 1x1 / plain jit step time: {g['zshard_over_peer']:.3f}; "
+               f"MFU {mfu}, FLOPs = 6*N*T + 12*L*H*Q*T per token (PaLM app. B)\n")
     else:
         report(f"GPU section skipped: jax.default_backend() is {jax.default_backend()!r}, not 'gpu'.\n")
     results["targets"] = targets(results)

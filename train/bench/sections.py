@@ -7,8 +7,7 @@
 2. :func:`depth_sweep`: compile time of the scanned GPT at 2 / 8 / 32 layers, zshard
    FULL_SHARD and FSDP-compiler (the fastest of two compiles, caches cleared before each);
 3. scale by simulation lives in ``train/scale.py`` (``python -m train.scale``);
-4. :func:`gpu_section` (only on a GPU backend): one-device overhead against a plain ``jax.jit``
-   step, and model FLOPs utilisation (:func:`train_flops_per_token`).
+4. the GPU section (only on a GPU backend) lives in ``train/bench/gpu.py``.
 """
 
 from __future__ import annotations
@@ -18,26 +17,22 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 import zshard
 from train.bench.peers import initial_params, plain_peer, zshard_peer
-from train.model import GPT, GPTConfig, cross_entropy_loss, tensor_plan
+from train.model import GPTConfig, cross_entropy_loss, tensor_plan
 from train.scale import activation_bytes
 
 __all__ = [
     "CONFIGS",
     "DEPTHS",
-    "GPU_XLA_FLAGS",
     "QUICK",
     "STRATEGIES",
     "BenchConfig",
     "bench_config",
     "depth_sweep",
-    "gpu_section",
     "median_ratio",
     "train_flops_per_token",
 ]
@@ -48,18 +43,6 @@ TENSOR_SIZES = (2, 4)  # FULL_SHARD with a tensor axis: meshes 1x4x2 and 1x2x4
 TENSOR_CONFIGS = ("P", "Q")  # the parameter-heavy config (and the quick one): where TP is the compiler's choice
 LOSS_RTOL = 1e-5
 STRATEGIES = ("NO_SHARD", "SHARD_OPT", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "HYBRID_SHARD_OPT")
-# XLA:GPU scheduling flags (xla/debug_options_flags.cc): the latency-hiding scheduler overlaps
-# collectives with compute; collectives are asynchronous by default on GPU (nothing listed in
-# --xla_gpu_disable_async_collectives); the pipelined flags let the scheduler move a scanned
-# layer's all-gather / reduce-scatter into the neighbouring iteration. Harmless on CPU.
-GPU_XLA_FLAGS = (
-    "--xla_gpu_enable_latency_hiding_scheduler=true",
-    "--xla_gpu_enable_pipelined_all_gather=true",
-    "--xla_gpu_enable_pipelined_reduce_scatter=true",
-    "--xla_gpu_enable_pipelined_all_reduce=true",
-    "--xla_gpu_enable_while_loop_double_buffering=true",
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
@@ -211,66 +194,3 @@ def depth_sweep(depths, base: BenchConfig, progress) -> dict:
     for k in ("zshard/FULL_SHARD", "FSDP-compiler"):
         out[f"{k} ratio"] = out[k][-1] / out[k][0]
     return out
-
-
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12}  # dense bf16, vendor sheets
-
-
-def gpu_section(repeats: int) -> dict:
-    """One-device overhead and MFU on the first GPU (bf16 compute, fp32 masters)."""
-    dev = jax.devices("gpu")[0]
-    cfg = GPTConfig(vocab_size=256, seq_len=1024, d_model=1024, n_layers=8, n_heads=16, scan=True)
-    B = 16
-    tx = optax.adamw(1e-4)
-    rng = np.random.default_rng(0)
-    tok = rng.integers(0, 256, size=(B, cfg.seq_len + 1), dtype=np.int32)
-    batch = (tok[:, :-1], tok[:, 1:])
-
-    model = GPT(cfg, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
-    params = jax.device_put(params, dev)
-    opt_state = jax.device_put(tx.init(params), dev)
-
-    def plain(params, opt_state, batch):  # bf16 compute, fp32 masters: as zshard's MixedPrecision
-        def loss_of(p):
-            return cross_entropy_loss(nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)), batch)
-
-        loss, grads = jax.value_and_grad(loss_of)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    plain_c = jax.jit(plain, donate_argnums=(0, 1)).lower(params, opt_state, jax.device_put(batch, dev)).compile()
-    mesh = zshard.make_mesh(1, 1, devices=[dev])
-    state = zshard.init(GPT(cfg, rngs=nnx.Rngs(0)), tx, mesh, strategy="FULL_SHARD",
-                        mixed_precision=zshard.MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32"))
-    step = zshard.make_train_step(cross_entropy_loss)
-    zb = step.put_batch(state, batch)
-    z_c = step.lower(state, zb).compile()
-    pb = jax.device_put(batch, dev)
-    box = {"p": params, "o": opt_state, "s": state}
-
-    def run_plain():
-        box["p"], box["o"], loss = plain_c(box["p"], box["o"], pb)
-        return loss
-
-    def run_z():
-        box["s"], m = z_c(box["s"], zb)
-        return m["loss"]
-
-    for f in (run_plain, run_z):
-        jax.block_until_ready(f())
-    tp, tz = [], []
-    for _ in range(repeats):
-        for f, ts in ((run_plain, tp), (run_z, tz)):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f())
-            ts.append(time.perf_counter() - t0)
-    n_total = sum(x.size for x in jax.tree.leaves(params))
-    n_embed = cfg.vocab_size * cfg.d_model + cfg.seq_len * cfg.d_model
-    flops = train_flops_per_token(n_total - n_embed, cfg.n_layers, cfg.d_model, cfg.seq_len) * B * cfg.seq_len
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in dev.device_kind), None)
-    t_z, t_p = statistics.median(tz), statistics.median(tp)
-    return {"device": dev.device_kind, "config": dataclasses.asdict(cfg), "batch": B, "plain_step_s": t_p, "zshard_step_s": t_z,
-            "overhead": median_ratio(tz, tp), "flops_per_step": flops,
-            "mfu_zshard": flops / t_z / peak if peak else None, "mfu_plain": flops / t_p / peak if peak else None,
-            "peak_flops": peak, "xla_flags": list(GPU_XLA_FLAGS)}

@@ -36,7 +36,9 @@ __all__ = [
 # Shapes from the papers: GPT-2 (Radford et al. 2019, table 2; vocab 50257, context 1024,
 # tied embeddings), TinyLlama 1.1B (arXiv 2401.02385, table 1), LLaMA 7B (arXiv
 # 2302.13971, table 2), Llama 2 70B (arXiv 2307.09288, GQA with 8 KV heads, d_ff 28672), Llama 3 8B
-# (arXiv 2407.21783, table 3: 8 KV heads, d_ff 14336, vocab 128256, RoPE base 500000).
+# (arXiv 2407.21783, table 3: 8 KV heads, d_ff 14336, vocab 128256, RoPE base 500000), Llama 3.2 1B (Meta's
+# Llama-3.2-1B config.json: 16 layers, d 2048, 32 heads / 8 KV, d_ff 8192, tied embeddings, the llama3 RoPE
+# scaling of factor 32; the sequence 4096 here is a training choice, not the model's context).
 # Scanned layers: compile time does not grow with depth.
 PLAN_PRESETS = {
     "gpt2-124m": GPTConfig(vocab_size=50257, seq_len=1024, d_model=768, n_layers=12, n_heads=12, tie_embeddings=True, scan=True),
@@ -46,6 +48,9 @@ PLAN_PRESETS = {
     "llama-70b": LlamaConfig(vocab_size=32000, seq_len=4096, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672, scan=True),
     "llama-3-8b": LlamaConfig(vocab_size=128256, seq_len=8192, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336,
                               rope_theta=500000.0, scan=True),
+    "llama-3.2-1b": LlamaConfig(vocab_size=128256, seq_len=4096, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, d_ff=8192,
+                                rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True, scan=True,
+                                rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)),
 }
 
 # config class -> model class; subclasses before their base (isinstance order)
