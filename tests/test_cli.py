@@ -259,6 +259,11 @@ def test_ctrl_c_finishes_the_step_saves_writes_the_summary_and_exits_130(tmp_pat
     assert steps == list(range(1, summary["steps_done"] + 1))
     assert "interrupted after step" in err.strip().splitlines()[-1] and "Traceback" not in err
     assert "interrupted again" not in err
+    # the Ctrl-C says one line (the step is being finished), plain progress lines around it, no blank line
+    assert [line for line in err.splitlines() if "interrupted:" in line] == [
+        "python -m train: interrupted: finishing the step in flight, then saving and writing the summary "
+        "(Ctrl-C again to stop at once)"]
+    assert "\r" not in err and "" not in err.splitlines()
     assert "no evaluation in this run" in err.strip().splitlines()[-1]  # --eval-every 0: only step 0's
     assert (out / "model.safetensors").exists()
     # checkpointing is on: the interrupted step is saved, and --resume would continue from it
