@@ -268,3 +268,32 @@ def test_ctrl_c_finishes_the_step_saves_writes_the_summary_and_exits_130(tmp_pat
     assert (out / "model.safetensors").exists()
     # checkpointing is on: the interrupted step is saved, and --resume would continue from it
     assert zshard.checkpoint.Checkpointer(out / "checkpoints").all_steps() == [summary["steps_done"]]
+
+
+def test_a_terminal_of_0_columns_gets_plain_lines_and_samples_are_cut_at_a_resumed_step(tmp_path):
+    """A pseudo-terminal whose size was never set reports 0 columns: a bar would draw nothing
+    there, so the progress is plain lines; a resume from step k cuts samples.txt after step k."""
+    import io
+    import os
+    import pty
+
+    from train.output import PlainProgress, keep_samples_through, progress_bar
+
+    master, slave = pty.openpty()
+    try:
+        with os.fdopen(slave, "w", closefd=False) as tty:
+            assert tty.isatty() and os.get_terminal_size(slave).columns == 0
+            assert isinstance(progress_bar(10, file=tty), PlainProgress)
+    finally:
+        os.close(master)
+        os.close(slave)
+    log = io.StringIO()
+    bar = PlainProgress(100, desc="train", unit="step", file=log)  # 100 steps: a line every 5
+    for _ in range(100):
+        bar.update(1)
+    bar.close()
+    assert [line.split(",")[0] for line in log.getvalue().splitlines()] == [f"train: step {n}/100" for n in [1, *range(5, 101, 5)]]
+    path = tmp_path / "samples.txt"
+    path.write_text("=== step 4: a ===\nx\n\n=== step 8: b ===\ny\n\n=== step 12: c ===\nz\n\n")
+    keep_samples_through(path, 8)
+    assert path.read_text() == "=== step 4: a ===\nx\n\n=== step 8: b ===\ny\n\n"

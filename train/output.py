@@ -96,7 +96,7 @@ class PlainProgress:
 
     def update(self, n: int = 1) -> None:
         self.n += n
-        if self.n - self.printed >= self.every or self.n == self.total or self.printed == self.initial:
+        if self.n % self.every == 0 or self.n == self.total or self.printed == self.initial:  # the first, multiples of every, the last
             self._line()
 
     def _line(self) -> None:
