@@ -466,6 +466,17 @@ def test_cli_refuses_to_mix_runs(tmp_path, corpus):
     ok = prepare(parse_config(base + ["--resume", "--mesh", "2x4", "--strategy", "HYBRID_SHARD"])[0].resolved(), out)
     assert ok.resuming and ok.start == 4
     assert files(out) == before
+    # no checkpoint: an unfinished run (killed before its first one) starts again and its files are
+    # replaced; one that ended (a summary, weights) is refused, nothing changed
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 0, "eval_loss": 5.0}\n')
+    again = prepare(parse_config(base + ["--resume", "--out", str(other)])[0].resolved(), other)
+    assert not again.resuming and again.replaces == ["metrics.jsonl"]
+    (other / "summary.json").write_text(json.dumps({"steps_done": 20, "steps": 20, "weights": None}))
+    with pytest.raises(ResumeError, match=r"holds a finished run \(20 of 20 steps\): metrics.jsonl, summary.json, and no "
+                       r"complete checkpoint.*--init-from"):
+        prepare(parse_config(base + ["--resume", "--out", str(other)])[0].resolved(), other)
 
 
 def test_compile_save_compiles_ahead_so_the_first_save_compiles_nothing(tmp_path):

@@ -123,9 +123,14 @@ def test_wrap_policy_ends_trains_the_same_model(run, tmp_path):
 
 
 def test_plot_writes_the_pngs(run, tmp_path):
-    from train.plot import main
+    from train.plot import load_run, loss_figure, main
 
     out, _ = run
+    fig = loss_figure(*load_run(out))
+    train_line, eval_points = fig.axes[0].get_lines()
+    assert train_line.get_linestyle() == "-"
+    assert eval_points.get_linestyle() == "None" and eval_points.get_marker() == "o"  # evaluations: markers, not joined
+    assert list(eval_points.get_xdata()) == [0, EVERY, 2 * EVERY]
     assert main([str(out), "--to", str(tmp_path / "plots")]) == 0
     for name in ("loss.png", "tokens_per_s.png", "memory.png"):
         img = matplotlib.image.imread(tmp_path / "plots" / name)
@@ -133,6 +138,86 @@ def test_plot_writes_the_pngs(run, tmp_path):
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path / "nothing")])
     assert e.value.code == 2
+
+
+def test_progress_in_a_log_is_plain_lines_and_saving_is_a_phase_of_its_own(run):
+    """stderr is a pipe here: one plain line every few steps, never a bar's redraw; the steps'
+    progress is closed before the saving starts, and the throughput leaves out what was timed apart."""
+    out, res = run
+    lines = res.stderr.splitlines()
+    assert "\r" not in res.stderr
+    progress = [i for i, line in enumerate(lines) if line.startswith("train: step ")]
+    assert progress and lines[progress[-1]].startswith(f"train: step {STEPS}/{STEPS}, ")
+    saving = [i for i, line in enumerate(lines) if line.startswith("saving: ")]
+    assert saving == [len(lines) - 2] and progress[-1] < saving[0], lines[-6:]
+    assert str(out / "model.safetensors") in lines[saving[0]]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["save_s"] == 0 and s["first_save_s"] is None and s["export_s"] > 0  # no checkpoints in this run
+    assert s["tokens_per_s"] == pytest.approx(s["tokens_per_step"] * STEPS / (s["train_s"] - s["eval_s"] - s["save_s"]))
+
+
+def test_resume_of_a_finished_run_without_checkpoints_changes_nothing_and_init_from_takes_its_weights(run, tmp_path):
+    """--resume in a finished run that kept no checkpoint is refused before anything compiles,
+    naming what the folder holds and the fixes; every file stays byte for byte. --init-from
+    RUN (a path relative to the working folder) starts a new run from its weights: the new run's
+    first evaluation is the finished run's last."""
+    import hashlib
+    import os
+    import shutil
+
+    out = tmp_path / "finished"
+    shutil.copytree(run[0], out)
+
+    def hashes():
+        return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.rglob("*")) if p.is_file()}
+
+    before = hashes()
+    assert {"metrics.jsonl", "summary.json", "model.safetensors", "config.toml", "samples.txt"} <= before.keys()
+    assert any(k.startswith("tb/") for k in before) and not (out / "checkpoints").exists()
+    res = train("--config", str(out / "config.toml"), "--out", str(out), "--resume", timeout=300)
+    assert res.returncode == 2, res.stderr[-3000:]
+    err = [line for line in res.stderr.splitlines() if line.startswith("python -m train")]
+    assert err == [f"python -m train: error: --resume: {str(out)!r} holds a finished run ({STEPS} of {STEPS} steps, weights in "
+                   "model.safetensors): config.toml, metrics.jsonl, model.safetensors, samples.txt, summary.json, tb/, and no "
+                   "complete checkpoint to continue from; nothing was changed. Give --out NEW for a new run, or --out NEW "
+                   f"--init-from {out} to start one from its weights"], res.stderr[-3000:]
+    assert hashes() == before
+
+    new = tmp_path / "new"
+    res = train(*ARGS, "--data", str(json.loads((out / "summary.json").read_text())["config"]["data"]["path"]), "--steps", "1",
+                "--eval-every", "0", "--sample-every", "0", "--init-from", os.path.relpath(out, ROOT), "--out", str(new))
+    assert res.returncode == 0, res.stderr[-3000:]
+    first, last = json.loads((new / "summary.json").read_text()), json.loads((out / "summary.json").read_text())
+    assert first["initial_eval_loss"] == pytest.approx(last["final_eval_loss"], rel=1e-5)
+    assert first["model"]["preset"] is None and first["model"]["init_from"] == str(out)
+    assert first["model"]["name"] == f"nano GPT trained in {out} (step {STEPS})"
+    assert tomllib.loads((new / "config.toml").read_text())["model"]["init_from"] == str(out)  # absolute: --resume from anywhere
+    assert hashes() == before
+
+
+def test_tensorboard_shows_each_step_once_after_a_resume_and_skips_non_finite_values(tmp_path, caplog):
+    """A run resumed from checkpoint k logs steps k+1... again: TensorBoard hides the stopped
+    run's events of those steps (purge_step). A NaN loss is left out of the charts, marked by
+    train/nonfinite, without tensorboardX's 'NaN or Inf found' warning."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from train.metrics import TensorBoard
+
+    first = TensorBoard(tmp_path)
+    for step in range(1, 6):  # stopped after step 5; its checkpoint is at step 3
+        first.log({"step": step, "loss": float(step)})
+    first.close()
+    time.sleep(1.1)  # event files are named by the second
+    resumed = TensorBoard(tmp_path, purge_step=4)
+    with caplog.at_level("WARNING"):
+        for step in range(4, 8):
+            resumed.log({"step": step, "loss": 10.0 * step if step != 6 else float("nan"), "grad_norm": 1.0})
+    resumed.close()
+    assert not [r for r in caplog.records if "NaN" in r.getMessage()]
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1), (2, 2), (3, 3), (4, 40), (5, 50), (7, 70)]
+    assert [(e.step, e.value) for e in acc.Scalars("train/nonfinite")] == [(6, 1.0)]
 
 
 def test_ctrl_c_finishes_the_step_saves_writes_the_summary_and_exits_130(tmp_path, corpus):
@@ -174,7 +259,41 @@ def test_ctrl_c_finishes_the_step_saves_writes_the_summary_and_exits_130(tmp_pat
     assert steps == list(range(1, summary["steps_done"] + 1))
     assert "interrupted after step" in err.strip().splitlines()[-1] and "Traceback" not in err
     assert "interrupted again" not in err
+    # the Ctrl-C says one line (the step is being finished), plain progress lines around it, no blank line
+    assert [line for line in err.splitlines() if "interrupted:" in line] == [
+        "python -m train: interrupted: finishing the step in flight, then saving and writing the summary "
+        "(Ctrl-C again to stop at once)"]
+    assert "\r" not in err and "" not in err.splitlines()
     assert "no evaluation in this run" in err.strip().splitlines()[-1]  # --eval-every 0: only step 0's
     assert (out / "model.safetensors").exists()
     # checkpointing is on: the interrupted step is saved, and --resume would continue from it
     assert zshard.checkpoint.Checkpointer(out / "checkpoints").all_steps() == [summary["steps_done"]]
+
+
+def test_a_terminal_of_0_columns_gets_plain_lines_and_samples_are_cut_at_a_resumed_step(tmp_path):
+    """A pseudo-terminal whose size was never set reports 0 columns: a bar would draw nothing
+    there, so the progress is plain lines; a resume from step k cuts samples.txt after step k."""
+    import io
+    import os
+    import pty
+
+    from train.output import PlainProgress, keep_samples_through, progress_bar
+
+    master, slave = pty.openpty()
+    try:
+        with os.fdopen(slave, "w", closefd=False) as tty:
+            assert tty.isatty() and os.get_terminal_size(slave).columns == 0
+            assert isinstance(progress_bar(10, file=tty), PlainProgress)
+    finally:
+        os.close(master)
+        os.close(slave)
+    log = io.StringIO()
+    bar = PlainProgress(100, desc="train", unit="step", file=log)  # 100 steps: a line every 5
+    for _ in range(100):
+        bar.update(1)
+    bar.close()
+    assert [line.split(",")[0] for line in log.getvalue().splitlines()] == [f"train: step {n}/100" for n in [1, *range(5, 101, 5)]]
+    path = tmp_path / "samples.txt"
+    path.write_text("=== step 4: a ===\nx\n\n=== step 8: b ===\ny\n\n=== step 12: c ===\nz\n\n")
+    keep_samples_through(path, 8)
+    assert path.read_text() == "=== step 4: a ===\nx\n\n=== step 8: b ===\ny\n\n"

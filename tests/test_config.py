@@ -89,11 +89,13 @@ def test_existing_flag_names_still_work():
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
-    cfg = parse(["--zero-stage", "2", "--mesh", "cpu-2x4", "--model", "medium", "--data", "some.txt"])
+    cfg = parse(["--zero-stage", "2", "--mesh", "cpu-2x4", "--model", "medium", "--data", "some.txt", "--init-from", "runs/a"])
     resolved = cfg.resolved()
     assert resolved.mesh.strategy == "SHARD_GRAD_OP" and resolved.mesh.zero_stage is None
     assert resolved.mesh.shape == "2x4" and resolved.model.scan is True  # the medium preset scans
     assert resolved.optimizer.warmup == 30 and Path(resolved.data.path).is_absolute()
+    # --init-from as a path from this folder: --resume and --config OUT/config.toml then work from any folder
+    assert resolved.model.init_from == str(Path("runs/a").resolve())
     path = write(tmp_path, C.dumps_toml(resolved, "a header\nof two lines"), "config.toml")
     assert path.read_text().startswith("# a header\n# of two lines\n")
     again = C.Config.from_dict(C.load_file(path))

@@ -44,6 +44,8 @@ def test_init_from_hf_checkpoint(tmp_path, corpus):
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["init_from"] == str(FIXTURES / "gpt2") and summary["model"]["config"]["qkv_bias"] is True
+    # the model trained is the checkpoint's, not the default preset
+    assert summary["model"]["preset"] is None and summary["model"]["model_type"] == "gpt2"
     # the initial eval loss is that of the checkpoint's weights on the held-out batches
     _, held_out = data.split_corpus(data.load_corpus(str(corpus)))
     builder, weights = from_hf(FIXTURES / "gpt2")
@@ -66,4 +68,4 @@ def test_init_from_small_vocab_refused(tmp_path):
     assert "vocab_size is 100; the byte-level data needs >= 256 tokens" in res.stderr
     assert not (tmp_path / "run").exists()
     res = run(tmp_path, "--init-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "run"), timeout=120)
-    assert res.returncode == 2 and "config.json" in res.stderr
+    assert res.returncode == 2 and f"{str(tmp_path / 'nowhere')!r}: does not exist" in res.stderr, res.stderr[-2000:]

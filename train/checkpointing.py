@@ -24,7 +24,7 @@ import grain
 import numpy as np
 
 import zshard
-from train import data
+from train import data, output
 from train.config import Config, flag_of
 
 __all__ = ["BatchStream", "ResumeError", "RunCheckpoints", "prepare"]
@@ -97,11 +97,15 @@ class RunCheckpoints:
       start: the step the run starts after (0, or the resumed checkpoint's step).
       extra: the resumed checkpoint's ``extra`` (``None`` when starting fresh).
       directory: ``OUT/checkpoints``.
+      replaces: ``--resume`` in an unfinished run's folder with no complete checkpoint (no
+        summary, no weights): its files (``train.output.OUTPUTS`` names), which the run starting
+        again from step 0 replaces (``train.trainer.Trainer.start_output``); else ``[]``.
     """
 
-    def __init__(self, run: Config, out: Path, start: int = 0, extra: dict | None = None):
+    def __init__(self, run: Config, out: Path, start: int = 0, extra: dict | None = None, replaces: list[str] | None = None):
         c = run.checkpoint
         self.every, self.steps, self.start, self.extra = c.ckpt_every, run.training.steps, start, extra
+        self.replaces = replaces or []  # --resume with no checkpoint: an unfinished run's files, replaced when OUT is written
         self.settings = run_settings(run)
         self.directory = out / SUBDIR
         self.ckpt = zshard.Checkpointer(self.directory, keep=c.keep)
@@ -149,11 +153,17 @@ def prepare(run: Config, out: Path, fresh: bool = False) -> RunCheckpoints:
     Returns the run's checkpoints (also with ``ckpt_every = 0``: a preempted run saves one).
     ``fresh``: the run replaces OUT (``--overwrite``), so its old checkpoints do not count.
 
+    With ``resume`` and no complete checkpoint, the run starts from step 0: in an empty OUT,
+    or one that holds an unfinished run (no ``summary.json``, no ``model.safetensors``: killed
+    before its first complete checkpoint), whose files it replaces (``replaces``).
+
     Raises:
       ResumeError: (nothing written) ``OUT`` holds checkpoints and ``resume`` is not set (a
-        new run would mix with them); a resumed run changes a setting that changes the
-        numbers (each named with its flag, old -> new); the checkpoint is already at
-        ``training.steps``; or its record cannot be read.
+        new run would mix with them); ``resume`` in a run that ended (``summary.json`` or
+        ``model.safetensors``) and kept no complete checkpoint (what OUT holds is named, and
+        the fixes: ``--out``, ``--init-from OUT``); a resumed run changes a setting that
+        changes the numbers (each named with its flag, old -> new); the checkpoint is
+        already at ``training.steps``; or its record cannot be read.
     """
     where = out / SUBDIR
     if where.exists() and not where.is_dir():
@@ -167,8 +177,18 @@ def prepare(run: Config, out: Path, fresh: bool = False) -> RunCheckpoints:
             )
         return RunCheckpoints(run, out)  # ckpt_every 0: no periodic saves, but a preempted run still saves
     if latest is None:
-        print(f"--resume: no complete checkpoint in {str(where)!r}; starting from step 0", file=sys.stderr)
-        return RunCheckpoints(run, out)
+        held = output.earlier_run(out)
+        if "summary.json" in held or "model.safetensors" in held:  # the run ended: nothing of it is overwritten
+            raise ResumeError(
+                f"--resume: {str(out)!r} holds {output.describe_run(out)}, and no complete checkpoint to continue from; "
+                f"nothing was changed. Give --out NEW for a new run, or --out NEW --init-from {out} to start one from its weights"
+            )
+        if held:  # an unfinished run (killed before its first complete checkpoint): its steps are done again, the same
+            print(f"--resume: no complete checkpoint in {str(where)!r}; starting again from step 0 (the unfinished run's "
+                  f"{', '.join(held)} are replaced)", file=sys.stderr)
+        else:
+            print(f"--resume: no complete checkpoint in {str(where)!r}; starting from step 0", file=sys.stderr)
+        return RunCheckpoints(run, out, replaces=held)
     try:
         extra = zshard.Checkpointer(where).read_extra(latest)
     except (OSError, ValueError) as e:
@@ -185,6 +205,8 @@ def prepare(run: Config, out: Path, fresh: bool = False) -> RunCheckpoints:
             "checkpoint settings may change), or give a new --out"
         )
     if latest >= run.training.steps:
-        raise ResumeError(f"--resume: the checkpoint in {str(where)!r} is at step {latest}, --steps is {run.training.steps}: nothing to do")
+        raise ResumeError(f"--resume: the checkpoint in {str(where)!r} is at step {latest}, --steps is {run.training.steps}: "
+                          f"the run is finished, nothing to continue and nothing was changed. Give --out NEW for a new run, "
+                          f"or --out NEW --init-from {out} to start one from its weights")
     print(f"--resume: continuing from step {latest} ({str(where / str(latest))!r})", file=sys.stderr)
     return RunCheckpoints(run, out, start=latest, extra=extra)

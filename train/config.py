@@ -346,7 +346,8 @@ class Config:
     def resolved(self, n_devices: int | None = None, processes: int = 1) -> "Config":
         """A validated copy with every derived value written out: the canonical strategy (no
         ``zero_stage``), the mesh as ``RxS`` (``RxSxT``), the device count, the preset's ``scan``, the
-        warmup in steps and the data path made absolute. Running it repeats this run."""
+        warmup in steps, and the data path and ``model.init_from`` made absolute (so ``--config
+        OUT/config.toml`` and ``--resume`` work from any folder). Running it repeats this run."""
         self.validate(n_devices, processes)
         r = Config.from_dict(self.to_dict())
         n = self.mesh.devices if n_devices is None else n_devices
@@ -360,6 +361,8 @@ class Config:
         r.optimizer.warmup = self.warmup_steps()
         if r.data.path is not None:
             r.data.path = str(Path(r.data.path).resolve())
+        if r.model.init_from is not None:
+            r.model.init_from = str(Path(r.model.init_from).resolve())
         return r
 
 

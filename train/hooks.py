@@ -10,14 +10,17 @@ due every step, are ``train/metrics.py``).
   (always) (``train/checkpointing.py``, asynchronous).
 
 A hook has ``due(step, stopping)`` (``stopping``: the :class:`train.stops.Stop` every process
-acts on after this step) and ``hook(state, step, record, metrics)``; ``apart`` hooks
-(evaluation, samples) are timed apart from training throughput; ``kind`` names the part for
-the watchdog (``train/watchdog.py``). ``train.trainer.Trainer`` runs them in this order, so a
+acts on after this step) and ``hook(state, step, record, metrics)``; each is timed apart from
+training throughput (``Metrics.apart(kind)``: evaluation, samples, and the part of a
+checkpoint save that holds the loop, the first one's compile included); ``kind`` names the
+part for the watchdog (``train/watchdog.py``) and the summary's times. ``train.trainer.Trainer`` runs them in this order, so a
 checkpoint's records hold the step's evaluation. A stopped run skips the evaluation and the
 sample of its last step (a preempted run has little time).
 """
 
 from __future__ import annotations
+
+import time
 
 import jax
 import numpy as np
@@ -56,7 +59,7 @@ class Evaluate:
         (``zshard.make_eval_step(..., sequence_axis=1)``); ``None``: rows only.
     """
 
-    apart, kind = True, "evaluation"
+    kind = "evaluation"
 
     def __init__(self, state, batches: list, every: int, steps: int, prefetch: int | None = None, sequence_axis=None):
         i, procs = jax.process_index(), jax.process_count()
@@ -89,7 +92,7 @@ class Sample:
     ``training.seed + step`` (and the chunk).
     """
 
-    apart, kind = True, "sample"
+    kind = "sample"
 
     def __init__(self, setup):
         run = setup.run
@@ -133,20 +136,27 @@ class Checkpoint:
     """Save ``OUT/checkpoints/<step>`` (``train.checkpointing.RunCheckpoints``, in the background)
     every ``checkpoint.ckpt_every`` steps, after the last, at a Ctrl-C stop when checkpointing
     is on and at every SIGTERM / SIGUSR1 stop; the state, the batch stream's position and the
-    records so far. ``saved``: the steps saved (begun)."""
+    records so far. ``saved``: the steps saved (begun). ``first_s``: seconds the first save held
+    the loop (it compiles the programs that gather each parameter's logical layout; later saves
+    only copy to the host), ``None`` before it; its line says so."""
 
-    apart, kind = False, "checkpoint"  # the save is asynchronous: its time is the loop's
+    kind = "checkpoint"  # the writes go on in the background; the part that holds the loop is timed apart
 
     def __init__(self, ckpt, batches):
-        self.ckpt, self.batches, self.saved = ckpt, batches, []
+        self.ckpt, self.batches, self.saved, self.first_s = ckpt, batches, [], None
 
     def due(self, step: int, stopping: Stop = Stop.NONE) -> bool:
         return self.ckpt.due(step) or stopping == Stop.PREEMPT or (bool(stopping) and bool(self.ckpt.every))
 
     def __call__(self, state, step: int, rec: dict, metrics: Metrics) -> None:
         self.saved.append(step)  # first: a --preempt-grace deadline during the save removes its folder
+        t0 = time.perf_counter()
         self.ckpt.save(state, step, self.batches, metrics.records)  # `batches` has drawn `step` batches
-        say(f"step {step}: saving checkpoint {self.ckpt.directory / str(step)} (in the background)")
+        first = ""
+        if self.first_s is None:
+            self.first_s = time.perf_counter() - t0
+            first = f"; this first save held the loop {self.first_s:.1f} s, its compile included, not counted as training"
+        say(f"step {step}: saving checkpoint {self.ckpt.directory / str(step)} (in the background{first})")
 
     def close(self) -> None:
         """Wait for the last checkpoint to be complete on disk."""

@@ -9,23 +9,29 @@ status 2; nothing is written.
 from __future__ import annotations
 
 import dataclasses
+import json
+import tempfile
 import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.experimental import multihost_utils
 
 import zshard
 from train import checkpointing, data
 from train.cli import fail
+from train import config
 from train.config import ConfigError
 from train.flags import key_of
-from train.model import MODEL_PRESETS, GPTConfig, from_hf, tensor_plan
+from train.hf.files import Tensor
+from train.model import GPT, MODEL_PRESETS, GPTConfig, from_hf, tensor_plan
 from train.output import choose_out
 
-__all__ = ["Setup", "make_optimizer", "validate"]
+__all__ = ["Setup", "is_run_folder", "make_optimizer", "validate"]
 
 
 @dataclasses.dataclass
@@ -48,8 +54,12 @@ class Setup:
       link: ``runs/latest``, to point at ``out`` once it is written (``None``: no link).
       strategy: the strategy's name (``zshard.Strategy`` value).
       ckpt: the run's checkpoints (``None``: neither saving nor resuming).
-      builder: with ``model.init_from``: the model builder of ``train.model.from_hf``, else ``None``.
+      builder: with ``model.init_from``: the model builder (of ``train.model.from_hf``, or of
+        the run folder's configuration), else ``None``.
       weights: with ``model.init_from``: its ``{path: tensor}`` (read when the state is built).
+      model: what is trained, for the banner and ``summary.json``: ``{"name", "preset",
+        "init_from", "model_type"}`` (``preset`` ``None`` with ``init_from``; ``model_type``: the
+        Hugging Face ``model_type``, or ``"gpt"`` for a preset).
     """
 
     run: object
@@ -68,6 +78,7 @@ class Setup:
     ckpt: object
     builder: object = None
     weights: object = None
+    model: dict = dataclasses.field(default_factory=dict)
 
 
 def _run_stamp() -> str:
@@ -97,8 +108,9 @@ def validate(run) -> Setup:
     if run.model.scan is not None:
         cfg = dataclasses.replace(cfg, scan=run.model.scan)
     builder = weights = None
+    model = {"name": f"{run.model.preset} GPT", "preset": run.model.preset, "init_from": None, "model_type": "gpt"}
     if run.model.init_from is not None:
-        builder, weights, cfg = _init_from(run)
+        builder, weights, cfg, model = _init_from(run)
 
     source = data.describe_source(run.data.path)
     try:
@@ -136,7 +148,7 @@ def validate(run) -> Setup:
     except ValueError as e:
         fail(str(e))
     return Setup(run, resolved, cfg, source, train_data, eval_data, devices, replica, shard, mesh, out, link, strategy, ckpt,
-                 builder, weights)
+                 builder, weights, model)
 
 
 def _check_pinned_host(mode: str, devices) -> None:
@@ -149,10 +161,12 @@ def _check_pinned_host(mode: str, devices) -> None:
 
 
 def _init_from(run):
-    """``model.init_from``: ``(builder, weights, model config)`` of a Hugging Face directory; exit 2 on a problem."""
+    """``model.init_from``: ``(builder, weights, model config, Setup.model)`` of a Hugging Face
+    directory or a ``python -m train`` run folder; exit 2 on a problem."""
     key = "model.init_from (--init-from)"
+    path = Path(run.model.init_from).resolve()
     try:
-        builder, weights = from_hf(run.model.init_from)
+        builder, weights, desc = _load_weights(path)
     except (OSError, ValueError) as e:
         fail(f"{key} {run.model.init_from!r}: {e}")
     cfg = builder.config
@@ -161,7 +175,95 @@ def _init_from(run):
         fail(f"{key}: the checkpoint's vocab_size is {cfg.vocab_size}; {what} needs >= {need} tokens")
     if isinstance(cfg, GPTConfig) and run.model.seq_len > cfg.seq_len:
         fail(f"model.seq_len (--seq-len) {run.model.seq_len} > the checkpoint's n_positions {cfg.seq_len}; lower --seq-len")
-    return builder, weights, cfg  # (model.preset and model.scan do not apply: the checkpoint's layers are a list)
+    # (model.preset and model.scan do not apply: the checkpoint's model is trained)
+    return builder, weights, cfg, {"name": desc["name"], "preset": None, "init_from": str(path), "model_type": desc["model_type"]}
+
+
+def is_run_folder(path: Path) -> bool:
+    """A ``python -m train`` run folder (its ``config.toml``, and no Hugging Face ``config.json``)?"""
+    return (path / "config.toml").is_file() and not (path / "config.json").is_file()
+
+
+def _load_weights(path: Path, depth: int = 0):
+    """``(builder, {path: tensor}, {"name", "model_type"})`` of a Hugging Face directory or a run folder.
+
+    A run folder's model is its ``config.toml``'s (a preset, or its own ``init_from``'s model,
+    followed); its weights are the newer of ``model.safetensors`` (the step ``summary.json``
+    names) and the latest complete checkpoint (exported to a temporary file,
+    ``zshard.export``). Raises ``FileNotFoundError`` / ``ValueError`` naming what is missing.
+    """
+    if not path.exists():
+        raise FileNotFoundError("does not exist; give a Hugging Face model directory (config.json and safetensors) "
+                                "or the folder of a python -m train run")
+    if not is_run_folder(path):
+        builder, weights = from_hf(path)
+        kind = json.loads((path / "config.json").read_text()).get("model_type")
+        return builder, weights, {"name": f"{kind} from {path}", "model_type": kind}
+    if depth > 8:
+        raise ValueError("its config.toml's model.init_from chain is longer than 8 runs (a loop?)")
+    try:
+        src = config.Config.from_dict(config.load_file(str(path / "config.toml")), str(path / "config.toml"))
+    except ConfigError as e:
+        raise ValueError(f"its config.toml cannot be read: {e}") from None
+    file, step = _run_weights_file(path)
+    if src.model.init_from is not None:  # a fine-tuned run: the model of its own source
+        builder, _, desc = _load_weights(Path(src.model.init_from), depth + 1)
+        mc = builder.config
+    else:
+        mc = dataclasses.replace(MODEL_PRESETS[src.model.preset], seq_len=src.model.seq_len)
+        if src.model.scan is not None:
+            mc = dataclasses.replace(mc, scan=src.model.scan)
+        if src.data.vocab_size is not None:
+            mc = dataclasses.replace(mc, vocab_size=src.data.vocab_size)
+        desc = {"name": f"{src.model.preset} GPT", "model_type": "gpt"}
+
+        def builder():
+            return GPT(mc, rngs=nnx.Rngs(0))
+
+        builder.config = mc
+    return builder, _safetensors_weights(file), {"name": f"{desc['name']} trained in {path} (step {step})",
+                                                 "model_type": desc["model_type"]}
+
+
+def _run_weights_file(path: Path) -> tuple[Path, int]:
+    """The newest weights of a run folder: ``(safetensors file, step)``; a checkpoint is exported to a temporary file."""
+    summary = path / "summary.json"
+    done = None
+    if summary.is_file() and (path / "model.safetensors").is_file():
+        s = json.loads(summary.read_text())
+        done = s.get("steps_done") if s.get("weights") else None
+    where = path / checkpointing.SUBDIR
+    latest = zshard.Checkpointer(where).latest_step() if where.is_dir() else None
+    if done is not None and (latest is None or done >= latest):
+        return path / "model.safetensors", done
+    if latest is None:
+        raise FileNotFoundError("is a run folder with no weights: no model.safetensors named by its summary.json and no "
+                                "complete checkpoint in checkpoints/")
+    if jax.process_count() > 1:
+        raise ValueError(f"the run's newest weights are checkpoint {latest} only; export them first, in one process: "
+                         f"python -c \"import zshard; zshard.export('{where}', 'weights/model.safetensors')\" and give that "
+                         "run's folder, or use one process")
+    tmp = tempfile.TemporaryDirectory(prefix="zshard-init-from-")
+    _TEMPORARY.append(tmp)  # removed when the process ends
+    return zshard.export(where, Path(tmp.name) / "model.safetensors"), latest
+
+
+_TEMPORARY: list = []
+
+
+def _safetensors_weights(file: Path) -> dict:
+    """``{dotted path: Tensor}`` of a ``zshard.export`` file, read one tensor at a time when called."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    with safe_open(file, framework="numpy") as f:
+        shapes = {name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()}
+
+    def read(name):
+        with safe_open(file, framework="numpy") as f:
+            return f.get_tensor(name)
+
+    dtypes = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
+    return {name: Tensor(lambda name=name: read(name), shape, dtypes.get(code, np.float32)) for name, (shape, code) in shapes.items()}
 
 
 def make_optimizer(run):

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
+import math
 import time
 from pathlib import Path
 
 import numpy as np
 from tensorboardX import SummaryWriter
-from tqdm import tqdm
-
 from train import output
 from train.output import PROG, write_atomic
 
@@ -62,23 +60,37 @@ class TensorBoard:
     """Scalars to TensorBoard event files in ``OUT/tb`` (``tensorboardX.SummaryWriter``), or nothing.
 
     Tags: ``train/loss``, ``train/grad_norm``, ``train/lr``, ``eval/loss`` (nats per byte,
-    per step), ``perf/tokens_per_s``, ``perf/step_time_s``. View with
-    ``tensorboard --logdir OUT/tb``.
+    per step), ``perf/tokens_per_s``, ``perf/step_time_s``, and ``train/nonfinite`` (1 at a
+    step whose loss or gradient norm was NaN or infinite: those values are left out, charts
+    cannot draw them). View with ``tensorboard --logdir OUT/tb``.
+
+    Args:
+      logdir: ``OUT/tb``, or ``None`` for nothing.
+      purge_step: a run resumed from checkpoint ``k`` passes ``k + 1``: TensorBoard hides the
+        earlier events of steps >= ``k + 1`` (those a stopped run logged after its checkpoint,
+        logged again now), so each step shows once (``SummaryWriter(purge_step=...)``).
     """
 
     TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "eval_loss": "eval/loss",
             "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s"}
 
-    def __init__(self, logdir: Path | None):
+    def __init__(self, logdir: Path | None, purge_step: int | None = None):
         self.writer = None
         if logdir is not None:
-            self.writer = SummaryWriter(str(logdir), flush_secs=10)
+            self.writer = SummaryWriter(str(logdir), flush_secs=10, purge_step=purge_step)
 
     def log(self, rec: dict) -> None:
-        if self.writer is not None:
-            for key, tag in self.TAGS.items():
-                if key in rec:
+        if self.writer is None:
+            return
+        nonfinite = False
+        for key, tag in self.TAGS.items():
+            if key in rec:
+                if math.isfinite(rec[key]):
                     self.writer.add_scalar(tag, rec[key], rec["step"])
+                else:
+                    nonfinite = True
+        if nonfinite:
+            self.writer.add_scalar("train/nonfinite", 1.0, rec["step"])
 
     def close(self) -> None:
         if self.writer is not None:
@@ -93,7 +105,12 @@ class Metrics:
     :meth:`read` waits for the step in flight. Step time is between the reads of consecutive
     steps' metrics; with asynchronous dispatch one step's time can land on its neighbour, so
     ``tokens_per_s`` is over the last :data:`THROUGHPUT_WINDOW` steps, time spent
-    :meth:`apart` (evaluation, samples) left out.
+    :meth:`apart` (evaluation, samples, starting a checkpoint save) left out, of the progress
+    bar's rate too.
+
+    The progress (rank 0): a ``tqdm`` bar on a terminal, else one plain line every few steps
+    (``train.output.progress_bar``); :meth:`end_progress` closes it after the last step, so the
+    saving that follows is a phase of its own and its time is no step's.
     """
 
     def __init__(self, trainer):
@@ -103,14 +120,16 @@ class Metrics:
         self.records = list(trainer.records) if trainer.start else [{"step": 0, "eval_loss": trainer.eval_loss0}]
         self.log = MetricsLog(out / "metrics.jsonl")
         self.log.start(self.records)
-        self.tb = TensorBoard(out / "tb" if run.logging.tensorboard and output.WRITES_FILES else None)
+        self.tb = TensorBoard(out / "tb" if run.logging.tensorboard and output.WRITES_FILES else None,
+                              purge_step=trainer.start + 1 if trainer.start else None)  # resumed: the later steps once
         if not trainer.start:
             self.tb.log(self.records[0])
-        self.bar = tqdm(total=run.training.steps, initial=trainer.start, desc="train", unit="step", dynamic_ncols=True,
-                        file=sys.stderr, disable=not output.WRITES_FILES)
+        self.bar = output.progress_bar(run.training.steps, trainer.start, desc="train", unit="step",
+                                       disable=not output.WRITES_FILES)
         self.t_train = self.t_last = time.perf_counter()
+        self.t_end = None  # perf_counter() when the last step's metrics were read (end_progress)
         self.recent: list[float] = []  # seconds per step, the last THROUGHPUT_WINDOW steps
-        self.eval_s = 0.0  # time spent apart (evaluating and sampling) inside the loop, s
+        self.apart_s: dict[str, float] = {}  # s spent apart inside the loop, by hook kind (evaluation, sample, checkpoint)
         self.pending = None  # (step number, metrics) dispatched but not yet read
         self.last = trainer.start  # the last step whose metrics were read
 
@@ -152,15 +171,35 @@ class Metrics:
                 f"(now {self.run.optimizer.lr}), add --clip-norm, or pass --skip-nonfinite to skip such steps"
             )
 
+    @property
+    def eval_s(self) -> float:
+        """Seconds spent evaluating and sampling inside the loop."""
+        return self.apart_s.get("evaluation", 0.0) + self.apart_s.get("sample", 0.0)
+
+    @property
+    def save_s(self) -> float:
+        """Seconds the loop spent starting checkpoint saves (the first compiles; the writes go on in the background)."""
+        return self.apart_s.get("checkpoint", 0.0)
+
     @contextlib.contextmanager
-    def apart(self):
-        """Time spent inside is not training throughput (added to ``eval_s``)."""
+    def apart(self, kind: str = "evaluation"):
+        """Time spent inside is not training throughput, nor the progress bar's rate (added to
+        ``apart_s[kind]``)."""
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self.eval_s += time.perf_counter() - t0
-            self.t_last = time.perf_counter()
+            now = time.perf_counter()
+            self.apart_s[kind] = self.apart_s.get(kind, 0.0) + now - t0
+            output.pause_progress(self.bar, now - t0)
+            self.t_last = now
+
+    def end_progress(self) -> None:
+        """The steps are over: close the progress (its rate stays that of the steps); what
+        follows (waiting for the last checkpoint, the weights) is saving, timed apart."""
+        if self.t_end is None:
+            self.t_end = time.perf_counter()
+            self.bar.close()
 
     def write(self) -> None:
         """Append the records read so far to ``OUT/metrics.jsonl`` (flushed)."""
@@ -174,6 +213,6 @@ class Metrics:
             self.bar.refresh()
 
     def close(self) -> None:
-        self.bar.close()
+        self.end_progress()
         self.tb.close()
         self.log.close()

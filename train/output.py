@@ -7,9 +7,13 @@ Only rank 0 of a multi-process run writes files and prints progress (:data:`WRIT
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -57,6 +61,146 @@ def say(msg: str) -> None:
         tqdm.write(msg, file=sys.stderr)
 
 
+class PlainProgress:
+    """Progress as plain lines, for a stream that is not a terminal (a log file, a pipe, a
+    terminal of 0 columns): one line every ``every`` updates and at the end, never a redraw.
+
+    The part of ``tqdm``'s interface ``python -m train`` and ``python -m train.bench`` use:
+    ``update``, ``set_postfix``, ``set_description``, ``write``, ``clear``, ``refresh``,
+    ``close``, a context manager, and ``start_t`` / ``last_print_t`` (s, ``time.perf_counter``
+    clock) which :func:`pause_progress` moves. A line reads
+    ``train: step 40/300, 2.31 step/s, 17 s, about 113 s left; loss=2.345, tok_s=12,345``.
+
+    Args:
+      total: updates in all (steps).
+      initial: updates already done (a resumed run's start step).
+      desc: the line's first word.
+      unit: what an update is (``step``).
+      file: the stream (stderr).
+      every: updates between lines; default :func:`plain_every` of the updates to come.
+    """
+
+    def __init__(self, total: int, initial: int = 0, desc: str = "", unit: str = "it", file=None, every: int | None = None):
+        self.total, self.n, self.initial, self.desc, self.unit = total, initial, initial, desc, unit
+        self.file = sys.stderr if file is None else file
+        self.every = every or plain_every(max(total - initial, 1))
+        self.postfix: dict = {}
+        self.start_t = self.last_print_t = time.perf_counter()
+        self.printed = initial  # the update count of the last line
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n % self.every == 0 or self.n == self.total or self.printed == self.initial:  # the first, multiples of every, the last
+            self._line()
+
+    def _line(self) -> None:
+        now = time.perf_counter()
+        elapsed = max(now - self.start_t, 1e-9)
+        rate = (self.n - self.initial) / elapsed
+        left = f", about {(self.total - self.n) / rate:.0f} s left" if rate > 0 and self.n < self.total else ""
+        post = "; " + ", ".join(f"{k}={v}" for k, v in self.postfix.items()) if self.postfix else ""
+        print(f"{self.desc}: {self.unit} {self.n}/{self.total}, {rate:.2f} {self.unit}/s, {elapsed:.0f} s{left}{post}",
+              file=self.file, flush=True)
+        self.printed, self.last_print_t = self.n, now
+
+    def set_postfix(self, refresh: bool = True, **kw) -> None:
+        self.postfix = kw
+
+    def set_description(self, desc: str, refresh: bool = True) -> None:
+        self.desc = desc
+
+    def write(self, s: str, file=None, end: str = "\n") -> None:
+        print(s, file=self.file if file is None else file, end=end, flush=True)
+
+    def clear(self, *args, **kw) -> None:
+        pass
+
+    def refresh(self, *args, **kw) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.n != self.printed:
+            self._line()
+
+
+def plain_every(updates: int, lines: int = 20) -> int:
+    """Updates between two plain progress lines: the smallest of 1, 2, 5, 10, 20, 50, ... that
+    gives at most ``lines`` lines for ``updates`` updates."""
+    for e in (10**k * m for k in range(12) for m in (1, 2, 5)):
+        if math.ceil(updates / e) <= lines:
+            return e
+    return updates
+
+
+def is_terminal(stream) -> bool:
+    """A terminal with a width: ``isatty()`` and more than 0 columns (a pseudo-terminal whose
+    size was never set reports 0, where a bar would draw nothing)."""
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def progress_bar(total: int, initial: int = 0, desc: str = "", unit: str = "it", file=None, disable: bool = False):
+    """A ``tqdm`` bar on a terminal, else :class:`PlainProgress` lines (``disable``: neither).
+
+    Args:
+      total, initial, desc, unit: as ``tqdm``'s.
+      file: the stream (default stderr).
+      disable: print nothing (the processes of a multi-process run but rank 0).
+    """
+    file = sys.stderr if file is None else file
+    if disable or is_terminal(file):
+        return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, file=file, disable=disable)
+    return PlainProgress(total, initial, desc, unit, file)
+
+
+def pause_progress(bar, seconds: float) -> None:
+    """Leave ``seconds`` (evaluating, sampling, saving) out of ``bar``'s elapsed time and rate:
+    its clock moves forward by as much (``tqdm.unpause`` does the same from the last print)."""
+    if hasattr(bar, "start_t"):  # a disabled tqdm bar has no clock
+        bar.start_t += seconds
+        bar.last_print_t += seconds
+
+
+def earlier_run(out: Path) -> list[str]:
+    """The names of :data:`OUTPUTS` in ``out`` (an earlier run's files), sorted."""
+    return sorted(name for name in OUTPUTS if (out / name).exists() or (out / name).is_symlink())
+
+
+def describe_run(out: Path) -> str:
+    """What ``out`` holds, for a message: ``a finished run (300 of 300 steps, weights in
+    model.safetensors): metrics.jsonl, summary.json, ...``; from ``summary.json`` when there is one."""
+    names = earlier_run(out)
+    files = ", ".join(n + ("/" if (out / n).is_dir() else "") for n in names)
+    try:
+        s = json.loads((out / "summary.json").read_text())
+        steps = f"{s['steps_done']} of {s['steps']} steps"
+        kind = "a preempted run" if s.get("preempted") else "an interrupted run" if s.get("interrupted") else "a finished run"
+        weights = ", weights in model.safetensors" if s.get("weights") and (out / "model.safetensors").exists() else ""
+        return f"{kind} ({steps}{weights}): {files}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"an earlier run: {files}"
+
+
+def keep_samples_through(path: Path, step: int) -> None:
+    """``samples.txt`` cut after the last sample of a step <= ``step`` (a run resumed from
+    checkpoint ``step`` samples the later steps again); rewritten atomically, rank 0 only."""
+    if not path.is_file():
+        return
+    text = path.read_text(encoding="utf-8")
+    heads = [(m.start(), int(m.group(1))) for m in re.finditer(r"^=== step (\d+):", text, flags=re.M)]
+    cut = next((at for at, s in heads if s > step), None)
+    if cut is not None:
+        write_atomic(path, text[:cut])
+
+
 def choose_out(run, stamp: str) -> tuple[Path, Path | None]:
     """The output folder and the ``runs/latest`` link to point at it (``None``: leave the link).
 
@@ -78,7 +222,7 @@ def choose_out(run, stamp: str) -> tuple[Path, Path | None]:
             raise ValueError(f"{out} exists already (two runs started in the same second?); give --out DIR")
     if out.exists() and not out.is_dir():
         raise ValueError(f"logging.out (--out) {str(out)!r} exists and is not a directory; give a directory path")
-    earlier = sorted(name for name in OUTPUTS if (out / name).exists())
+    earlier = earlier_run(out)
     if earlier and not (resume or lg.overwrite):
         raise ValueError(
             f"--out {str(out)!r} holds an earlier run ({', '.join(earlier)}); pass --overwrite to replace it, "

@@ -3,7 +3,7 @@
 Reads ``OUT/metrics.jsonl`` and ``OUT/summary.json`` and writes, into ``OUT`` (or
 ``--to DIR``):
 
-- ``loss.png``: training loss per step and held-out loss at each evaluation, nats per byte;
+- ``loss.png``: training loss per step (a line) and held-out loss at each evaluation (markers), nats per byte;
 - ``tokens_per_s.png``: training throughput per step, tokens (bytes) per second, with its
   running median over 20 steps;
 - ``memory.png``: per-device bytes of the compiled step (``memory_analysis()``: argument,
@@ -26,7 +26,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-__all__ = ["load_run", "plot_loss", "plot_memory", "plot_throughput", "main"]
+__all__ = ["load_run", "loss_figure", "plot_loss", "plot_memory", "plot_throughput", "main"]
 
 MIB = 2**20
 
@@ -55,7 +55,9 @@ def _title(summary: dict | None) -> str:
     if not summary:
         return ""
     mesh = summary.get("mesh", {})
-    return f"{summary.get('model', {}).get('preset', '?')} GPT, {summary.get('strategy')} on {mesh.get('replica')}x{mesh.get('shard')}"
+    model = summary.get("model", {})
+    name = model.get("name") or f"{model.get('preset', '?')} GPT"  # older summaries name the preset only
+    return f"{name}, {summary.get('strategy')} on {mesh.get('replica')}x{mesh.get('shard')}"
 
 
 
@@ -65,19 +67,25 @@ def _save(fig, path: Path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-def plot_loss(records: list[dict], summary: dict | None, path: Path) -> None:
-    """Training loss per step and held-out loss per evaluation (nats per byte) -> ``path``."""
+def loss_figure(records: list[dict], summary: dict | None):
+    """The figure of :func:`plot_loss`: the training loss as a line, each evaluation a marker
+    (not joined: the held-out loss between two evaluations is not known)."""
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train), lw=1, label="train loss")
     if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss (held out)")
+        ax.plot(*zip(*evals), linestyle="none", marker="o", label="eval loss (held out)")
     ax.set(xlabel="step", ylabel="loss, nats per byte", title=_title(summary))
     ax.grid(alpha=0.3)
     ax.legend()
-    _save(fig, path)
+    return fig
+
+
+def plot_loss(records: list[dict], summary: dict | None, path: Path) -> None:
+    """Training loss per step and held-out loss per evaluation (nats per byte) -> ``path``."""
+    _save(loss_figure(records, summary), path)
 
 
 def plot_throughput(records: list[dict], summary: dict | None, path: Path) -> None:

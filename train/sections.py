@@ -41,7 +41,7 @@ class ModelConfig:
     scan: bool | None = None
     """stack the blocks (nnx.vmap) and run them with nnx.scan (compile time flat in depth); unset: the preset's choice"""
     init_from: str | None = None
-    """Hugging Face model directory (gpt2 or llama, config.json + safetensors) to fine-tune; its config.json replaces the preset (vocab_size >= 256 for byte data)"""
+    """Hugging Face model directory (config.json + safetensors) or a python -m train run folder (its weights: model.safetensors or its latest checkpoint) to start from; its model replaces the preset (vocab_size >= 256 for byte data); stored absolute in OUT/config.toml"""
 
 
 @dataclasses.dataclass

@@ -196,10 +196,12 @@ class Stops:
 
     @staticmethod
     def exit(code: int, message: str) -> None:
-        """One line on stderr (every process), the last thing the process writes, then
+        """One line on stderr (every process; on a terminal after a line break), the last thing the process writes, then
         ``os._exit(code)``: nothing more runs, no file is touched."""
         try:
-            os.write(_silence(), f"\n{PROG}: {message}\n".encode())
+            fd = _silence()
+            lead = "\n" if os.isatty(fd) else ""  # a terminal: off the line of the bar or of the echoed ^C; a log: no blank line
+            os.write(fd, f"{lead}{PROG}: {message}\n".encode())
         finally:
             os._exit(code)
 

@@ -44,8 +44,10 @@ def finish(b, p, t_start: float) -> dict:
     preempted = p.stop == Stop.PREEMPT  # the checkpoint holds everything; the grace is short: no weights
     weights = None if preempted else out / "model.safetensors"
     eval_mem = b.evaluate.compiled.memory_analysis()
+    t0 = time.perf_counter()
     if weights is not None:
         zshard.export(p.state, weights)  # every process gathers; process 0 writes
+    export_s = time.perf_counter() - t0
     losses = [r["loss"] for r in p.records if "loss" in r]
     evals = [r for r in p.records if "eval_loss" in r]
     tokens_per_step = t_cfg.batch_size * run.model.seq_len
@@ -56,7 +58,8 @@ def finish(b, p, t_start: float) -> dict:
         "devices": len(setup.devices),
         "processes": jax.process_count(),
         "platform": setup.devices[0].platform,
-        "model": {"preset": run.model.preset, "config": dataclasses.asdict(setup.cfg)},
+        # what was trained: a preset, or (init_from) a Hugging Face model_type / an earlier run's model
+        "model": {**setup.model, "config": dataclasses.asdict(setup.cfg)},
         "num_params": p.state.plan.num_params(),
         "steps": t_cfg.steps,
         "steps_done": p.last,  # the last step trained (== steps unless interrupted)
@@ -95,12 +98,16 @@ def finish(b, p, t_start: float) -> dict:
         "eval_per_device_bytes": None if eval_mem is None else {  # the sharded eval step's
             k: int(getattr(eval_mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp")},
         "model_bytes": sum(int(v.get_value().size) * v.get_value().dtype.itemsize for _, v in p.state.plan.template),
-        "init_from": run.model.init_from,
+        "init_from": setup.model.get("init_from"),  # absolute
         **({"report": b.report.to_dict()} if b.report is not None else {}),
         "compile_s": b.compile_s,
-        "train_s": p.train_s,  # the training loop, evaluations included
+        "train_s": p.train_s,  # the training loop, from the first step to the last one's metrics, evaluations included
         "eval_s": p.eval_s,  # evaluations and samples inside the loop
-        "tokens_per_s": tokens_per_step * steps_done / max(p.train_s - p.eval_s, 1e-9),
+        "save_s": p.save_s,  # the loop held by starting checkpoint saves (the first one's compile included)
+        "first_save_s": p.first_save_s,  # of save_s, the first save (None: no save)
+        "save_wait_s": p.save_wait_s,  # after the last step: the last checkpoint's background writes
+        "export_s": export_s,  # writing model.safetensors
+        "tokens_per_s": tokens_per_step * steps_done / max(p.train_s - p.eval_s - p.save_s, 1e-9),  # steps only
         "weights": None if weights is None else str(weights),  # safetensors, logical shapes (zshard.export)
         # the saved checkpoints still on disk (checkpoint.keep deletes the oldest)
         "checkpoints": [str(setup.ckpt.directory / str(s)) for s in p.saved

@@ -65,7 +65,7 @@ def start(argv: list[str], stops: Stops) -> "Trainer":
     what = "bytes" if run.data.vocab_size is None else f"tokens (vocabulary {run.data.vocab_size})"
     shape = "x".join(str(v) for v in dict(setup.mesh.shape).values())
     axes = " x ".join(setup.mesh.axis_names)
-    say(f"{PROG}: {run.model.init_from or run.model.preset + ' GPT'}, {setup.strategy} on a {shape} "
+    say(f"{PROG}: {setup.model['name']}, {setup.strategy} on a {shape} "
         f"({axes}) mesh of {len(setup.devices)} {setup.devices[0].platform} devices; data: {setup.source}: "
         f"{len(setup.train_data):,} train / {len(setup.eval_data):,} held-out {what}; output: {setup.out}")
     t = Trainer(setup, stops)
@@ -88,9 +88,12 @@ class Progress:
     records: list
     last: int
     stop: Stop  # why the loop ended early (agreed by every process), Stop.NONE when it ran every step
-    train_s: float
-    eval_s: float
+    train_s: float  # s, from the first step to the last step's metrics (evaluations and saves inside included)
+    eval_s: float  # s of train_s spent evaluating and sampling
     saved: list
+    save_s: float = 0.0  # s of train_s spent starting checkpoint saves (the first one's compile included)
+    first_save_s: float | None = None  # s the first save held the loop (None: no save)
+    save_wait_s: float = 0.0  # s after the last step, waiting for the last checkpoint to be complete
 
     @property
     def interrupted(self) -> bool:
@@ -220,9 +223,11 @@ class Trainer:
         self.stops.training()
         if not output.WRITES_FILES:
             return
-        if setup.run.logging.overwrite and not self.start:
-            output.clear_earlier_run(out)
+        if (setup.run.logging.overwrite and not self.start) or (setup.ckpt is not None and setup.ckpt.replaces):
+            output.clear_earlier_run(out)  # --overwrite, or --resume of an unfinished run with no checkpoint
         out.mkdir(parents=True, exist_ok=True)
+        if self.start:  # resumed from checkpoint k: the samples of later steps are drawn again
+            output.keep_samples_through(out / "samples.txt", self.start)
         if setup.link is not None:
             output.point_latest(setup.link, out)
         (out / "summary.json").unlink(missing_ok=True)  # a resumed run's summary is written again at its end
@@ -237,7 +242,7 @@ class Trainer:
         steps = self.setup.run.training.steps
         metrics = Metrics(self)
         hooks = [h for h in (self.evaluate, self.sample, self.checkpoint) if h is not None]  # this order (module docstring)
-        state, batch, stopping = self.state, self.batch, Stop.NONE
+        state, batch, stopping, done = self.state, self.batch, Stop.NONE, False
         process = f"process {jax.process_index()} of {jax.process_count()} ({socket.gethostname()}, pid {os.getpid()})"
         watchdog = Watchdog(self.setup.run.training.watchdog, self.compile_s, process)
         try:
@@ -247,17 +252,12 @@ class Trainer:
                 metrics.dispatched(i, step_metrics)  # reads step i-1's metrics: no per-step sync
                 stopping = self.agreement.poll()  # the same on every process
                 due = [h for h in hooks if h.due(i, stopping)]
-                apart = [h for h in due if h.apart]
-                if apart or stopping:
-                    rec = metrics.read()
-                    with metrics.apart():  # evaluation and sampling time is not training throughput
-                        for hook in apart:
-                            watchdog.enter(hook.kind, i)
-                            hook(state, i, rec, metrics)
-                for hook in due:
-                    if not hook.apart:
+                if due or stopping:
+                    rec = metrics.read()  # the evaluation first: a checkpoint's records hold step i whole
+                    for hook in due:
                         watchdog.enter(hook.kind, i)
-                        hook(state, i, metrics.read(), metrics)  # after the evaluation: the records hold step i whole
+                        with metrics.apart(hook.kind):  # not training throughput
+                            hook(state, i, rec, metrics)
                 watchdog.enter("step", i, timed=False)  # the rest of iteration i
                 metrics.write()  # the records read so far, appended and flushed
                 if stopping:
@@ -266,7 +266,12 @@ class Trainer:
                     batch = next(self.batches)
             metrics.read()
             metrics.write()
+            done = True
         finally:
+            metrics.end_progress()  # the steps are over: saving is a phase of its own, timed apart
+            t_save = time.perf_counter()
+            if done:
+                self._say_saving(stopping)
             if self.checkpoint is not None:
                 watchdog.enter("checkpoint wait", metrics.last)
                 self.checkpoint.close()  # wait for the last checkpoint to be complete on disk (every process)
@@ -275,8 +280,19 @@ class Trainer:
             watchdog.close()
             metrics.close()
         saved = [] if self.checkpoint is None else self.checkpoint.saved
-        return Progress(state, metrics.records, metrics.last, stopping, time.perf_counter() - metrics.t_train,
-                        metrics.eval_s, saved)
+        first = None if self.checkpoint is None else self.checkpoint.first_s
+        return Progress(state, metrics.records, metrics.last, stopping, metrics.t_end - metrics.t_train, metrics.eval_s,
+                        saved, metrics.save_s, first, time.perf_counter() - t_save)
+
+    def _say_saving(self, stopping: Stop) -> None:
+        """The line that starts the saving phase: the last checkpoint's background writes, the weights."""
+        what = []
+        if self.checkpoint is not None and self.checkpoint.saved:
+            what.append(f"checkpoint {self.setup.ckpt.directory / str(self.checkpoint.saved[-1])} (its background writes)")
+        if stopping != Stop.PREEMPT:  # a preempted run writes no weights (train/summary.py)
+            what.append(str(self.setup.out / "model.safetensors"))
+        if what:
+            say(f"saving: {', then '.join(what)}")
 
     def finish(self, progress: Progress, t_start: float) -> dict:
         """``OUT/model.safetensors``, ``OUT/summary.json`` and the last line (``train/summary.py``);

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import jax
-from tqdm import tqdm
 
 from train.bench.gpu import gpu_rows
 from train.bench.offload import offload_main
@@ -25,6 +24,7 @@ from train.bench.sections import (CONFIGS, DEPTHS, NUM_DEVICES, QUICK, STRATEGIE
                                   bench_config, depth_sweep)
 from train.bench.tables import config_table, depth_table, plots, targets, targets_table
 from train.devices import emulate_devices
+from train.output import progress_bar
 from train.scale import SCALE_DEVICES, SCALE_MODELS, SCALE_STRATEGIES, SCALE_TENSOR, run_scale, scale_table
 
 __all__ = ["PROG", "main"]
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         md.append(part)
         (progress.write if progress is not None else print)(part, file=sys.stdout)
 
-    with tqdm(total=total, desc="bench", file=sys.stderr, dynamic_ncols=True) as progress:
+    with progress_bar(total, desc="bench") as progress:  # a bar on a terminal, plain lines in a log
         report(f"## zshard benchmarks ({results['date']}; {results['machine']}; jax {results['jax']})", progress)
         report("", progress)
         for name, cfg in configs.items():
