@@ -97,7 +97,7 @@ def problems(page: Path) -> list[str]:
     name = page.relative_to(ROOT).as_posix()
     bs = blocks(text)
     for k, (line, kind, body) in enumerate(bs):
-        for m in ANY_MARKER.finditer(body):
+        for m in ANY_MARKER.finditer(re.sub(r"`[^`\n]*`", "", body)):  # a marker quoted as code is an example
             marker = m.group(0)
             if m.group(1) == "measured":
                 ok = MEASURED.fullmatch(marker)
@@ -118,7 +118,7 @@ def problems(page: Path) -> list[str]:
                 found.append(f"{name}:{line}: {marker!r}: write <!-- not measured: REASON -->")
         if not quotes_figures(kind, body):
             continue
-        here = body + ("\n" + bs[k - 1][2] if k else "")
+        here = re.sub(r"`[^`\n]*`", "", body + ("\n" + bs[k - 1][2] if k else ""))
         if not ANY_MARKER.search(here):
             first = body.splitlines()[0][:100]
             fig = FIGURE.search(body)
