@@ -220,6 +220,22 @@ def test_tensorboard_shows_each_step_once_after_a_resume_and_skips_non_finite_va
     assert [(e.step, e.value) for e in acc.Scalars("train/nonfinite")] == [(6, 1.0)]
 
 
+def test_sample_continues_the_run_with_its_greedy_tokens(run, capsys):
+    """``python -m train.sample RUN --temperature 0``: the prompt, then the argmax bytes of the
+    run's weights in a plain model (full forwards, no KV cache), as text; the rate last."""
+    from flax import nnx
+
+    from test_sample import greedy, run_sample
+    from train.model import GPT
+    from train.sample import read_source
+
+    out, _ = run
+    model = zshard.load_params(out / "model.safetensors", GPT(read_source(out).cfg, rngs=nnx.Rngs(0)))
+    want = greedy(model, list(b"def f("), 8)
+    text, _ = run_sample(capsys, out, "--prompt", "def f(", "--tokens", 8, "--temperature", 0)
+    assert text == bytes(list(b"def f(") + want).decode("utf-8", errors="replace").removesuffix("\n")
+
+
 def test_ctrl_c_finishes_the_step_saves_writes_the_summary_and_exits_130(tmp_path, corpus):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "train", *ARGS, "--steps", "1000000", "--eval-every", "0", "--sample-every", "0", "--ckpt-every", "100000", "--data", str(corpus),

@@ -15,7 +15,7 @@ The modules, by what they own (README "Layout" lists them all):
 - the model and data: ``models`` (a package: the GPT, Llama with Mistral / Qwen2 / Qwen3, Gemma,
   Qwen3-MoE), ``hf`` (a package: Hugging Face in and out, one module per family), ``model``
   (re-exports both), ``data``, ``generate``;
-- the other programs: ``plan``, ``scale``, ``bench`` (a package), ``plot``.
+- the other programs: ``plan``, ``scale``, ``bench`` (a package), ``plot``, ``sample``.
 
 This file imports nothing, so ``python -m train`` installs its Ctrl-C handler before jax loads.
 """

@@ -27,7 +27,7 @@ import numpy as np
 
 import zshard
 from train import data, output
-from train.generate import generate
+from train.generate import continue_tokens
 from train.metrics import Metrics
 from train.model import cross_entropy_loss
 from train.output import say
@@ -107,18 +107,8 @@ class Sample:
             self.prompt = [int(t) for t in setup.eval_data[: min(64, run.model.seq_len // 2)]]
 
     def sample(self, state, prompt: list[int], n: int, temperature: float, seed: int) -> list[int]:
-        """``n`` token ids generated after ``prompt``."""
-        seq_len = self.seq_len
-        tokens, chunk = list(prompt[-(seq_len // 2):] if len(prompt) >= seq_len else prompt), 0
-        new: list[int] = []
-        while len(new) < n:
-            ctx = tokens[-(seq_len // 2):] if len(tokens) >= seq_len else tokens
-            k = min(n - len(new), seq_len - len(ctx))
-            got = generate(state, [ctx], k, temperature=temperature, seed=(seed * 1000 + chunk) % 2**31, prefetch=self.prefetch)[0]
-            tokens += got.tolist()
-            new += got.tolist()
-            chunk += 1
-        return new  # ids; train.output.format_sample prints bytes as text, other tokens as ids
+        """``n`` token ids generated after ``prompt`` (``train.generate.continue_tokens``)."""
+        return continue_tokens(state, prompt, n, seq_len=self.seq_len, temperature=temperature, seed=seed, prefetch=self.prefetch)
 
     def due(self, step: int, stopping: Stop = Stop.NONE) -> bool:
         return not stopping and every(self.every, self.steps, step)
