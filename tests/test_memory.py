@@ -177,7 +177,7 @@ def test_chunked_loss_equals_the_logits_loss(arch, chunk):
     import numpy as np
 
     from train.model import _token_nll
-    from train.models.core import chunked_token_nll
+    from train.models.loss import chunked_token_nll
 
     rng = np.random.default_rng(0)
     tokens, targets = (jnp.asarray(rng.integers(0, 97, (3, 16)), jnp.int32) for _ in range(2))
@@ -214,10 +214,10 @@ def test_chunked_loss_has_no_tokens_by_vocab_buffer(monkeypatch):
     # pass, Llama-2-70B on 8x8: 0.52 GB). d_model 24: the head [24, V] is not a multiple of the 16 tokens.
     from conftest import gpt_batches
 
-    import train.models.core as core
+    import train.models.loss as loss_module
     from train.model import Llama, LlamaConfig, cross_entropy_loss
 
-    monkeypatch.setattr(core, "LOSS_CHUNK_ELEMENTS", 4 * 256)  # 4 tokens per chunk: 4 chunks of a device's 16
+    monkeypatch.setattr(loss_module, "LOSS_CHUNK_ELEMENTS", 4 * 256)  # 4 tokens per chunk: 4 chunks of a device's 16
     cfg = LlamaConfig(vocab_size=256, seq_len=16, d_model=24, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48)
     state = zshard.init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3), zshard.make_mesh(2, 4), strategy="FULL_SHARD",
                         abstract=True)  # compiled only
@@ -230,10 +230,10 @@ def test_chunked_loss_has_no_tokens_by_vocab_buffer(monkeypatch):
 
 
 def test_default_chunk_splits_a_large_vocabulary():
-    # the default budget (core.LOSS_CHUNK_ELEMENTS) on 1024 tokens of V = 32768: 512-token chunks; no [1024, V]
+    # the default budget (loss_module.LOSS_CHUNK_ELEMENTS) on 1024 tokens of V = 32768: 512-token chunks; no [1024, V]
     import jax.numpy as jnp
 
-    from train.models.core import Head, chunked_token_nll, loss_chunk
+    from train.models.loss import Head, chunked_token_nll, loss_chunk
 
     assert loss_chunk(1024, 32768) == 512 and loss_chunk(10, 32768) == 10 and loss_chunk(8, 1 << 30) == 1
     h, w = jax.ShapeDtypeStruct((2, 512, 8), jnp.bfloat16), jax.ShapeDtypeStruct((8, 32768), jnp.bfloat16)

@@ -11,6 +11,6 @@ from __future__ import annotations
 from train.hf import from_hf, to_hf
 from train.models import *  # noqa: F403
 from train.models import __all__ as _models
-from train.models.core import token_nll as _token_nll  # noqa: F401  (the name docs/memory.md and train/scale.py use)
+from train.models.loss import token_nll as _token_nll  # noqa: F401  (the name docs/memory.md and train/scale.py use)
 
 __all__ = [*_models, "from_hf", "to_hf"]

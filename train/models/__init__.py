@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from flax import nnx
 
-from train.models.core import Embed, RopeScaling, cross_entropy_loss, init_cache, token_nll
+from train.models.core import Embed, RopeScaling, init_cache
+from train.models.loss import cross_entropy_loss, token_nll
 from train.models.gemma import Gemma, GemmaBlock, GemmaConfig
 from train.models.gpt import GPT, MODEL_PRESETS, Block, GPTConfig
 from train.models.llama import Llama, LlamaBlock, LlamaConfig

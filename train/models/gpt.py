@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import zshard
-from train.models.core import Embed, Head, attend, make_blocks, run_blocks
+from train.models.core import Embed, attend, make_blocks, run_blocks
+from train.models.loss import Head
 
 __all__ = ["GPTConfig", "GPT", "Block", "MODEL_PRESETS"]
 

@@ -18,7 +18,8 @@ import dataclasses
 
 from flax import nnx
 
-from train.models.core import Attention, Embed, GatedMLP, Head, RopeScaling, head_size, make_blocks, rope_frequencies, run_blocks
+from train.models.core import Attention, Embed, GatedMLP, RopeScaling, head_size, make_blocks, rope_frequencies, run_blocks
+from train.models.loss import Head
 
 __all__ = ["LlamaConfig", "Llama", "LlamaBlock", "RopeScaling", "LAYER_TYPES"]
 

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from train.models.core import ACTIVATIONS, Attention, chunked_token_nll
+from train.models.core import ACTIVATIONS, Attention
+from train.models.loss import chunked_token_nll
 from train.models.llama import Llama, LlamaConfig
 
 __all__ = ["MoEConfig", "MoE", "MoEBlock", "Qwen3Moe", "moe_loss"]
@@ -161,7 +162,7 @@ def moe_loss(model: Qwen3Moe, batch):
     """``(cross_entropy + router_aux_coef * aux_loss, {"router_aux_loss", "cross_entropy"})``
     for ``zshard.make_train_step(moe_loss, has_aux=True)``; ``batch = (inputs, targets)``.
 
-    The cross-entropy is :func:`~train.models.core.chunked_token_nll` of the final hidden
+    The cross-entropy is :func:`~train.models.loss.chunked_token_nll` of the final hidden
     states and the head: no float32 ``[tokens, V]`` logits (as ``cross_entropy_loss``)."""
     inputs, targets = batch
     x, aux = model.trunk(inputs)
