@@ -209,7 +209,8 @@ def report(step, state, batch) -> Report:
     (:data:`zshard.gpu.GPU_COMPILER_OPTIONS`); ``overlap`` and ``attention`` read its schedule.
     """
     plan = state.plan
-    compiled = step.lower(state, batch).compile()
+    traced, trace = step.trace(state, batch)  # the program and what its trace found (zshard.program.TraceInfo)
+    compiled = traced.lower().compile()
     ma = compiled.memory_analysis()
     per_device = {
         "argument": int(ma.argument_size_in_bytes),
@@ -249,7 +250,7 @@ def report(step, state, batch) -> Report:
         formula_comm[TENSOR] = tensor["formula"]
     context = None
     if plan.context > 1:
-        context = context_formula(plan, getattr(step, "last_trace", None), step.config)
+        context = context_formula(plan, trace, step.config)
         formula_comm[CONTEXT] = context["formula"]
         context["measured"] = by_axis.get(CONTEXT, 0.0)
         ops = Counter((c.kind, c.buffer_bytes) for c in colls if c.phase == "context" for _ in range(c.trips))
