@@ -101,11 +101,11 @@ def test_eval_memory_two_blocks_not_the_model():
     model_bytes = 4 * state8.plan.num_params()
     block_bytes = 4 * (D * D + D)
     info = f"temp {mem8.temp_size_in_bytes / 1e6:.2f} MB (4 blocks {mem4.temp_size_in_bytes / 1e6:.2f}), model {model_bytes / 1e6:.2f} MB"
-    # two gathered units (this one, as the gathered flat [N, L/N] and its parameters, and the
-    # prefetched next one, as the gathered flat only until its input exists), plus
-    # activations: measured 3.39 blocks (4.4 before the prefetched gather waited to be sliced,
-    # collectives._gather_all). Without the forced schedule (zshard/evaluate.py) it was
-    # 17.3 MB, twice the model.
+    # two gathered units (this one, as its all-gather outputs [n_pad] per parameter and its
+    # parameters, and the prefetched next one, as its all-gather outputs only until its input
+    # exists), plus activations: measured 3.39 blocks (4.4 before the prefetched gather waited to
+    # be sliced, collectives.gather_params(ready=...)). Without the forced schedule
+    # (zshard/evaluate.py) it was 17.3 MB, twice the model.
     assert mem8.temp_size_in_bytes <= 3.6 * block_bytes, info
     assert mem8.temp_size_in_bytes < 0.6 * model_bytes, info
     assert mem8.temp_size_in_bytes - mem4.temp_size_in_bytes <= 0.1 * block_bytes, info  # depth adds no temp
