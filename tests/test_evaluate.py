@@ -79,6 +79,17 @@ def _compiled(strategy, r, s, n_blocks=L, prefetch=1):
     return state, compiled
 
 
+def test_the_lowered_program_returns_what_the_step_returns():
+    """``lower()`` is the program ``__call__`` runs (zshard.program.ShardedProgram): compiled, it
+    returns the metrics alone (what a trace found, its TraceInfo, comes from ``trace()``)."""
+    state, compiled = _compiled("FULL_SHARD", 1, 8)
+    ev = zshard.make_eval_step(mse_loss, prefetch=1)
+    out = compiled(state, ev.put_batch(state, mlp_batches(1, 16, 64, 64)[0]))
+    assert isinstance(out, dict) and set(out) == {"loss"} and np.isfinite(float(out["loss"]))
+    _, info = ev.trace(state, mlp_batches(1, 16, 64, 64)[0])
+    assert info.split is None and info.calls == ()  # no sequence split, no zshard.attention
+
+
 @pytest.mark.parametrize("strategy,r,s", [("FULL_SHARD", 1, 8), ("HYBRID_SHARD", 2, 4)])
 def test_eval_hlo_one_gather_per_unit_no_reduce_scatter(strategy, r, s):
     state, compiled = _compiled(strategy, r, s)

@@ -140,7 +140,7 @@ class EvalStep(ShardedProgram):
     grad_accum = property(lambda self: 1)
 
     def _eval(self, state: ShardedState, batch):
-        """The program: ``(state, batch) -> (metrics, TraceInfo)`` (the jitted program is ``jit__eval``)."""
+        """The body: ``(state, batch) -> (metrics, TraceInfo)`` (the jitted program, ``jit__eval``, returns the metrics)."""
         plan, config = state.plan, self.config
         split = sequence_split(plan, batch, config.sequence_axis)
 
@@ -227,7 +227,7 @@ class Forward(ShardedProgram):
         super().__init__(config)
 
     def _run(self, state: ShardedState, args):
-        """The program: ``(state, args) -> (outputs, TraceInfo)`` (the jitted program is ``jit__run``)."""
+        """The body: ``(state, args) -> (outputs, TraceInfo)`` (the jitted program, ``jit__run``, returns the outputs)."""
         plan, config, gather_once = state.plan, self.config, self.gather_once
         rows = P(plan.data_axes)  # on a context mesh the rows are split over context too: whole sequences per device
         arg_specs = jax.tree.map(lambda x: rows if np.ndim(x) else P(), args)

@@ -12,11 +12,13 @@ arguments). :class:`ShardedProgram` is that shell, written once:
   :meth:`~ShardedProgram.export`, each placing the input first (:mod:`zshard.batch`) and
   refusing, before any compile, a state in the wrong memory, a donated state, and (traced once
   per :func:`zshard.batch.trace_key`) a traced body that :func:`zshard.checks.check_traced` refuses;
-- the body's result: every program's traced function returns ``(outputs, TraceInfo)``. The
+- the body's result: every program's body returns ``(outputs, TraceInfo)``. The
   :class:`TraceInfo` (what the trace found out: the sequence split, the ``zshard.attention`` calls
   per unit) is a pytree without leaves (``jax.tree_util.register_static``), so it leaves the
-  ``shard_map`` and the jit as part of the program's output structure and comes back with every
-  trace, cached or not: :meth:`~ShardedProgram.trace` returns it; ``__call__`` drops it.
+  ``shard_map`` and a jit as part of the output structure and comes back with every trace, cached
+  or not: :meth:`~ShardedProgram.trace` returns it. The program users run, lower and export
+  (``__call__``, :meth:`~ShardedProgram.lower`, :meth:`~ShardedProgram.export`) returns the
+  outputs only.
 
 Each program supplies its body and specs (``_program``: a method whose name is the jitted
 program's, ``jit__step`` for the train step), its input placement (``_place``), and what its
@@ -81,7 +83,8 @@ class ShardedProgram:
     """The shell of a zshard program: ``program(state, inputs) -> outputs``.
 
     Subclasses set ``_program`` (a method ``(state, inputs) -> (outputs, TraceInfo)``, traced
-    under jit; its ``__name__`` names the jitted program) and ``_place`` (the input placement), and
+    under jit; its ``__name__`` names the jitted program, which returns the outputs only) and
+    ``_place`` (the input placement), and
     may override ``_check_state`` and ``_out_shardings``. Class attributes: ``factory`` (the
     function that builds it, named in errors), ``donate`` (the state is donated), ``check_trace``
     (the traced body is checked by :func:`zshard.checks.check_traced`), ``donated_error`` (the
@@ -101,9 +104,17 @@ class ShardedProgram:
             raise TypeError(f"{type(self).__name__} takes a zshard.step_config.StepConfig (use {self.factory}), "
                             f"got {type(config).__name__}")
         self.config = config
-        self._jitted = jax.jit(self._program, donate_argnums=self._donated)
+        program = self._program
+
+        def outputs(state, inputs):  # the program users run: its outputs, without the TraceInfo
+            return program(state, inputs)[0]
+
+        outputs.__name__ = outputs.__qualname__ = program.__name__  # jit__step, jit__eval, jit__run
+        self._outputs = outputs
+        self._jitted = jax.jit(outputs, donate_argnums=self._donated)
         self._jits: dict = {None: self._jitted}  # compiler options -> the program jitted with them (zshard.gpu.mesh_jit)
         self._placed_jits: dict = {}  # plan -> the program jitted with the state's out_shardings
+        self._info_jits: dict = {}  # (plan, compiler options) -> the program returning (outputs, TraceInfo), traced only
         self._checked: set = set()  # trace keys (zshard.batch.trace_key) whose traced body passed the checks
 
     _donated = property(lambda self: (0,) if self.donate else ())
@@ -127,55 +138,57 @@ class ShardedProgram:
 
     # --- the shell ------------------------------------------------------------------------------
 
-    def _jit_for(self, state):
+    def _jit_for(self, state, *, with_info: bool = False):
         """The jitted program for ``state``'s plan: with :meth:`_out_shardings`, one per plan (and
         :func:`zshard.gpu.compiler_options`); else one per set of compiler options (:attr:`_jitted`
-        for XLA's defaults)."""
+        for XLA's defaults). ``with_info``: the same program returning ``(outputs, TraceInfo)``
+        (for :meth:`trace`; never compiled by zshard)."""
         plan = state.plan
         out = self._out_shardings(state)
+        if with_info:
+            key = (plan, None if out is None else "placed")
+            if key not in self._info_jits:
+                kw = {} if out is None else {"out_shardings": (out, None)}  # the TraceInfo has no leaves
+                self._info_jits[key] = jax.jit(self._program, donate_argnums=self._donated,
+                                               compiler_options=compiler_options(plan.mesh), **kw)
+            return self._info_jits[key]
         if out is None:
-            return mesh_jit(self._jits, self._program, plan.mesh, donate_argnums=self._donated)  # + XLA:GPU's options on a CUDA mesh
+            return mesh_jit(self._jits, self._outputs, plan.mesh, donate_argnums=self._donated)  # + XLA:GPU's options on a CUDA mesh
         if plan not in self._placed_jits:
-            self._placed_jits[plan] = jax.jit(self._program, donate_argnums=self._donated, out_shardings=(out, None),
+            self._placed_jits[plan] = jax.jit(self._outputs, donate_argnums=self._donated, out_shardings=out,
                                               compiler_options=compiler_options(plan.mesh))
         return self._placed_jits[plan]
 
-    def _traced(self, state, inputs) -> jax.stages.Traced:
+    def _traced(self, state, inputs, *, with_info: bool = False) -> jax.stages.Traced:
         """Trace (no compile) on placed ``inputs``; refuse what :func:`zshard.checks.check_traced` refuses."""
-        t = traced(lambda: traced_naming_host_leaf(self._jit_for(state).trace, state, inputs), state.plan.mesh)
+        jitted = self._jit_for(state, with_info=with_info)
+        t = traced(lambda: traced_naming_host_leaf(jitted.trace, state, inputs), state.plan.mesh)
         if self.check_trace:
             check_traced(t.jaxpr.jaxpr, state, inputs)  # a raw shard used as a value, divergent collectives, a host leaf
         return t
 
     def trace(self, state, inputs) -> tuple[jax.stages.Traced, TraceInfo]:
-        """``(traced, info)``: the program traced for ``(state, inputs)`` (``traced.lower()`` lowers it;
-        its jaxpr returns ``(outputs, info)``) and what its trace found out (:class:`TraceInfo`)."""
+        """``(traced, info)``: the program traced for ``(state, inputs)`` with its :class:`TraceInfo`
+        as a second output (``traced.jaxpr``, ``traced.out_info``), and that :class:`TraceInfo`: what
+        the trace found out. Traced only; the same checks as :meth:`lower`."""
         self._check_state(state)
-        t = self._traced(state, self._place(state, inputs))
+        t = self._traced(state, self._place(state, inputs), with_info=True)
         return t, t.out_info[1]
 
     def lower(self, state, inputs) -> jax.stages.Lowered:
-        """The lowered program (``.compile().memory_analysis()``, ``.compile().as_text()``); the
-        compiled program returns ``(outputs, TraceInfo)``. The state is not consumed."""
-        return self.trace(state, inputs)[0].lower()
+        """The lowered program (``.compile().memory_analysis()``, ``.compile().as_text()``; the
+        compiled program is the one ``__call__`` runs). The state is not consumed."""
+        self._check_state(state)
+        return self._traced(state, self._place(state, inputs)).lower()
 
     def export(self, state, inputs, platforms=("cuda",)) -> "jax.export.Exported":
         """The program for ``platforms`` (``jax.export.export``; the GPU program can be exported on
-        a CPU-only machine), returning the outputs only: ``.mlir_module()`` is its StableHLO text,
-        where host offload shows as ``annotate_device_placement`` calls
-        (:func:`zshard.offload.exported_placements`)."""
+        a CPU-only machine): ``.mlir_module()`` is its StableHLO text, where host offload shows as
+        ``annotate_device_placement`` calls (:func:`zshard.offload.exported_placements`)."""
         self._check_state(state)
         inputs = self._place(state, inputs)
-        program = self._program
-
-        def outputs(state, inputs):  # the program without its TraceInfo (an Exported keeps arrays only)
-            return program(state, inputs)[0]
-
-        outputs.__name__ = outputs.__qualname__ = program.__name__
-        out = self._out_shardings(state)
-        kw = {} if out is None else {"out_shardings": out}
-        fn = jax.jit(outputs, donate_argnums=self._donated, compiler_options=compiler_options(state.plan.mesh), **kw)
-        return jax.export.export(fn, platforms=list(platforms), disabled_checks=export_checks())(state, inputs)  # cuDNN's calls
+        return jax.export.export(self._jit_for(state), platforms=list(platforms),
+                                 disabled_checks=export_checks())(state, inputs)  # cuDNN's calls
 
     def __call__(self, state, inputs):
         leaves = jax.tree.leaves(state if self.donate else state.params)
@@ -187,5 +200,4 @@ class ShardedProgram:
         if self.check_trace and key not in self._checked:  # trace (no compile) once per plan and input shapes
             self._traced(state, inputs)
             self._checked.add(key)
-        outputs, _ = self._jit_for(state)(state, inputs)
-        return outputs
+        return self._jit_for(state)(state, inputs)

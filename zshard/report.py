@@ -209,8 +209,7 @@ def report(step, state, batch) -> Report:
     (:data:`zshard.gpu.GPU_COMPILER_OPTIONS`); ``overlap`` and ``attention`` read its schedule.
     """
     plan = state.plan
-    traced, trace = step.trace(state, batch)  # the program and what its trace found (zshard.program.TraceInfo)
-    compiled = traced.lower().compile()
+    compiled = step.lower(state, batch).compile()
     ma = compiled.memory_analysis()
     per_device = {
         "argument": int(ma.argument_size_in_bytes),
@@ -250,6 +249,7 @@ def report(step, state, batch) -> Report:
         formula_comm[TENSOR] = tensor["formula"]
     context = None
     if plan.context > 1:
+        _, trace = step.trace(state, batch)  # what the step's trace found: its attention calls (zshard.program.TraceInfo)
         context = context_formula(plan, trace, step.config)
         formula_comm[CONTEXT] = context["formula"]
         context["measured"] = by_axis.get(CONTEXT, 0.0)

@@ -348,8 +348,8 @@ class TrainStep(ShardedProgram):
         return self.config.resolved_prefetch()
 
     def _step(self, state: ShardedState, batch):
-        """The program: ``(state, batch) -> ((state, metrics), TraceInfo)``, one ``shard_map`` of
-        :func:`_local_step` (the jitted program is ``jit__step``)."""
+        """The body: ``(state, batch) -> ((state, metrics), TraceInfo)``, one ``shard_map`` of
+        :func:`_local_step` (the jitted program, ``jit__step``, returns ``(state, metrics)``)."""
         plan, config = state.plan, self.config  # the traced body sees the plan and the frozen config only
         split = sequence_split(plan, batch, config.sequence_axis)
         local = functools.partial(_local_step, plan, config, split=split)
