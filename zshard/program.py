@@ -84,8 +84,8 @@ class ShardedProgram:
 
     Subclasses set ``_program`` (a method ``(state, inputs) -> (outputs, TraceInfo)``, traced
     under jit; its ``__name__`` names the jitted program, which returns the outputs only) and
-    ``_place`` (the input placement), and
-    may override ``_check_state`` and ``_out_shardings``. Class attributes: ``factory`` (the
+    ``_place`` (the input placement), and may override ``_check_state`` and ``_out_shardings``.
+    Class attributes: ``factory`` (the
     function that builds it, named in errors), ``donate`` (the state is donated), ``check_trace``
     (the traced body is checked by :func:`zshard.checks.check_traced`), ``donated_error`` (the
     message when the state's buffers are deleted).
@@ -114,7 +114,7 @@ class ShardedProgram:
         self._jitted = jax.jit(outputs, donate_argnums=self._donated)
         self._jits: dict = {None: self._jitted}  # compiler options -> the program jitted with them (zshard.gpu.mesh_jit)
         self._placed_jits: dict = {}  # plan -> the program jitted with the state's out_shardings
-        self._info_jits: dict = {}  # (plan, compiler options) -> the program returning (outputs, TraceInfo), traced only
+        self._info_jits: dict = {}  # plan -> the body jitted as it is, returning (outputs, TraceInfo): traced only
         self._checked: set = set()  # trace keys (zshard.batch.trace_key) whose traced body passed the checks
 
     _donated = property(lambda self: (0,) if self.donate else ())
@@ -146,12 +146,11 @@ class ShardedProgram:
         plan = state.plan
         out = self._out_shardings(state)
         if with_info:
-            key = (plan, None if out is None else "placed")
-            if key not in self._info_jits:
+            if plan not in self._info_jits:
                 kw = {} if out is None else {"out_shardings": (out, None)}  # the TraceInfo has no leaves
-                self._info_jits[key] = jax.jit(self._program, donate_argnums=self._donated,
-                                               compiler_options=compiler_options(plan.mesh), **kw)
-            return self._info_jits[key]
+                self._info_jits[plan] = jax.jit(self._program, donate_argnums=self._donated,
+                                                compiler_options=compiler_options(plan.mesh), **kw)
+            return self._info_jits[plan]
         if out is None:
             return mesh_jit(self._jits, self._outputs, plan.mesh, donate_argnums=self._donated)  # + XLA:GPU's options on a CUDA mesh
         if plan not in self._placed_jits:
