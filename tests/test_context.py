@@ -267,6 +267,23 @@ def test_report_context_row_is_the_formula(impl, remat, segments, passes):
     assert "context" in rep.table()
 
 
+def test_a_trace_returns_what_it_found():
+    """What a trace found (the split, the attention calls per unit) comes back with it as a
+    zshard.program.TraceInfo, not on the step object: each plan's trace returns its own, and a
+    trace JAX answers from its cache the same as the first (traced only, nothing compiled)."""
+    step = zshard.make_train_step(loss_fn, sequence_axis={"tokens": 1, "targets": 1}, prefetch=0)
+    b = {k: v for k, v in batches(1)[0].items() if k in ("tokens", "targets")}
+    four, two = (zshard.init(make(), optax.adamw(1e-3), mesh(1, s, c), abstract=True) for s, c in ((2, 4), (4, 2)))
+    _, info4 = step.trace(four, b)
+    _, info2 = step.trace(two, b)
+    _, again = step.trace(four, b)
+    assert (info4.split.context, info4.split.length, info2.split.context) == (4, L, 2)
+    assert [(unit, call.batch, call.length, call.kv_heads) for unit, _, call in info4.calls] == \
+        [("blocks.0", 2, L, KV), ("blocks.1", 2, L, KV)]  # 4 rows over replica x shard = 2 per device
+    assert [call.batch for _, _, call in info2.calls] == [1, 1] and info4.asked
+    assert again == info4 and not hasattr(step, "last_trace")
+
+
 # --- bad input ------------------------------------------------------------------------------------------
 
 

@@ -79,6 +79,17 @@ def _compiled(strategy, r, s, n_blocks=L, prefetch=1):
     return state, compiled
 
 
+def test_the_lowered_program_returns_what_the_step_returns():
+    """``lower()`` is the program ``__call__`` runs (zshard.program.ShardedProgram): compiled, it
+    returns the metrics alone (what a trace found, its TraceInfo, comes from ``trace()``)."""
+    state, compiled = _compiled("FULL_SHARD", 1, 8)
+    ev = zshard.make_eval_step(mse_loss, prefetch=1)
+    out = compiled(state, ev.put_batch(state, mlp_batches(1, 16, 64, 64)[0]))
+    assert isinstance(out, dict) and set(out) == {"loss"} and np.isfinite(float(out["loss"]))
+    _, info = ev.trace(state, mlp_batches(1, 16, 64, 64)[0])
+    assert info.split is None and info.calls == ()  # no sequence split, no zshard.attention
+
+
 @pytest.mark.parametrize("strategy,r,s", [("FULL_SHARD", 1, 8), ("HYBRID_SHARD", 2, 4)])
 def test_eval_hlo_one_gather_per_unit_no_reduce_scatter(strategy, r, s):
     state, compiled = _compiled(strategy, r, s)
@@ -101,11 +112,11 @@ def test_eval_memory_two_blocks_not_the_model():
     model_bytes = 4 * state8.plan.num_params()
     block_bytes = 4 * (D * D + D)
     info = f"temp {mem8.temp_size_in_bytes / 1e6:.2f} MB (4 blocks {mem4.temp_size_in_bytes / 1e6:.2f}), model {model_bytes / 1e6:.2f} MB"
-    # two gathered units (this one, as the gathered flat [N, L/N] and its parameters, and the
-    # prefetched next one, as the gathered flat only until its input exists), plus
-    # activations: measured 3.39 blocks (4.4 before the prefetched gather waited to be sliced,
-    # collectives._gather_all). Without the forced schedule (zshard/evaluate.py) it was
-    # 17.3 MB, twice the model.
+    # two gathered units (this one, as its all-gather outputs [n_pad] per parameter and its
+    # parameters, and the prefetched next one, as its all-gather outputs only until its input
+    # exists), plus activations: measured 3.39 blocks (4.4 before the prefetched gather waited to
+    # be sliced, collectives.gather_params(ready=...)). Without the forced schedule
+    # (zshard/evaluate.py) it was 17.3 MB, twice the model.
     assert mem8.temp_size_in_bytes <= 3.6 * block_bytes, info
     assert mem8.temp_size_in_bytes < 0.6 * model_bytes, info
     assert mem8.temp_size_in_bytes - mem4.temp_size_in_bytes <= 0.1 * block_bytes, info  # depth adds no temp

@@ -26,20 +26,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.checks import check_traced, traced
+from zshard.batch import batch_specs, put_args, put_batch, sequence_split
 from zshard.collectives import gather_params
-from zshard.gpu import mesh_jit
-from zshard.offload import gather_source
 from zshard.intercept import materialize
 from zshard.jaxprs import LOSS_SCOPE
-from zshard.mesh import sharded_map
-from zshard.state import ShardedState
+from zshard.offload import gather_source
+from zshard.program import ShardedProgram, TraceInfo, run_sharded
 from zshard.sequence import check_split, tracing
+from zshard.state import ShardedState
 from zshard.step import TokenMean
-from zshard.step_config import StepConfig, batch_specs, put_batch, sequence_split, trace_key
+from zshard.step_config import StepConfig
 
 __all__ = ["EvalStep", "Forward", "forward", "make_eval_step", "make_forward"]
 
@@ -65,6 +63,11 @@ def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *a
       sees the model in evaluation mode (``model.eval()``: ``deterministic=True``,
       ``use_running_average=True``), as ``model.eval()`` before a PyTorch evaluation loop.
     """
+    return _forward(state, params, variables, fn, *args, prefetch=prefetch, split=split)[0]
+
+
+def _forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *args, prefetch: int | None = None, split=None):
+    """:func:`forward` -> ``(fn's value, TraceInfo)``: what the program bodies call."""
     plan = state.plan
     flat = traverse_util.flatten_dict(params)
     var_flat = traverse_util.flatten_dict(variables) if variables else {}
@@ -85,7 +88,7 @@ def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *a
     with tracing(split, plan.data_axes) as record:
         out, _ = jax.vjp(run, floats)
     check_split(split, record)  # split sequences and no zshard.attention: refused
-    return out
+    return out, TraceInfo.of(record)
 
 
 def _reduce(plan, out) -> dict:
@@ -107,7 +110,7 @@ def _reduce(plan, out) -> dict:
     return {"loss": jax.lax.psum(plan.mp.cast_loss(out).astype(jnp.float32), axes) / plan.world}
 
 
-class EvalStep:
+class EvalStep(ShardedProgram):
     """``eval(state, batch) -> metrics``: ``fn`` on the sharded model, forward only.
 
     ``batch``: a pytree whose leaves have the global batch as leading dimension, split over
@@ -117,7 +120,8 @@ class EvalStep:
     mean of a per-example mean loss); when ``fn`` returns ``zshard.TokenMean(sum, count)``
     it is ``sum(sum) / sum(count)`` over devices (the token-weighted mean) and
     ``metrics["tokens"]`` is the global count; when ``fn`` returns a dict of scalars, each
-    is the mean over devices. The state is not donated and not changed.
+    is the mean over devices. The state is not donated and not changed. The jit, ``lower``,
+    ``trace`` and the checks are the program shell (:class:`zshard.program.ShardedProgram`).
 
     Raises:
       ValueError: a batch leaf is a scalar or its leading dimension does not divide by the
@@ -128,49 +132,34 @@ class EvalStep:
       TypeError: ``fn`` returned a tuple or a non-scalar.
     """
 
-    def __init__(self, config: StepConfig):
-        if not isinstance(config, StepConfig):
-            raise TypeError(f"EvalStep takes a zshard.step_config.StepConfig (use zshard.make_eval_step), got {type(config).__name__}")
-        self.config = config
-        self._jitted = jax.jit(self._eval)
-        self._jits: dict = {None: self._jitted}  # compiler options -> jitted (zshard.gpu.mesh_jit)
-        self._checked: set = set()  # (plan, batch shapes) whose traced step passed the check
+    factory = "zshard.make_eval_step"
+    donated_error = "this state was donated to a train step (its buffers are deleted); evaluate the state that step returned"
 
     fn = property(lambda self: self.config.fn)
     prefetch = property(lambda self: self.config.prefetch)
     grad_accum = property(lambda self: 1)
 
-    def _jit(self, state: ShardedState):  # with XLA:GPU's options on a CUDA mesh (zshard.gpu.compiler_options)
-        return mesh_jit(self._jits, self._eval, state.plan.mesh)
-
     def _eval(self, state: ShardedState, batch):
+        """The body: ``(state, batch) -> (metrics, TraceInfo)`` (the jitted program, ``jit__eval``, returns the metrics)."""
         plan, config = state.plan, self.config
         split = sequence_split(plan, batch, config.sequence_axis)
 
         def local(params, variables, batch):
-            return _reduce(plan, forward(state, params, variables, config.fn, batch, prefetch=config.prefetch, split=split))
+            out, info = _forward(state, params, variables, config.fn, batch, prefetch=config.prefetch, split=split)
+            return _reduce(plan, out), info
 
         specs = state.specs()
         in_specs = (specs.params, specs.variables, batch_specs(plan, batch, config.sequence_axis))
-        return sharded_map(local, plan.mesh, in_specs=in_specs, out_specs=P())(gather_source(state), state.variables, batch)
+        return run_sharded(plan, local, (gather_source(state), state.variables, batch), in_specs, P())
+
+    _program = _eval
+
+    def _place(self, state: ShardedState, batch):
+        return self.put_batch(state, batch)
 
     def put_batch(self, state: ShardedState, batch):
-        """:func:`zshard.step_config.put_batch` (one micro-batch, this step's sequence axes)."""
+        """:func:`zshard.batch.put_batch` (one micro-batch, this step's sequence axes)."""
         return put_batch(state.plan, batch, sequence_axis=self.config.sequence_axis)
-
-    def __call__(self, state: ShardedState, batch) -> dict:
-        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state.params)):
-            raise ValueError("this state was donated to a train step (its buffers are deleted); evaluate the state that step returned")
-        batch = self.put_batch(state, batch)
-        key = trace_key(state, batch)
-        if key not in self._checked:  # trace (no compile) once: a block's raw shard used as a value, divergent collectives
-            check_traced(traced(lambda: self._jit(state).trace(state, batch), state.plan.mesh).jaxpr.jaxpr, state, batch)
-            self._checked.add(key)
-        return self._jit(state)(state, batch)
-
-    def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
-        """The lowered eval step (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
-        return self._jit(state).lower(state, self.put_batch(state, batch))
 
 
 def make_eval_step(fn: Callable[[nnx.Module, Any], Any], *, prefetch: int | None = None, sequence_axis=None) -> EvalStep:
@@ -188,8 +177,8 @@ def make_eval_step(fn: Callable[[nnx.Module, Any], Any], *, prefetch: int | None
         this many unit calls early (overlap on GPU); ``None`` (default): the backend's,
         :func:`zshard.step_config.default_prefetch` (0 on CPU, 1 on GPU/TPU). Temporary memory: about
         ``2 + prefetch`` gathered units plus activations (the unit in use is held as its
-        all-gather output ``[N, L/N]`` and as its parameters; a prefetched one only as the
-        all-gather output until it is needed): measured 3.39 blocks with ``1``, 2.4 with ``0``
+        all-gather outputs, ``[n_pad]`` per parameter, and as its parameters in their shapes; a
+        prefetched one only as its all-gather outputs until it is needed): measured 3.39 blocks with ``1``, 2.4 with ``0``
         (8 blocks of 1.05 MB, FULL_SHARD 1x8, tests/test_evaluate.py).
       sequence_axis: as for :func:`zshard.make_train_step`: each sequence split over ``context``
         in the head-tail order (``zshard.positions``, ``zshard.attention``); the loss is the
@@ -221,34 +210,38 @@ def _gathered_model(plan, params: dict, variables: dict, comm) -> nnx.Module:
         return nnx.merge(plan.graphdef, nnx.from_flat_state(pairs))
 
 
-class Forward:
+class Forward(ShardedProgram):
     """``fwd(state, *args) -> outputs``: ``fn(model, *local_args)`` on the sharded model, per device.
 
-    Built by :func:`make_forward`. The state is not donated and not changed.
+    Built by :func:`make_forward`; the jit and ``lower`` are the program shell
+    (:class:`zshard.program.ShardedProgram`) with the arguments as one tuple. The state is not
+    donated and not changed. Unlike the train and eval steps, the traced ``fn`` is not checked
+    for raw shard reads (``gather_once=True`` gives it a plain model).
     """
 
-    def __init__(self, config: StepConfig, gather_once: bool):
-        self.config, self.gather_once = config, bool(gather_once)
-        self._jitted = jax.jit(self._run)
-        self._jits: dict = {None: self._jitted}  # compiler options -> jitted (zshard.gpu.mesh_jit)
+    factory = "zshard.make_forward"
+    check_trace = False
 
-    def _jit(self, state: ShardedState):  # with XLA:GPU's options on a CUDA mesh (zshard.gpu.compiler_options)
-        return mesh_jit(self._jits, self._run, state.plan.mesh)
+    def __init__(self, config: StepConfig, gather_once: bool):
+        self.gather_once = bool(gather_once)
+        super().__init__(config)
 
     def _run(self, state: ShardedState, args):
+        """The body: ``(state, args) -> (outputs, TraceInfo)`` (the jitted program, ``jit__run``, returns the outputs)."""
         plan, config, gather_once = state.plan, self.config, self.gather_once
         rows = P(plan.data_axes)  # on a context mesh the rows are split over context too: whole sequences per device
         arg_specs = jax.tree.map(lambda x: rows if np.ndim(x) else P(), args)
 
         def local(params, variables, args):
             if gather_once:
-                with tracing(None, plan.data_axes):
+                with tracing(None, plan.data_axes) as record:
                     model = _gathered_model(plan, params, variables, config.comm(plan, differentiated=False))
                     model.eval()
                     with jax.named_scope(LOSS_SCOPE):
                         out = config.fn(model, *args)
+                info = TraceInfo.of(record)
             else:
-                out = forward(state, params, variables, config.fn, *args, prefetch=config.prefetch)
+                out, info = _forward(state, params, variables, config.fn, *args, prefetch=config.prefetch)
             for path, leaf in jax.tree_util.tree_leaves_with_path(out):
                 if not np.ndim(leaf):
                     raise TypeError(
@@ -256,36 +249,28 @@ class Forward:
                         "leaf needs a leading row dimension (this device's rows); for a loss reduced over devices use "
                         "zshard.make_eval_step"
                     )
-            return out
+            return out, info
 
         specs = state.specs()
-        return sharded_map(local, plan.mesh, in_specs=(specs.params, specs.variables, arg_specs), out_specs=rows)(
-            gather_source(state), state.variables, args
-        )
+        return run_sharded(plan, local, (gather_source(state), state.variables, args), (specs.params, specs.variables, arg_specs), rows)
+
+    _program = _run
+
+    def _place(self, state: ShardedState, args: tuple):
+        return self.put_args(state, args)
 
     def put_args(self, state: ShardedState, args: tuple):
         """Each rank >= 1 array split along its leading dimension over the data axes
-        (:func:`zshard.step_config.put_batch`, every leaf on its own), 0-d ones replicated."""
-        replicated = NamedSharding(state.plan.mesh, P())
-
-        def place(path, x):
-            if not np.ndim(x):
-                return jax.ShapeDtypeStruct((), x.dtype, sharding=replicated) if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(jnp.asarray(x), replicated)
-            try:
-                return put_batch(state.plan, x)
-            except ValueError as e:
-                raise ValueError(f"make_forward: argument args{jax.tree_util.keystr(path)}: {e}") from None
-
-        return jax.tree_util.tree_map_with_path(place, tuple(args))
+        (:func:`zshard.batch.put_args`: :func:`zshard.batch.put_batch`, every leaf on its own), 0-d
+        ones replicated."""
+        return put_args(state.plan, args)
 
     def __call__(self, state: ShardedState, *args):
-        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state.params)):
-            raise ValueError("this state was donated to a train step (its buffers are deleted); use the state that step returned")
-        return self._jit(state)(state, self.put_args(state, args))
+        return super().__call__(state, args)
 
     def lower(self, state: ShardedState, *args) -> jax.stages.Lowered:
         """The lowered program (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
-        return self._jit(state).lower(state, self.put_args(state, args))
+        return super().lower(state, args)
 
 
 def make_forward(fn: Callable, *, gather_once: bool = False, prefetch: int | None = None) -> Forward:

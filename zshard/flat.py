@@ -15,10 +15,12 @@ optimizer sees per-parameter shards. A unit call gathers each parameter into its
 
 Unlike FSDP's, this FlatParameter is metadata, not a buffer: a unit's records of one dtype, each
 at an offset (:class:`ParamSlot`) in the *flat shard* ``[L/N]`` (``L = sum_p n_pad``), row ``r``
-of every parameter concatenated. That concatenation is built only where one collective over a
-unit's parameters is worth a copy: the optimizer's all-gather of the updated slices for
-SHARD_OPT / HYBRID_SHARD_OPT (``optim.py``: ``concat_shards`` -> ``[W, L/W]`` -> ``split_padded``)
-and HYBRID_SHARD_OPT's replica rows (:meth:`FlatParameter.over_replicas`).
+of every parameter side by side. That concatenation is built as an array only where one
+collective over a unit's parameters is worth a copy: the optimizer's all-gather of the updated
+slices for SHARD_OPT / HYBRID_SHARD_OPT (``optim.py``: ``concat_shards`` -> ``[W, L/W]`` ->
+``split_padded``; HYBRID_SHARD_OPT's slices are laid out by :meth:`FlatParameter.over_replicas`),
+and HYBRID_SHARD_OPT's replica reduce-scatter of the gradient rows
+(:func:`zshard.grad_exit.replica_slices`, ``[R, L/(R*S)]``).
 
 :class:`ParamLayout` is the one record per parameter that knows the stored form
 (``to_storage`` / ``from_storage``).

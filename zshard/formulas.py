@@ -155,7 +155,7 @@ def context_formula(plan, trace, config) -> dict:
     ``(C-1)/C X`` (a reduce-scatter, or the ring reversed). Segment ids, ``4 b s`` bytes of int32,
     are the same array in every layer: XLA merges their identical gathers into one per micro-batch
     (measured, tests/test_context.py). Calls are counted from the step's trace
-    (:class:`zshard.sequence.SequenceTrace`): each call made in a unit's forward, times the unit's
+    (:class:`zshard.program.TraceInfo`): each call made in a unit's forward, times the unit's
     layers (a scanned stack) and the micro-batches.
     """
     C, k = plan.context, config.grad_accum

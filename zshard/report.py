@@ -249,7 +249,8 @@ def report(step, state, batch) -> Report:
         formula_comm[TENSOR] = tensor["formula"]
     context = None
     if plan.context > 1:
-        context = context_formula(plan, getattr(step, "last_trace", None), step.config)
+        _, trace = step.trace(state, batch)  # what the step's trace found: its attention calls (zshard.program.TraceInfo)
+        context = context_formula(plan, trace, step.config)
         formula_comm[CONTEXT] = context["formula"]
         context["measured"] = by_axis.get(CONTEXT, 0.0)
         ops = Counter((c.kind, c.buffer_bytes) for c in colls if c.phase == "context" for _ in range(c.trips))

@@ -11,7 +11,7 @@ or zigzag, order of torchtitan's context parallelism and MaxText PR 1445)::
     placed   [ 0 7 | 1 6 | 2 5 | 3 4 ]                     device i: chunks (i, 2C-1-i), [2c] tokens
               ctx 0  ctx 1  ctx 2  ctx 3
 
-The batch placement (:func:`zshard.step_config.put_batch`) permutes every sequence leaf into the
+The batch placement (:func:`zshard.batch.put_batch`) permutes every sequence leaf into the
 placed order (:func:`head_tail_order`) before splitting it over ``context``, so ``loss_fn`` sees
 ``[B_local, 2c]`` per leaf; a per-token loss does not care about the order, and
 :func:`positions` gives each local token its global position (RoPE, learned position

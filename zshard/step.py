@@ -4,8 +4,8 @@ Per device (docs/design.md section 5):
 
 1. take its slice of the batch (leading dimension split over ``("replica", "shard")``);
 2. all-gather the root unit (embeddings, head, ...), rebuild the model with it; every block
-   unit is intercepted so that its ``__call__`` all-gathers the block's FlatParameter just
-   before it runs and drops it afterwards (:func:`zshard.collectives.run_unit`);
+   unit is intercepted so that its ``__call__`` all-gathers the block's parameters (each on its
+   own) just before it runs and drops them afterwards (:func:`zshard.unit_call.run_unit`);
 3. backward: each unit gathers again, recomputes, and reduce-scatters its gradient
    (+ all-reduce of the shard over ``replica`` for HYBRID_SHARD; + reduce-scatter of it over
    ``replica`` into the parameter's optimizer slice for HYBRID_SHARD_OPT: the gradient exit,
@@ -15,7 +15,10 @@ Per device (docs/design.md section 5):
 
 This module owns the per-device body (``_local_step``: differentiation, accumulation, the
 loss scale, clipping, the optimizer, the non-parameter variables) and the public
-:class:`TrainStep`; the options are a frozen :class:`~zshard.step_config.StepConfig`.
+:class:`TrainStep`, which supplies that body to the program shell every zshard program shares
+(:class:`zshard.program.ShardedProgram`: the jit, ``lower`` / ``trace`` / ``export``, the
+checks); the options are a frozen :class:`~zshard.step_config.StepConfig`, the batch placement
+is :mod:`zshard.batch`.
 """
 
 from __future__ import annotations
@@ -30,19 +33,19 @@ import numpy as np
 from flax import nnx, traverse_util
 from jax.sharding import PartitionSpec as P
 
-from zshard.checks import check_traced, traced
 from zshard.axes import vary
+from zshard.batch import batch_specs, put_batch, sequence_split, trace_key
 from zshard.feedback import feedback_exits, new_feedback
 from zshard.grad_exit import all_reduce_replicas
-from zshard.gpu import compiler_options, export_checks, mesh_jit
 from zshard.intercept import materialize, read_variables
 from zshard.jaxprs import LOSS_SCOPE
-from zshard.mesh import context_size, sharded_map
-from zshard.offload import check_placement, compute_params, traced_naming_host_leaf, update_offloaded
+from zshard.mesh import context_size
+from zshard.offload import check_placement, compute_params, update_offloaded
 from zshard.optim import apply_optimizer, global_norm
-from zshard.sequence import SequenceSplit, check_split, tracing, warn_positions
+from zshard.program import ShardedProgram, TraceInfo, run_sharded
+from zshard.sequence import SequenceSplit, check_split, tracing
 from zshard.state import Plan, ShardedState
-from zshard.step_config import StepConfig, batch_specs, default_prefetch, put_batch, sequence_split, trace_key
+from zshard.step_config import StepConfig, default_prefetch
 from zshard.strategy import ReplicaReduce
 
 __all__ = ["TokenMean", "TrainStep", "default_prefetch", "make_train_step", "trace_key"]
@@ -199,13 +202,15 @@ def optimizer_slices(plan: Plan, train: dict) -> dict:
 
 
 def _local_step(plan: Plan, config: StepConfig, state: ShardedState, batch, split: SequenceSplit | None = None):
-    """One optimizer step on this device's shards (inside ``shard_map``); ``split``: how the batch's
-    sequences are split over ``context`` (:mod:`zshard.sequence`), for ``zshard.positions`` and
-    ``zshard.attention`` while the whole body (backward and recomputes included) traces."""
+    """One optimizer step on this device's shards (inside ``shard_map``) -> ``((state, metrics),
+    TraceInfo)``; ``split``: how the batch's sequences are split over ``context``
+    (:mod:`zshard.sequence`), for ``zshard.positions`` and ``zshard.attention`` while the whole body
+    (backward and recomputes included) traces; the :class:`~zshard.program.TraceInfo` says what
+    that trace found (the attention calls per unit)."""
     with tracing(split, plan.data_axes) as record:
         out = _step_body(plan, config, state, batch)
     check_split(split, record, context_size(plan.mesh), config.sequence_axis is not None)  # a context axis nothing reads: refused
-    return out, record
+    return out, TraceInfo.of(record)
 
 
 def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
@@ -304,11 +309,13 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
     return new_state, metrics
 
 
-class TrainStep:
+class TrainStep(ShardedProgram):
     """``step(state, batch) -> (state, metrics)``: one optimizer step on the sharded state.
 
     Built by :func:`make_train_step` from a frozen :class:`~zshard.step_config.StepConfig`
-    (``step.config``; ``step.grad_accum``, ``step.remat``, ``step.prefetch`` ... read it).
+    (``step.config``; ``step.grad_accum``, ``step.remat``, ``step.prefetch`` ... read it); the jit,
+    ``lower``, ``trace``, ``export`` and the checks are the shell every program shares
+    (:class:`zshard.program.ShardedProgram`).
 
     ``batch`` is any pytree of numpy or jax arrays whose leading dimension is the global
     batch; it is split over all ``R*S`` devices (``PartitionSpec(("replica", "shard"))``).
@@ -317,32 +324,14 @@ class TrainStep:
 
     Raises:
       ValueError: a batch leaf is a scalar or its leading dimension does not divide by the
-        device count (before any compile).
+        device count (before any compile); a state donated to an earlier step; a leaf in the
+        wrong memory (:func:`zshard.offload.check_placement`).
     """
 
-    def __init__(self, config: StepConfig):
-        if not isinstance(config, StepConfig):
-            raise TypeError(f"TrainStep takes a zshard.step_config.StepConfig (use zshard.make_train_step), got {type(config).__name__}")
-        self.config = config
-        self._jitted = jax.jit(self._step, donate_argnums=0)
-        self._jits: dict = {None: self._jitted}  # compiler options -> the step jitted with them (zshard.gpu.mesh_jit)
-        self._tensor_jits: dict = {}  # plan -> the step jitted with out_shardings (meshes with a tensor axis)
-        self._checked: set = set()  # (plan, batch shapes) whose traced step passed the checks
-        self.last_trace = None  # the zshard.sequence.SequenceTrace of the latest trace (attention calls: zshard.report)
-
-    def _jit_for(self, state: ShardedState):
-        """The jitted step for ``state``'s plan: with a ``tensor`` axis or host offload, compiled
-        with the state's own shardings (memory kinds included) as ``out_shardings``
-        (``ShardedState.shardings``), else :attr:`_jitted` (with :func:`zshard.gpu.compiler_options`
-        on a CUDA mesh)."""
-        plan = state.plan
-        if plan.tensor == 1 and plan.offload is None:
-            return mesh_jit(self._jits, self._step, plan.mesh, donate_argnums=0)  # + XLA:GPU's options on a CUDA mesh
-        if plan not in self._tensor_jits:
-            out = (state.shardings(), jax.sharding.NamedSharding(plan.mesh, P()))
-            self._tensor_jits[plan] = jax.jit(self._step, donate_argnums=0, out_shardings=out,
-                                              compiler_options=compiler_options(plan.mesh))
-        return self._tensor_jits[plan]
+    factory = "zshard.make_train_step"
+    donate = True
+    donated_error = ("this state was donated to an earlier step (its buffers are deleted); "
+                     "use the state that step returned: state, metrics = step(state, batch)")
 
     loss_fn = property(lambda self: self.config.fn)
     grad_accum = property(lambda self: self.config.grad_accum)
@@ -359,56 +348,33 @@ class TrainStep:
         return self.config.resolved_prefetch()
 
     def _step(self, state: ShardedState, batch):
+        """The body: ``(state, batch) -> ((state, metrics), TraceInfo)``, one ``shard_map`` of
+        :func:`_local_step` (the jitted program, ``jit__step``, returns ``(state, metrics)``)."""
         plan, config = state.plan, self.config  # the traced body sees the plan and the frozen config only
         split = sequence_split(plan, batch, config.sequence_axis)
+        local = functools.partial(_local_step, plan, config, split=split)
+        specs = state.specs()
+        return run_sharded(plan, local, (state, batch), (specs, batch_specs(plan, batch, config.sequence_axis)), (specs, P()))
 
-        def local(s, b):
-            out, self.last_trace = _local_step(plan, config, s, b, split)
-            return out
+    _program = _step
 
-        specs = batch_specs(plan, batch, config.sequence_axis)
-        return sharded_map(local, plan.mesh, in_specs=(state.specs(), specs), out_specs=(state.specs(), P()))(state, batch)
+    def _out_shardings(self, state: ShardedState):
+        """With a ``tensor`` axis or host offload: the state's own shardings, memory kinds included
+        (``ShardedState.shardings``), and the metrics replicated; else ``None``."""
+        plan = state.plan
+        if plan.tensor == 1 and plan.offload is None:
+            return None
+        return state.shardings(), jax.sharding.NamedSharding(plan.mesh, P())
+
+    def _check_state(self, state: ShardedState) -> None:
+        check_placement(state)  # a leaf in the wrong memory, named before JAX refuses it unnamed
+
+    def _place(self, state: ShardedState, batch):
+        return self.put_batch(state, batch)
 
     def put_batch(self, state: ShardedState, batch):
-        """:func:`zshard.step_config.put_batch` for this step's micro-batches and sequence axes."""
+        """:func:`zshard.batch.put_batch` for this step's micro-batches and sequence axes."""
         return put_batch(state.plan, batch, self.config.grad_accum, self.config.sequence_axis)
-
-    def __call__(self, state: ShardedState, batch):
-        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
-            raise ValueError(
-                "this state was donated to an earlier step (its buffers are deleted); "
-                "use the state that step returned: state, metrics = step(state, batch)"
-            )
-        check_placement(state)  # a leaf in the wrong memory, named before JAX refuses it unnamed
-        batch = self.put_batch(state, batch)
-        self._check(state, batch)
-        return self._jit_for(state)(state, batch)
-
-    def _check(self, state: ShardedState, batch) -> None:
-        """Trace (no compile) once per plan and batch shape and refuse a unit under
-        device-dependent control flow and a block unit's raw shard used as a value in
-        ``loss_fn`` (:func:`zshard.checks.check_traced`)."""
-        key = trace_key(state, batch)
-        if key not in self._checked:
-            t = traced(lambda: traced_naming_host_leaf(self._jit_for(state).trace, state, batch), state.plan.mesh)
-            check_traced(t.jaxpr.jaxpr, state, batch)  # a host leaf in arithmetic, a pmap axis name: named
-            self._checked.add(key)
-
-    def export(self, state: ShardedState, batch, platforms=("cuda",)) -> "jax.export.Exported":
-        """The step's program for ``platforms`` (``jax.export.export``; the GPU program can be
-        exported on a CPU-only machine): ``.mlir_module()`` is its StableHLO text, where host
-        offload shows as ``annotate_device_placement`` calls (:func:`zshard.offload.exported_placements`)."""
-        check_placement(state)
-        return jax.export.export(self._jit_for(state), platforms=list(platforms),
-                                 disabled_checks=export_checks())(state, self.put_batch(state, batch))  # cuDNN's calls
-
-    def lower(self, state: ShardedState, batch) -> jax.stages.Lowered:
-        """The lowered step (``.compile().memory_analysis()``, ``.compile().as_text()``)."""
-        check_placement(state)
-        batch = self.put_batch(state, batch)
-        t = traced(lambda: traced_naming_host_leaf(self._jit_for(state).trace, state, batch), state.plan.mesh)
-        check_traced(t.jaxpr.jaxpr, state, batch)
-        return t.lower()
 
 
 def make_train_step(
