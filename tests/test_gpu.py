@@ -219,3 +219,40 @@ def test_cuda_mesh_attention_kernel_and_its_named_fallbacks(h100, monkeypatch):
     assert "__cudnn" not in text
     with pytest.warns(UserWarning, match="soft-cap"):
         assert "__cudnn" not in lowered(q, k, v, softcap=30.0)
+
+
+@needs_cuda
+def test_compiler_partitioned_batch_gets_cudnn_like_zshard(h100, monkeypatch):
+    # a plain jax.jit over a batch sharded on the mesh (the compiler-FSDP peer of train.plan --peer): cuDNN
+    # through a shard_map over the batch, forward and backward, no fallback; a batch the axes do not divide falls back
+    monkeypatch.setattr(gpu, "_WARNED", set())
+    q, k, v = _qkv(jnp.bfloat16)
+    rows = jax.sharding.NamedSharding(h100, P(("replica", "shard")))
+
+    def lowered(q, k, v):
+        loss = lambda q, k, v: zshard.attention(q, k, v).astype(jnp.float32).sum()  # noqa: E731
+        args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows if x.shape[0] % 8 == 0 else None) for x in (q, k, v)]
+        with jax.set_mesh(h100):
+            return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        text = lowered(q, k, v)
+    assert re.search(r'custom_call_target="__cudnn\$fmhaSoftmax"', text) and "__cudnn$fmhaSoftmaxBackward" in text
+    with pytest.warns(UserWarning, match="data axes that divide the batch"):
+        assert "__cudnn" not in lowered(*(x[:4] for x in (q, k, v)))
+
+
+def test_embed_returns_the_tables_dtype_so_the_residual_stream_is_the_compute_dtype():
+    from train.models.core import Embed, loss_chunk
+
+    emb = Embed(16, 4, rngs=nnx.Rngs(0))
+    ids = jnp.arange(3)
+    assert emb(ids).dtype == jnp.float32  # fp32 tables: float32, as before
+    emb.embedding.value = emb.embedding.value.astype(jnp.bfloat16)  # as zshard's bf16 gather hands it over
+    assert emb(ids).dtype == jnp.bfloat16
+    fixed = Embed(16, 4, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    fixed.embedding.value = fixed.embedding.value.astype(jnp.bfloat16)
+    assert fixed(ids).dtype == jnp.float32  # an explicit dtype wins
+    # the loss chunks are balanced: no padded rows for Llama 3's vocabulary at 8192 tokens (64 x 128, not 64 x 130)
+    assert loss_chunk(8192, 128256) == 128 and loss_chunk(8191, 128256) == 128 and loss_chunk(130, 128256) == 130

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zshard.flash import TILE, one_device
@@ -243,10 +244,13 @@ def cuda_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=Non
     mesh = jax.sharding.get_abstract_mesh()
     auto = [a for a, kind in zip(mesh.axis_names, mesh.axis_types) if kind != jax.sharding.AxisType.Manual and mesh.shape[a] > 1]
     tensor = mesh.shape[TENSOR] if auto == [TENSOR] else 0
-    if reason is None and auto and not (tensor and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0):
+    data = int(np.prod([mesh.shape[a] for a in auto])) if auto and TENSOR not in auto else 0
+    if reason is None and auto and not (tensor and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0) \
+            and not (data and q.shape[0] % data == 0):
         # JAX 0.10.2's cuDNN call cannot be partitioned by the compiler ("'GSPMDSharding' object has no attribute 'spec'")
         reason = (f"the mesh axes {auto} are partitioned by the compiler around q {tuple(q.shape)}, k {tuple(k.shape)} (JAX's "
-                  "cuDNN call cannot be; a tensor axis that divides the query and key/value heads is split by hand)")
+                  "cuDNN call cannot be; a tensor axis that divides the query and key/value heads, or data axes that "
+                  "divide the batch, are split by hand)")
     if reason is None:
         mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, L, L]
         window = None if sliding_window is None else (sliding_window - 1, 0)  # keys p' in [p - (W-1), p]
@@ -256,6 +260,9 @@ def cuda_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=Non
                                                 implementation="cudnn")
 
         try:
+            if data:
+                free = tuple(a for a, kind in zip(mesh.axis_names, mesh.axis_types) if kind != jax.sharding.AxisType.Manual)
+                return _over_batch(cudnn, mesh, free)(q, k, v, mask)  # every free axis manual: none left to partition
             return (_over_tensor(cudnn, mesh) if auto else cudnn)(q, k, v, mask)
         except (NotImplementedError, ValueError, RuntimeError) as e:  # cuDNN's (JAX's) refusal of this shape
             reason = f"cuDNN refused q {tuple(q.shape)}, k {tuple(k.shape)}: {e}"
@@ -284,3 +291,13 @@ def _over_tensor(cudnn, mesh):
     run = jax.custom_vjp(fwd)
     run.defvjp(lambda q, k, v, mask: (fwd(q, k, v, mask), (q, k, v, mask)), lambda res, do: (*bwd(*res, do), None))
     return run
+
+
+def _over_batch(cudnn, mesh, axes: tuple):
+    """``cudnn(q, k, v, mask)`` with the batch split over the compiler-partitioned data ``axes`` by
+    hand (a plain ``jax.jit`` with FSDP shardings, e.g. the compiler-FSDP peer of ``train.plan
+    --peer``): a ``shard_map`` over ``axes``, each device's sequences ``q [B/N, L, H, D]``, ``k, v
+    [B/N, L, n_kv, D]``, mask ``[B/N, 1, L, L]``; differentiated by ``jax.vjp`` through it (cuDNN's
+    backward call inside the same ``shard_map``, no extra forward)."""
+    rows = P(axes)
+    return jax.shard_map(cudnn, mesh=mesh, in_specs=(rows, rows, rows, rows), out_specs=rows, axis_names=set(axes))
