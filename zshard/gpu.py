@@ -46,11 +46,11 @@ CUDA_EXTRA = 'pip install "zshard[cuda12]"'  # JAX's CUDA plugin (jax[cuda12]): 
 # 2026-12-05 with python scripts/gpu_aot_check.py and zshard.hlo.parse_overlap; a scanned loop's
 # body counts once). XLA's defaults: 18 all-gathers (all async), 9 reduce-scatters (6 async: the
 # collective pipeliner peels the last layer's 3 out of the backward loop, where they run
-# synchronously), temp 19.44 GB.
+# synchronously), temp 19.44 GB (10.65 GB with the chunked loss and the bf16 residual stream).
 # - xla_gpu_reduce_scatter_combine_threshold_bytes = 1 GiB: a block's float32 gradients (872 MB
 #   for Llama-3 8B) leave in one reduce-scatter, not 3: 3 reduce-scatters in the text, all async,
 #   each with compute between start and done (the loop's: 14 fusions / GEMMs / cuDNN calls), and
-#   temp 18.98 GB (-0.46 GB). The all-gathers stay per parameter (their threshold is left at
+#   temp 18.98 GB (-0.46 GB; now 10.26 GB, -0.39). The all-gathers stay per parameter (their threshold is left at
 #   XLA's): combined, a block's one gather would overlap only its RMSNorm, where split each
 #   parameter's gather overlaps the previous one's GEMM.
 # - xla_gpu_enable_latency_hiding_scheduler = True: XLA's default in jaxlib 0.10.2 (the program
@@ -58,9 +58,9 @@ CUDA_EXTRA = 'pip install "zshard[cuda12]"'  # JAX's CUDA plugin (jax[cuda12]): 
 # Measured and left out: xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce} = True
 # (the same program: the reduce-scatter pipeliner is already on, nothing else is pipelined),
 # xla_gpu_enable_while_loop_double_buffering (unrolls the layer loops in two, the same overlap in
-# each half, temp +0.03 GB), xla_gpu_enable_pipelined_reduce_scatter = False (temp 17.78 GB, but
-# each block's reduce-scatter must finish inside its own iteration: 2-6 ops between instead of
-# the next block's backward).
+# each half, temp +0.03 GB), xla_gpu_enable_pipelined_reduce_scatter = False (temp 17.78 GB, now
+# 9.68 GB, but each block's reduce-scatter must finish inside its own iteration: 1-6 ops between
+# instead of the next block's backward, 14; docs/performance.md).
 GPU_COMPILER_OPTIONS: dict = {
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 30,
     "xla_gpu_enable_latency_hiding_scheduler": True,
