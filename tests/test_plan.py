@@ -190,6 +190,7 @@ def test_plan_h100_peer(h100_plan):
     # the precision gradients are summed in: zshard's reduce_dtype float32; the jit peer's bf16 weight-gradient dots
     top = lambda s: max(s["reduce_dtypes"], key=s["reduce_dtypes"].get)  # noqa: E731
     assert (top(summary), top(peer)) == ("f32", "bf16") and "| gradient reduce-scatter dtype (by bytes) | f32 (" in out
+    assert "gradients are reduced in f32 by zshard, in bf16 by the peer" in out
 
 
 def test_program_reader_counts_dots_and_overlap():
