@@ -50,8 +50,8 @@ CUDA_EXTRA = 'pip install "zshard[cuda12]"'  # JAX's CUDA plugin (jax[cuda12]): 
 # - xla_gpu_reduce_scatter_combine_threshold_bytes = 1 GiB: a block's float32 gradients (872 MB
 #   for Llama-3 8B) leave in one reduce-scatter, not 3: 3 reduce-scatters in the text, all async,
 #   each with compute between start and done (the loop's: 14 fusions / GEMMs / cuDNN calls), and
-#   temp 18.98 GB (-0.46 GB; now 10.26 GB, -0.39). The all-gathers stay per parameter (their threshold is left at
-#   XLA's): combined, a block's one gather would overlap only its RMSNorm, where split each
+#   temp 18.98 GB (-0.46 GB; now 10.26 GB, -0.39). The all-gathers stay per parameter (their
+#   threshold is left at XLA's): combined, a block's one gather would overlap only its RMSNorm, where split each
 #   parameter's gather overlaps the previous one's GEMM.
 # - xla_gpu_enable_latency_hiding_scheduler = True: XLA's default in jaxlib 0.10.2 (the program
 #   is the same without it); named so the profile does not depend on that default.

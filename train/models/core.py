@@ -413,8 +413,8 @@ class Head(NamedTuple):
 
 # [Note: chunked loss] Elements of one chunk's float32 logits [tokens, V] (64 MiB): a chunk holds
 # at most max(1, LOSS_CHUNK_ELEMENTS // V) tokens, the chunks balanced (Llama 3's V = 128256: at most 130, so 64
-# chunks of 128 for an 8192-token sequence, none padded). Wijmans et al. 2024 ("Cut Your Losses in Large-Vocabulary Language Models", arXiv 2411.09009,
-# section 4) compute the loss blockwise and recompute each block's logits in the backward; this is that idea
+# chunks of 128 for an 8192-token sequence, none padded). Wijmans et al. 2024 ("Cut Your Losses in
+# Large-Vocabulary Language Models", arXiv 2411.09009, section 4) compute the loss blockwise and recompute each block's logits in the backward; this is that idea
 # with blocks of whole rows (tokens), so that a vocabulary split over the tensor axis is left to XLA.
 LOSS_CHUNK_ELEMENTS = 1 << 24
 
