@@ -219,3 +219,55 @@ def test_cuda_mesh_attention_kernel_and_its_named_fallbacks(h100, monkeypatch):
     assert "__cudnn" not in text
     with pytest.warns(UserWarning, match="soft-cap"):
         assert "__cudnn" not in lowered(q, k, v, softcap=30.0)
+
+
+@needs_cuda
+def test_compiler_partitioned_batch_gets_cudnn_like_zshard(h100, monkeypatch):
+    # a plain jax.jit over a batch sharded on the mesh (the compiler-FSDP peer of train.plan --peer): cuDNN
+    # through a shard_map over the batch, forward and backward, no fallback; a batch the axes do not divide falls back
+    monkeypatch.setattr(gpu, "_WARNED", set())
+    q, k, v = _qkv(jnp.bfloat16)
+    rows = jax.sharding.NamedSharding(h100, P(("replica", "shard")))
+
+    def lowered(q, k, v):
+        loss = lambda q, k, v: zshard.attention(q, k, v).astype(jnp.float32).sum()  # noqa: E731
+        args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows if x.shape[0] % 8 == 0 else None) for x in (q, k, v)]
+        with jax.set_mesh(h100):
+            return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile().as_text()
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        text = lowered(q, k, v)
+    assert not [w for w in seen if "zshard.attention" in str(w.message)]  # no fallback
+    assert re.search(r'custom_call_target="__cudnn\$fmhaSoftmax"', text) and "__cudnn$fmhaSoftmaxBackward" in text
+    with pytest.warns(UserWarning, match="data axes that divide the batch"):
+        assert "__cudnn" not in lowered(*(x[:4] for x in (q, k, v)))
+
+
+def test_embed_returns_the_tables_dtype_so_the_residual_stream_is_the_compute_dtype():
+    from train.models.core import Embed
+    from train.models.loss import loss_chunk
+
+    emb = Embed(16, 4, rngs=nnx.Rngs(0))
+    ids = jnp.arange(3)
+    assert emb(ids).dtype == jnp.float32  # fp32 tables: float32, as before
+    emb.embedding.value = emb.embedding.value.astype(jnp.bfloat16)  # as zshard's bf16 gather hands it over
+    assert emb(ids).dtype == jnp.bfloat16
+    fixed = Embed(16, 4, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    fixed.embedding.value = fixed.embedding.value.astype(jnp.bfloat16)
+    assert fixed(ids).dtype == jnp.float32  # an explicit dtype wins
+    # the loss chunks are balanced: no padded rows for Llama 3's vocabulary at 8192 tokens (64 x 128, not 64 x 130)
+    assert loss_chunk(8192, 128256) == 128 and loss_chunk(8191, 128256) == 128 and loss_chunk(130, 128256) == 130
+
+
+def test_gradients_leave_the_scanned_units_in_the_reduce_dtype():
+    # [Note: reduce-dtype cotangents] (zshard/grad_exit.py): with a bf16 gradient reduction the backward scan
+    # over the layers stacks bf16 [L, n_pad/N] cotangents, not fp32 upcasts (the GPU temp, docs/performance.md);
+    # the step casts them to the fp32 masters' dtype afterwards (the values: tests/test_precision.py)
+    mesh = zshard.make_mesh(1, 8)
+    mp = zshard.MixedPrecision(param_dtype="bfloat16", reduce_dtype="bfloat16")
+    state = zshard.init(lambda: build_model(CFG, nnx.Rngs(0)), optax.adamw(1e-3), mesh, abstract=True, mixed_precision=mp)
+    stacked = state.params["blocks"]["mlp"]["w_down"]["kernel"]  # [L, n_pad] f32, split over the world on n_pad
+    per_device = f"{CFG.n_layers},{stacked.shape[-1] // 8}]"
+    hlo = zshard.make_train_step(cross_entropy_loss).lower(state, _batch()).as_text(dialect="hlo")
+    assert stacked.dtype == jnp.float32 and f"bf16[{per_device}" in hlo

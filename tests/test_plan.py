@@ -185,8 +185,12 @@ def test_plan_h100_peer(h100_plan):
     assert peer["target"] == "h100"
     _check_program(peer)
     kernels = summary["attention"]["kernel"], peer["attention"]["kernel"]  # the same model code on both sides
-    assert kernels[0] == kernels[1] or f"attention kernels differ: zshard {kernels[0]}, peer {kernels[1]}" in out
+    assert kernels == ("cudnn", "cudnn")  # the peer's batch-sharded jit reaches cuDNN too (zshard.gpu._over_batch)
     assert "| per GPU | zshard | FSDP-compiler peer | zshard / peer |" in out and "| temp GB per GPU |" in out
+    # the precision gradients are summed in: zshard's reduce_dtype float32; the jit peer's bf16 weight-gradient dots
+    top = lambda s: max(s["reduce_dtypes"], key=s["reduce_dtypes"].get)  # noqa: E731
+    assert (top(summary), top(peer)) == ("f32", "bf16") and "| gradient reduce-scatter dtype (by bytes) | f32 (" in out
+    assert "gradients are reduced in f32 by zshard, in bf16 by the peer" in out
 
 
 def test_program_reader_counts_dots_and_overlap():

@@ -63,21 +63,6 @@ class _Block(nnx.Module):
         return nnx.remat(lambda blk, x: blk(x), policy=self.policy)(self.block, x)
 
 
-class _CastEmbed(nnx.Module):
-    """A token (or position) embedding whose lookup returns ``dtype``: ``nnx.Embed`` promotes to
-    its ``dtype`` (float32), where zshard casts the first block unit's input to the compute dtype.
-    ``attend`` (a tied output head) is the embedding's own, unchanged."""
-
-    def __init__(self, embed, dtype):
-        self.embed, self.dtype = embed, dtype
-
-    def __call__(self, ids):
-        return self.embed(ids).astype(self.dtype)
-
-    def attend(self, x):
-        return self.embed.attend(x)
-
-
 def fsdp_jit(graphdef, params, tx, mesh, mode="fsdp", remat="none", compute_dtype=None, loss_fn=cross_entropy_loss,
              compiler_options=None):
     """The plain peers' train step: ``jax.jit`` of ``(params, opt_state, batch) -> (params,
@@ -122,9 +107,9 @@ def fsdp_jit(graphdef, params, tx, mesh, mode="fsdp", remat="none", compute_dtyp
                 p = jax.tree.map(lambda x: x.astype(compute_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
             model = nnx.merge(graphdef, p)
             if compute_dtype is not None:  # the blocks compute in compute_dtype from the first one on
-                for name in ("embed", "wte", "wpe"):
+                for name in ("embed", "wte", "wpe"):  # nnx.Embed's lookup returns its `dtype` (float32 by default)
                     if isinstance(getattr(model, name, None), nnx.Embed):
-                        setattr(model, name, _CastEmbed(getattr(model, name), compute_dtype))
+                        getattr(model, name).dtype = compute_dtype  # the module itself: a tied head reads its table
             if remat != "none" or compute_dtype is not None:  # the model calls each block (a loop or nnx.scan): wrap them
                 blocks = model.blocks
                 model.blocks = [_Block(b, remat, compute_dtype) for b in blocks] if isinstance(blocks, (list, nnx.List)) \

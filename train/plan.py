@@ -261,6 +261,10 @@ def main(argv=None) -> int:
         kernels = summary["attention"]["kernel"], summary["peer"]["attention"]["kernel"]
         if kernels[0] != kernels[1]:  # zshard.attention chose by itself (a warning above names its reason)
             print(f"attention kernels differ: zshard {kernels[0]}, peer {kernels[1]}: memory and FLOPs are not like for like")
+        sums = [max(s["reduce_dtypes"], key=s["reduce_dtypes"].get, default="none") for s in (summary, summary["peer"])]
+        if sums[0] != sums[1]:  # the peer sums its bf16 weight-gradient dots whatever --reduce-dtype says
+            print(f"gradients are reduced in {sums[0]} by zshard, in {sums[1]} by the peer (the compiler reduces its dots' "
+                  "outputs as computed): give --reduce-dtype that dtype to compare like for like")
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(compiled.as_text())

@@ -34,7 +34,7 @@ from train.compiler_fsdp import fsdp_jit
 from train.models.core import head_size
 
 __all__ = ["TARGETS", "TARGET_MEMORY_GB", "attention_calls", "attention_flops", "compile_peer", "cuda_plugin",
-           "dot_flops", "overlap", "program_summary", "side_by_side", "target_devices", "write_json"]
+           "dot_flops", "overlap", "program_summary", "reduce_dtypes", "side_by_side", "target_devices", "write_json"]
 
 TARGETS = ("cpu", "h100", "h200", "a100")
 TARGET_MEMORY_GB = {"h100": 80.0, "h200": 141.0, "a100": 80.0}  # HBM of one GPU, vendor sheets (GB = 10^9 bytes)
@@ -125,6 +125,25 @@ def dot_flops(hlo: str) -> float:
     return total
 
 
+def reduce_dtypes(hlo: str) -> dict[str, int]:
+    """Bytes of the gradient reduce-scatters of a compiled program by element type (``{"f32": ...,
+    "bf16": ...}``: each reduce-scatter of the text once, its outputs' bytes): the precision the
+    gradients are summed in. zshard's follows ``MixedPrecision.reduce_dtype``; a ``jax.jit`` peer
+    computing in bf16 sums the bf16 outputs of its weight-gradient dots (the partitioner puts the
+    reduce-scatter there), whatever dtype its masters have."""
+    out: dict[str, int] = {}
+    for instrs in _computations(hlo).values():
+        for _, shape, op, _ in instrs:
+            if op in ("reduce-scatter", "reduce-scatter-done"):  # sync, or the async pair's result
+                for dtype, dims in re.findall(r"\b([a-z]+\d+)\[([0-9,]*)\]", shape):
+                    n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+                    out[dtype] = out.get(dtype, 0) + n * np.dtype(_NP.get(dtype, dtype)).itemsize
+    return out
+
+
+_NP = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "s8": "int8", "u8": "uint8", "s32": "int32"}
+
+
 def attention_calls(hlo: str) -> dict:
     """The attention kernel of a compiled program: ``kernel`` (``"cudnn"`` when it calls cuDNN's
     fused attention, ``__cudnn$fmha*``; else ``"xla"``: the attention's own ops),
@@ -185,7 +204,7 @@ def program_summary(compiled, mesh, *, target: str, cfg, batch_per_device: int, 
     sent = sum(c.sent_bytes * c.trips for c in zshard.parse_collectives(hlo, mesh) if c.axis != "none")
     return {"target": target, "device_kind": mesh.devices.flat[0].device_kind, "memory": mem, "attention": calls,
             "collectives": colls, "overlapped": [sum(c["compute_between"] > 0 for c in gathers), len(gathers)],
-            "comm_bytes": sent, "flops": dot_flops(hlo) + att, "flops_attention": att}
+            "comm_bytes": sent, "flops": dot_flops(hlo) + att, "flops_attention": att, "reduce_dtypes": reduce_dtypes(hlo)}
 
 
 def compile_peer(cfg, devices, mesh_shape: dict, batch: int, seq: int, tx, *, remat: str, compute_dtype, build):
@@ -220,14 +239,24 @@ def side_by_side(z: dict, p: dict) -> str:
              ("collective GB sent per GPU per step", z["comm_bytes"] / GB, p["comm_bytes"] / GB),
              ("async all-gather/reduce-scatter overlapped", z["overlapped"][0], p["overlapped"][0]),
              ("  of async all-gather/reduce-scatter", z["overlapped"][1], p["overlapped"][1]),
+             ("gradient reduce-scatter dtype (by bytes)", _main_dtype(z), _main_dtype(p)),
              ("cuDNN attention calls fwd+bwd", z["attention"]["forward_calls"] + z["attention"]["backward_calls"],
               p["attention"]["forward_calls"] + p["attention"]["backward_calls"])]
     lines = ["| per GPU | zshard | FSDP-compiler peer | zshard / peer |", "|---|---:|---:|---:|"]
     for name, a, b in rows:
-        ratio = f"{a / b:.3f}" if b else "-"
+        ratio = f"{a / b:.3f}" if b and not isinstance(a, str) else "-"
         fmt = (lambda v: f"{v:.2f}") if isinstance(a, float) else str
         lines.append(f"| {name} | {fmt(a)} | {fmt(b)} | {ratio} |")
     return "\n".join(lines)
+
+
+def _main_dtype(summary: dict) -> str:
+    """The element type most gradient reduce-scatter bytes are in, with its share: ``"f32 (100%)"``."""
+    by = summary.get("reduce_dtypes") or {}
+    if not by:
+        return "none"
+    top = max(by, key=by.get)
+    return f"{top} ({by[top] / sum(by.values()):.0%})"
 
 
 def write_json(path: str, summary: dict) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zshard.flash import TILE, one_device
@@ -45,21 +46,21 @@ CUDA_EXTRA = 'pip install "zshard[cuda12]"'  # JAX's CUDA plugin (jax[cuda12]): 
 # 2026-12-05 with python scripts/gpu_aot_check.py and zshard.hlo.parse_overlap; a scanned loop's
 # body counts once). XLA's defaults: 18 all-gathers (all async), 9 reduce-scatters (6 async: the
 # collective pipeliner peels the last layer's 3 out of the backward loop, where they run
-# synchronously), temp 19.44 GB.
+# synchronously), temp 19.44 GB (10.65 GB with the chunked loss and the bf16 residual stream).
 # - xla_gpu_reduce_scatter_combine_threshold_bytes = 1 GiB: a block's float32 gradients (872 MB
 #   for Llama-3 8B) leave in one reduce-scatter, not 3: 3 reduce-scatters in the text, all async,
 #   each with compute between start and done (the loop's: 14 fusions / GEMMs / cuDNN calls), and
-#   temp 18.98 GB (-0.46 GB). The all-gathers stay per parameter (their threshold is left at
-#   XLA's): combined, a block's one gather would overlap only its RMSNorm, where split each
+#   temp 18.98 GB (-0.46 GB; now 10.26 GB, -0.39). The all-gathers stay per parameter (their
+#   threshold is left at XLA's): combined, a block's one gather would overlap only its RMSNorm, where split each
 #   parameter's gather overlaps the previous one's GEMM.
 # - xla_gpu_enable_latency_hiding_scheduler = True: XLA's default in jaxlib 0.10.2 (the program
 #   is the same without it); named so the profile does not depend on that default.
 # Measured and left out: xla_gpu_enable_pipelined_{all_gather,reduce_scatter,all_reduce} = True
 # (the same program: the reduce-scatter pipeliner is already on, nothing else is pipelined),
 # xla_gpu_enable_while_loop_double_buffering (unrolls the layer loops in two, the same overlap in
-# each half, temp +0.03 GB), xla_gpu_enable_pipelined_reduce_scatter = False (temp 17.78 GB, but
-# each block's reduce-scatter must finish inside its own iteration: 2-6 ops between instead of
-# the next block's backward).
+# each half, temp +0.03 GB), xla_gpu_enable_pipelined_reduce_scatter = False (temp 17.78 GB, now
+# 9.68 GB, but each block's reduce-scatter must finish inside its own iteration: 1-6 ops between
+# instead of the next block's backward, 14; docs/performance.md).
 GPU_COMPILER_OPTIONS: dict = {
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 30,
     "xla_gpu_enable_latency_hiding_scheduler": True,
@@ -243,10 +244,13 @@ def cuda_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=Non
     mesh = jax.sharding.get_abstract_mesh()
     auto = [a for a, kind in zip(mesh.axis_names, mesh.axis_types) if kind != jax.sharding.AxisType.Manual and mesh.shape[a] > 1]
     tensor = mesh.shape[TENSOR] if auto == [TENSOR] else 0
-    if reason is None and auto and not (tensor and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0):
+    data = int(np.prod([mesh.shape[a] for a in auto])) if auto and TENSOR not in auto else 0
+    if reason is None and auto and not (tensor and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0) \
+            and not (data and q.shape[0] % data == 0):
         # JAX 0.10.2's cuDNN call cannot be partitioned by the compiler ("'GSPMDSharding' object has no attribute 'spec'")
         reason = (f"the mesh axes {auto} are partitioned by the compiler around q {tuple(q.shape)}, k {tuple(k.shape)} (JAX's "
-                  "cuDNN call cannot be; a tensor axis that divides the query and key/value heads is split by hand)")
+                  "cuDNN call cannot be; a tensor axis that divides the query and key/value heads, or data axes that "
+                  "divide the batch, are split by hand)")
     if reason is None:
         mask = None if segment_ids is None else (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, L, L]
         window = None if sliding_window is None else (sliding_window - 1, 0)  # keys p' in [p - (W-1), p]
@@ -256,6 +260,9 @@ def cuda_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=Non
                                                 implementation="cudnn")
 
         try:
+            if data:
+                free = tuple(a for a, kind in zip(mesh.axis_names, mesh.axis_types) if kind != jax.sharding.AxisType.Manual)
+                return _over_batch(cudnn, mesh, free)(q, k, v, mask)  # every free axis manual: none left to partition
             return (_over_tensor(cudnn, mesh) if auto else cudnn)(q, k, v, mask)
         except (NotImplementedError, ValueError, RuntimeError) as e:  # cuDNN's (JAX's) refusal of this shape
             reason = f"cuDNN refused q {tuple(q.shape)}, k {tuple(k.shape)}: {e}"
@@ -284,3 +291,13 @@ def _over_tensor(cudnn, mesh):
     run = jax.custom_vjp(fwd)
     run.defvjp(lambda q, k, v, mask: (fwd(q, k, v, mask), (q, k, v, mask)), lambda res, do: (*bwd(*res, do), None))
     return run
+
+
+def _over_batch(cudnn, mesh, axes: tuple):
+    """``cudnn(q, k, v, mask)`` with the batch split over the compiler-partitioned data ``axes`` by
+    hand (a plain ``jax.jit`` with FSDP shardings, e.g. the compiler-FSDP peer of ``train.plan
+    --peer``): a ``shard_map`` over ``axes``, each device's sequences ``q [B/N, L, H, D]``, ``k, v
+    [B/N, L, n_kv, D]``, mask ``[B/N, 1, L, L]``; differentiated by ``jax.vjp`` through it (cuDNN's
+    backward call inside the same ``shard_map``, no extra forward)."""
+    rows = P(axes)
+    return jax.shard_map(cudnn, mesh=mesh, in_specs=(rows, rows, rows, rows), out_specs=rows, axis_names=set(axes))

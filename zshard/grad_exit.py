@@ -238,12 +238,18 @@ def exit_dtypes_of(exits):
     return None if exits is None else tuple(tuple(z.dtype for z in per_flat) for per_flat in exits)
 
 
+# [Note: reduce-dtype cotangents] A unit's reduced gradients leave its backward in the reduce dtype
+# (bf16 with MixedPrecision(reduce_dtype="bfloat16")), not cast to the fp32 shard's dtype there: a
+# scanned stack of units otherwise stacks every layer's upcast gradient, fp32 [L, n_pad/N] (llama-3-8b:
+# 3.49 GB per GPU against 1.75 GB bf16, docs/performance.md). JAX takes a floating cotangent of another
+# dtype than its primal (custom_derivatives._temporary_dtype_exception); the step casts the gradients
+# to the masters' dtype before the norm, the clipping and the optimizer: the same values as before.
 def reduce_flats(flats, bufs, grads, comm, exit_dtypes=None, residuals=None):
     """The gradients of a unit's parameters -> ``(cotangents of bufs, cotangents of the exit values)``.
 
     Shards (no exit values): each flat's gradients through :func:`reduce_grads`, as the bufs'
-    cotangent (per-parameter shards, or concatenated where the unit was called with a
-    FlatParameter shard); a frozen flat gets zeros. Optimizer slices (``TO_SLICES``,
+    cotangent in the reduce dtype ([Note: reduce-dtype cotangents]; per-parameter shards, or
+    concatenated where the unit was called with a FlatParameter shard); a frozen flat gets zeros. Optimizer slices (``TO_SLICES``,
     ``exit_dtypes``: per flat the slices' dtypes, ``()`` for a frozen flat): the exit values'
     cotangent; the bufs get none (they are not differentiated), so only ``[n_pad/(R*S)]`` per
     parameter leaves the unit. ``residuals``: per flat its residuals (the exit values); their
@@ -264,7 +270,7 @@ def reduce_flats(flats, bufs, grads, comm, exit_dtypes=None, residuals=None):
             exits.append(tuple(reduce_grads(f.slots, grads[i : i + n], comm, exit_dtypes[k])))
             out.append(None)
         else:
-            shards = [g.astype(f.dtype) for g in reduce_grads(f.slots, grads[i : i + n], comm)]
+            shards = reduce_grads(f.slots, grads[i : i + n], comm)  # in the reduce dtype: [Note: reduce-dtype cotangents]
             # per-parameter shards in: ([n_pad_p/N], ...) out; a FlatParameter shard in: [L/N] out
             out.append(tuple(shards) if isinstance(b, (tuple, list)) else f.concat_shards(shards))
             exits.append(())

@@ -259,6 +259,7 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
     if k == 1:
         (_, (totals, aux, new_variables)), grads = jax.value_and_grad(differentiated, has_aux=True)(wrt if residuals is None else (wrt, residuals), variables, batch)
         grads, residuals = (grads, None) if residuals is None else grads
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, train if wrt is compute else wrt)  # [Note: reduce-dtype cotangents]
     else:
         dtypes = train if compute is not train else None  # offload="optimizer+master": gradients in the masters' dtype
         totals, aux, new_variables, grads, residuals = _accumulate(plan, differentiated, wrt, variables, batch, k, ex.reduce, dtypes, residuals)

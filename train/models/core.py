@@ -60,7 +60,12 @@ _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 class Embed(nnx.Embed):
     """``nnx.Embed`` (same parameter ``embedding`` ``[V, h]``, same values), whose gradient's
-    zeros are allocated only once the incoming gradient exists (:func:`_zero_after`)."""
+    zeros are allocated only once the incoming gradient exists (:func:`_zero_after`); without a
+    ``dtype``, in the table's dtype as read (bf16 gathered: a bf16 residual stream, docs/performance.md)."""
+
+    def __init__(self, *args, dtype=None, **kwargs):
+        super().__init__(*args, dtype=dtype, **kwargs)
+        self.dtype = dtype  # nnx.Embed fixes the creation dtype (float32) when None
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         if not jnp.issubdtype(inputs.dtype, jnp.integer):

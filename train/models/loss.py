@@ -57,17 +57,19 @@ class Head(NamedTuple):
 
 
 # [Note: chunked loss] Elements of one chunk's float32 logits [tokens, V] (64 MiB): a chunk holds
-# max(1, LOSS_CHUNK_ELEMENTS // V) tokens (Llama 3's V = 128256: 130 tokens, 63 chunks of an 8192-token
-# sequence). Wijmans et al. 2024 ("Cut Your Losses in Large-Vocabulary Language Models", arXiv 2411.09009,
-# section 4) compute the loss blockwise and recompute each block's logits in the backward; this is that idea
+# at most max(1, LOSS_CHUNK_ELEMENTS // V) tokens, the chunks balanced (Llama 3's V = 128256: at most 130, so 64
+# chunks of 128 for an 8192-token sequence, none padded). Wijmans et al. 2024 ("Cut Your Losses in
+# Large-Vocabulary Language Models", arXiv 2411.09009, section 4) compute the loss blockwise and recompute each block's logits in the backward; this is that idea
 # with blocks of whole rows (tokens), so that a vocabulary split over the tensor axis is left to XLA.
 LOSS_CHUNK_ELEMENTS = 1 << 24
 
 
 def loss_chunk(tokens: int, vocab: int, elements: int | None = None) -> int:
-    """Tokens per chunk of :func:`chunked_token_nll`: ``min(tokens, max(1, elements // vocab))``,
+    """Tokens per chunk of :func:`chunked_token_nll`: ``ceil(tokens / n)`` for the fewest chunks ``n`` of at
+    most ``m = min(tokens, max(1, elements // vocab))`` tokens (padded rows < n: each costs the head's FLOPs),
     ``elements`` default :data:`LOSS_CHUNK_ELEMENTS` (read when called)."""
-    return max(1, min(tokens, (LOSS_CHUNK_ELEMENTS if elements is None else elements) // vocab))
+    most = max(1, min(tokens, (LOSS_CHUNK_ELEMENTS if elements is None else elements) // vocab))
+    return -(-tokens // -(-tokens // most))  # 8192 tokens, m = 130: 64 chunks of 128 (not 64 of 130, 128 rows padded)
 
 
 def _chunk_logits(h, w, vocab_dim: int, cap):
@@ -131,7 +133,8 @@ def _chunked_bwd(vocab_dim, cap, chunk, res, g):
     dw0 = _zero_after(w.shape, jnp.float32, g)  # f32 accumulator of the head's gradient, allocated once g exists
     dw, dh = jax.lax.scan(body, dw0, (hc, tc, lse, scale))  # [C, V] or [V, C]; [n, c, C]
     dh = dh.reshape((-1,) + h.shape[1:])[:N]  # [n, c, C] -> [N, C]
-    return dh, dw.astype(w.dtype), None
+    # a barrier: XLA would fuse this cast into the reduce's, holding the f32 [C, V] through the blocks' backward
+    return dh, jax.lax.optimization_barrier(dw.astype(w.dtype)), None
 
 
 _chunked_nll.defvjp(_chunked_fwd, _chunked_bwd)
