@@ -35,7 +35,7 @@ import numpy as np
 
 
 def _tiled(q, k, v, tile):
-    from zshard.flash import block  # noqa: PLC0415 - after jax's platform is chosen
+    from zshard.context.flash import block  # noqa: PLC0415 - after jax's platform is chosen
 
     B, L, H, D = q.shape
     n_kv = k.shape[2]

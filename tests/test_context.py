@@ -21,7 +21,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import zshard
-from zshard.sequence import head_tail_order
+from zshard.context.sequence import head_tail_order
 
 # --- a Llama-style model: GQA, RoPE from zshard.positions, zshard.attention ------------------------------
 

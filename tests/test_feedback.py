@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 import zshard
 from train.model import GPT, GPTConfig, cross_entropy_loss
-from zshard import quant
-from zshard.quant import Quant
+from zshard.wire import quant
+from zshard.wire.quant import Quant
 
 B = 32  # every matrix of the tiny GPT has at least 32 elements per device
 INT4 = Quant("int4", block=B)

@@ -14,8 +14,8 @@ from flax import nnx
 
 import zshard
 from train.model import GPT, GPTConfig, cross_entropy_loss
-from zshard.hlo import parse_collectives
-from zshard.quant import Quant
+from zshard.inspection.hlo import parse_collectives
+from zshard.wire.quant import Quant
 
 MESH = (2, 4)  # replica (nodes) x shard (devices in a node)
 R, S = MESH

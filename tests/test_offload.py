@@ -25,7 +25,7 @@ from conftest import ROOT, ResMLP, mlp_batches, mse_loss
 from flax import nnx, traverse_util
 
 import zshard
-import zshard.offload as offload
+import zshard.optim.offload as offload
 from train.model import GPT, GPTConfig, cross_entropy_loss
 
 BF16 = zshard.MixedPrecision(param_dtype="bfloat16")

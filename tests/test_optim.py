@@ -233,7 +233,7 @@ def test_grad_norm_square_is_not_shared_with_adams_and_materialised():
     the scale table's peak fell 160.41 -> 150.80 GB with the barrier, docs/memory.md). Here one
     AdamW update and the norm of a stacked ``[80, 2**14]`` gradient, compiled together: the old
     form holds the square (5 MiB of temp), ``global_norm`` holds none of it."""
-    from zshard.optim import global_norm  # noqa: PLC0415
+    from zshard.optim.optim import global_norm  # noqa: PLC0415
 
     g = jax.ShapeDtypeStruct((80, 1 << 14), jnp.float32)
     square = 4 * 80 * (1 << 14)

@@ -18,10 +18,10 @@ from jax.sharding import PartitionSpec as P
 
 import zshard
 from train.model import GPT, GPTConfig, cross_entropy_loss
-from zshard import quant
-from zshard.flat import ParamLayout
-from zshard.quant import Quant
-from zshard.hlo import _computations, parse_collectives
+from zshard.wire import quant
+from zshard.params.flat import ParamLayout
+from zshard.wire.quant import Quant
+from zshard.inspection.hlo import _computations, parse_collectives
 
 B = 32  # block of the step tests: every matrix of the tiny GPT has at least 32 elements per device
 INT8 = Quant("int8", block=B)

@@ -8,8 +8,8 @@ from conftest import ResMLP, mlp_batches, mse_loss, reference_run, run_steps
 from flax import nnx
 
 import zshard
-from zshard.hlo import parse_collectives
-from zshard.quant import Quant
+from zshard.inspection.hlo import parse_collectives
+from zshard.wire.quant import Quant
 
 Q16 = Quant("int8", 16)
 DATA = mlp_batches(5, batch=16)

@@ -24,7 +24,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import zshard
-import zshard.tp
+import zshard.params.tp
 from train.model import GPT, GPTConfig, cross_entropy_loss, tensor_plan
 from train.models.gpt import MODEL_PRESETS
 from zshard.report import parse_collectives
@@ -501,7 +501,7 @@ def _head_warnings(kind, plan):
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         zshard.init(lambda: HeadModel(kind), optax.adam(1e-3), mesh(1, 4, 2), tensor_parallel=plan, abstract=True)
-    return [str(w.message) for w in got if issubclass(w.category, zshard.tp.HeadSplitWarning)]
+    return [str(w.message) for w in got if issubclass(w.category, zshard.params.tp.HeadSplitWarning)]
 
 
 def test_a_split_that_cuts_attention_heads_is_warned_naming_the_parameter():

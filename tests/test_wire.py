@@ -21,13 +21,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zshard
-from zshard.axes import MeshAxes
-from zshard.collectives import gather_params
-from zshard.flat import ParamLayout
-from zshard.grad_exit import GradExit, reduce_grads
-from zshard.quant import Quant, wire_bytes
-from zshard.strategy import ReplicaReduce
-from zshard.wire import UnitComm, resolve_wire
+from zshard.mesh.axes import MeshAxes
+from zshard.wire.collectives import gather_params
+from zshard.params.flat import ParamLayout
+from zshard.wire.grad_exit import GradExit, reduce_grads
+from zshard.wire.quant import Quant, wire_bytes
+from zshard.mesh.strategy import ReplicaReduce
+from zshard.wire.wire import UnitComm, resolve_wire
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = ("replica", "shard")

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zshard.flash import TILE, one_device
-from zshard.mesh import TENSOR
+from zshard.context.flash import TILE, one_device
+from zshard.mesh.mesh import TENSOR
 
 __all__ = [
     "CUDA_EXTRA", "CUDNN_CALLS", "CUDNN_DTYPES", "GPU_COMPILER_OPTIONS", "TARGETS", "compiler_options", "cuda_attention",
