@@ -1,4 +1,4 @@
-"""``zshard.make_eval_step``: forward only, on the sharded state (zshard/evaluate.py).
+"""``zshard.make_eval_step``: forward only, on the sharded state (zshard/programs/evaluate.py).
 
 1. The loss equals a plain single-device forward on the same weights (fp32, 1e-5 relative),
    for every strategy and mesh shape, token-weighted ``zshard.TokenMean`` losses included.
@@ -104,7 +104,7 @@ def test_eval_memory_two_blocks_not_the_model():
     # two gathered units (this one, as the gathered flat [N, L/N] and its parameters, and the
     # prefetched next one, as the gathered flat only until its input exists), plus
     # activations: measured 3.39 blocks (4.4 before the prefetched gather waited to be sliced,
-    # collectives._gather_all). Without the forced schedule (zshard/evaluate.py) it was
+    # collectives._gather_all). Without the forced schedule (zshard/programs/evaluate.py) it was
     # 17.3 MB, twice the model.
     assert mem8.temp_size_in_bytes <= 3.6 * block_bytes, info
     assert mem8.temp_size_in_bytes < 0.6 * model_bytes, info

@@ -1,5 +1,5 @@
 """Error feedback for quantized gradient reductions (``reduce_format=zshard.Quant(..., error_feedback=True)``,
-zshard/quant.py ``reduce_scatter_feedback``, [Note: error feedback] in zshard/collectives.py): the
+zshard/wire/quant.py ``reduce_scatter_feedback``, [Note: error feedback] in zshard/wire/collectives.py): the
 residual is exactly what the quantizer dropped, in the collective and in the step (FULL_SHARD 1x8,
 HYBRID_SHARD 2x4 with scan and gradient accumulation), the first step is bitwise the step without
 feedback, checkpoints store the residuals bit for bit and reset them with a warning where they do

@@ -8,7 +8,8 @@
    block and in docs/design.md section 1, and neither lists a module that is not there.
 4. No module of ``zshard/`` or ``train/`` is over 500 lines.
 5. zshard's rooms (each subpackage, and each module directly in ``zshard/``) import each other
-   without a cycle, function-local imports included, and at most 12 modules stand directly in ``zshard/``.
+   without a cycle, function-local imports included, and at most 12 modules stand directly in ``zshard/``;
+   docs/design.md section 1 lists the rooms from the ground up (each after the rooms it imports).
 """
 
 from __future__ import annotations
@@ -242,3 +243,17 @@ def test_the_room_check_sees_every_kind_of_import(tmp_path):
 def test_at_most_twelve_modules_directly_in_zshard():
     top = sorted(p.name for p in (ROOT / "zshard").glob("*.py"))
     assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules directly in zshard/ (at most {MAX_TOP_MODULES}; give them a room): {top}"
+
+
+def test_design_lists_the_rooms_from_the_ground_up():
+    # docs/design.md section 1 lists zshard's rooms so that each imports only rooms listed before it
+    order = []
+    for path in re.findall(r"\bzshard/(?:\w+/)*\w+\.py\b", _block((ROOT / "docs/design.md").read_text(), "## 1. Layers and files")):
+        room = _room(path.removesuffix(".py").replace("/", "."))
+        if room not in order:
+            order.append(room)
+    graph = _room_graph(_modules("zshard"))
+    late = {room: sorted(d for d in deps if d != "zshard" and d not in order[: order.index(room)])
+            for room, deps in graph.items() if room in order}
+    late = {room: deps for room, deps in late.items() if deps}
+    assert not late, f"docs/design.md section 1: rooms listed before the rooms they import: {late}"

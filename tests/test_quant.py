@@ -1,4 +1,4 @@
-"""Quantized collectives (ZeRO++ qwZ / qgZ, zshard/quant.py): the formats, bit identity of
+"""Quantized collectives (ZeRO++ qwZ / qgZ, zshard/wire/quant.py): the formats, bit identity of
 quantize-then-gather and gather-then-quantize, the error of each collective, the bytes in the
 HLO the step emits and compiles, every strategy, scan, prefetch, remat, accumulation, tensor
 pieces, the report, checkpoints, and bad input before compiling."""

@@ -1,4 +1,4 @@
-"""Quantized collectives (zshard/quant.py) on a mesh with a ``context`` axis: the context devices
+"""Quantized collectives (zshard/wire/quant.py) on a mesh with a ``context`` axis: the context devices
 are data devices of the FULL_SHARD world, so the int8 weight gathers and the int8 gradient
 all-to-all run over ``(replica, shard, context)``; numbers near one device, bytes in the HLO."""
 

@@ -160,7 +160,7 @@ def _tiny_grad_norm() -> float:
 def test_grad_norm_without_clipping_equals_one_device(prefetch):
     """``metrics["grad_norm"]`` when nothing else reads the norm (no clipping), at the CPU's
     default prefetch 0 and at 1, on the main job's ``tiny`` GPT (d 128, 4 blocks), FULL_SHARD
-    1x4x2: one device's norm within 1e-6. [Note: no barrier under tensor] in zshard/optim.py:
+    1x4x2: one device's norm within 1e-6. [Note: no barrier under tensor] in zshard/optim/optim.py:
     with the barrier this was 4.89 against 2.05 (found by a new user's ``python -m train --mesh
     1x4x2``; the 2-block d-32 GPT above did not show it)."""
     cfg, _, batch = _tiny()
