@@ -10,7 +10,7 @@ For each local length ``2c`` (the queries of one context device) it runs, forwar
 - ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn", is_causal=True)`` on the
   chunk (one ``2c x 2c`` diagonal block, what a context step computes for its own keys);
 - ``xla``: the same call with ``implementation="xla"`` (scores materialised), when it fits;
-- ``tiled T``: ``zshard.attention``'s tiled block (``zshard.flash.block``: FlashAttention-2's
+- ``tiled T``: ``zshard.attention``'s tiled block (``zshard.context.flash.block``: FlashAttention-2's
   forward and custom-VJP backward in ``lax.scan`` loops) with tile ``T``, on the same chunk;
 
 and prints per case the median step time (ms, 10 runs after 2 warm-ups), the compiled
@@ -35,7 +35,7 @@ import numpy as np
 
 
 def _tiled(q, k, v, tile):
-    from zshard.flash import block  # noqa: PLC0415 - after jax's platform is chosen
+    from zshard.context.flash import block  # noqa: PLC0415 - after jax's platform is chosen
 
     B, L, H, D = q.shape
     n_kv = k.shape[2]

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import zshard
 from zshard.attention import DIAG, LOWER, UPPER, context_attention, schedule
-from zshard.sequence import SequenceSplit, head_tail_order, tracing
+from zshard.context.sequence import SequenceSplit, head_tail_order, tracing
 
 B, L, H, KV, HD = 2, 64, 4, 2, 8
 RNG = np.random.default_rng(0)

@@ -9,9 +9,9 @@ from conftest import ResMLP, mlp_batches, mse_loss
 from flax import nnx
 
 import zshard
-from zshard.collectives import UnitComm, gather_param
-from zshard.flat import ParamLayout
-from zshard.strategy import ReplicaReduce
+from zshard.wire.collectives import UnitComm, gather_param
+from zshard.params.flat import ParamLayout
+from zshard.mesh.strategy import ReplicaReduce
 
 
 def _compiled(remat="none"):

@@ -21,7 +21,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import zshard
-from zshard.sequence import head_tail_order
+from zshard.context.sequence import head_tail_order
 
 # --- a Llama-style model: GQA, RoPE from zshard.positions, zshard.attention ------------------------------
 
@@ -269,7 +269,7 @@ def test_report_context_row_is_the_formula(impl, remat, segments, passes):
 
 def test_a_trace_returns_what_it_found():
     """What a trace found (the split, the attention calls per unit) comes back with it as a
-    zshard.program.TraceInfo, not on the step object: each plan's trace returns its own, and a
+    zshard.programs.program.TraceInfo, not on the step object: each plan's trace returns its own, and a
     trace JAX answers from its cache the same as the first (traced only, nothing compiled)."""
     step = zshard.make_train_step(loss_fn, sequence_axis={"tokens": 1, "targets": 1}, prefetch=0)
     b = {k: v for k, v in batches(1)[0].items() if k in ("tokens", "targets")}

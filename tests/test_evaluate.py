@@ -1,4 +1,4 @@
-"""``zshard.make_eval_step``: forward only, on the sharded state (zshard/evaluate.py).
+"""``zshard.make_eval_step``: forward only, on the sharded state (zshard/programs/evaluate.py).
 
 1. The loss equals a plain single-device forward on the same weights (fp32, 1e-5 relative),
    for every strategy and mesh shape, token-weighted ``zshard.TokenMean`` losses included.
@@ -80,7 +80,7 @@ def _compiled(strategy, r, s, n_blocks=L, prefetch=1):
 
 
 def test_the_lowered_program_returns_what_the_step_returns():
-    """``lower()`` is the program ``__call__`` runs (zshard.program.ShardedProgram): compiled, it
+    """``lower()`` is the program ``__call__`` runs (zshard.programs.program.ShardedProgram): compiled, it
     returns the metrics alone (what a trace found, its TraceInfo, comes from ``trace()``)."""
     state, compiled = _compiled("FULL_SHARD", 1, 8)
     ev = zshard.make_eval_step(mse_loss, prefetch=1)
@@ -116,7 +116,7 @@ def test_eval_memory_two_blocks_not_the_model():
     # parameters, and the prefetched next one, as its all-gather outputs only until its input
     # exists), plus activations: measured 3.39 blocks (4.4 before the prefetched gather waited to
     # be sliced, collectives.gather_params(ready=...)). Without the forced schedule
-    # (zshard/evaluate.py) it was 17.3 MB, twice the model.
+    # (zshard/programs/evaluate.py) it was 17.3 MB, twice the model.
     assert mem8.temp_size_in_bytes <= 3.6 * block_bytes, info
     assert mem8.temp_size_in_bytes < 0.6 * model_bytes, info
     assert mem8.temp_size_in_bytes - mem4.temp_size_in_bytes <= 0.1 * block_bytes, info  # depth adds no temp

@@ -1,5 +1,5 @@
 """Error feedback for quantized gradient reductions (``reduce_format=zshard.Quant(..., error_feedback=True)``,
-zshard/quant.py ``reduce_scatter_feedback``, [Note: error feedback] in zshard/collectives.py): the
+zshard/wire/quant.py ``reduce_scatter_feedback``, [Note: error feedback] in zshard/wire/collectives.py): the
 residual is exactly what the quantizer dropped, in the collective and in the step (FULL_SHARD 1x8,
 HYBRID_SHARD 2x4 with scan and gradient accumulation), the first step is bitwise the step without
 feedback, checkpoints store the residuals bit for bit and reset them with a warning where they do
@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 import zshard
 from train.model import GPT, GPTConfig, cross_entropy_loss
-from zshard import quant
-from zshard.quant import Quant
+from zshard.wire import quant
+from zshard.wire.quant import Quant
 
 B = 32  # every matrix of the tiny GPT has at least 32 elements per device
 INT4 = Quant("int4", block=B)

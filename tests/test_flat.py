@@ -8,7 +8,7 @@ import pytest
 
 from jax.sharding import PartitionSpec as P
 
-from zshard.flat import FlatParameter, ParamLayout, padded_size
+from zshard.params.flat import FlatParameter, ParamLayout, padded_size
 
 SHAPES = [("a",), (13,)], [("b", 0, "w"), (19, 3)], [("c",), ()], [("d",), (1,)]
 

@@ -1,5 +1,5 @@
 """Which Optax transformations run on the local slices as they are, and which through the
-global view (zshard.optim_global); how the optimizer state of each is laid out."""
+global view (zshard.optim.optim_global); how the optimizer state of each is laid out."""
 
 import chex
 import jax

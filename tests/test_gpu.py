@@ -27,7 +27,7 @@ from train.model import LlamaConfig, build_model, cross_entropy_loss, tensor_pla
 from zshard import gpu
 from zshard.attention import _bias
 from zshard.gpu import cudnn_refusal
-from zshard.step_config import default_prefetch
+from zshard.programs.step_config import default_prefetch
 
 
 # compile-only GPU executables cannot be read back from JAX's persistent cache (tests/conftest.py sets one)

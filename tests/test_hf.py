@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints into the shards and back (train/hf/, zshard/weights.py), per family.
+"""Hugging Face checkpoints into the shards and back (train/hf/, zshard/plan/weights.py), per family.
 
 Fixtures: tests/fixtures/hf/<family>/, tiny random models written by ``transformers``
 (tests/fixtures/make_hf_fixtures.py; ``llama``, ``mistral`` and ``qwen3_moe`` sharded with an

@@ -1,4 +1,4 @@
-"""ZeRO++ hpZ (``make_train_step(hpz=True)``, zshard/hpz.py; arXiv 2306.10209 section 3.2): the same
+"""ZeRO++ hpZ (``make_train_step(hpz=True)``, zshard/wire/hpz.py; arXiv 2306.10209 section 3.2): the same
 numbers bitwise as without it, the backward re-gathers over ``shard`` only in the compiled HLO,
 the secondary slices in temp memory, and the refusals before compiling."""
 
@@ -14,8 +14,8 @@ from flax import nnx
 
 import zshard
 from train.model import GPT, GPTConfig, cross_entropy_loss
-from zshard.hlo import parse_collectives
-from zshard.quant import Quant
+from zshard.inspection.hlo import parse_collectives
+from zshard.wire.quant import Quant
 
 MESH = (2, 4)  # replica (nodes) x shard (devices in a node)
 R, S = MESH

@@ -7,6 +7,9 @@
 3. Every module of ``zshard/`` and ``train/`` is listed, grouped by room, in the README's layout
    block and in docs/design.md section 1, and neither lists a module that is not there.
 4. No module of ``zshard/`` or ``train/`` is over 500 lines.
+5. zshard's rooms (each subpackage, and each module directly in ``zshard/``) import each other
+   without a cycle, function-local imports included, and at most 12 modules stand directly in ``zshard/``;
+   docs/design.md section 1 lists the rooms from the ground up (each after the rooms it imports).
 """
 
 from __future__ import annotations
@@ -164,3 +167,93 @@ def test_the_layout_parsers_read_both_styles():
 def test_no_module_over_500_lines(package):
     long = {str(p.relative_to(ROOT)): n for p in _modules(package).values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"{package}/ modules over {MAX_LINES} lines: {long}"
+
+
+MAX_TOP_MODULES = 12  # modules directly in zshard/, __init__.py counted
+
+
+def _room(module: str) -> str:
+    """zshard's room of a module: its subpackage (``zshard.wire.quant`` -> ``zshard.wire``), or the module
+    itself when it stands directly in ``zshard/`` (``zshard.gpu``; ``zshard`` is the package's face)."""
+    return ".".join(module.split(".")[:2])
+
+
+def _room_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """``{room: rooms it imports}`` over every import of its modules (top level or inside functions)."""
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.split(".")[0] == "zshard"}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == "zshard":
+                subs = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
+                # `from zshard import gpu` imports the module zshard.gpu; `from zshard import init`, the package's face
+                deps |= subs if len(subs) == len(node.names) else {node.module}
+        graph.setdefault(_room(name), set()).update(_room(d) for d in deps)
+    return {room: deps - {room} for room, deps in graph.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or None."""
+    done, stack = set(), []
+
+    def visit(node):
+        if node in stack:
+            return stack[stack.index(node):] + [node]
+        if node in done:
+            return None
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if found := visit(dep):
+                return found
+        stack.pop()
+        done.add(node)
+        return None
+
+    return next((c for node in sorted(graph) if (c := visit(node))), None)
+
+
+def test_no_import_cycle_among_zshard_rooms():
+    graph = _room_graph(_modules("zshard"))
+    assert {"zshard.wire", "zshard.programs", "zshard.gpu", "zshard"} <= set(graph), sorted(graph)
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle among zshard's rooms: " + " -> ".join(cycle)
+
+
+def test_the_room_check_sees_every_kind_of_import(tmp_path):
+    files = {"__init__.py": "from zshard import gpu\nfrom zshard.wire.quant import Quant\n",
+             "gpu.py": "import jax\n",
+             "wire/quant.py": "def f():\n    from zshard.mesh.axes import vary  # a function-local import\n",
+             "wire/collectives.py": "from zshard.wire import quant\n",
+             "mesh/axes.py": "import zshard.gpu\nfrom zshard import init\n"}
+    modules = {}
+    for rel, code in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(code)
+        modules[".".join(["zshard", *Path(rel).with_suffix("").parts]).removesuffix(".__init__")] = path
+    graph = _room_graph(modules)
+    assert graph == {"zshard": {"zshard.gpu", "zshard.wire"}, "zshard.gpu": set(), "zshard.wire": {"zshard.mesh"},
+                     "zshard.mesh": {"zshard.gpu", "zshard"}}
+    assert _cycle(graph) == ["zshard", "zshard.wire", "zshard.mesh", "zshard"]
+    assert _cycle({**graph, "zshard.mesh": {"zshard.gpu"}}) is None
+
+
+def test_at_most_twelve_modules_directly_in_zshard():
+    top = sorted(p.name for p in (ROOT / "zshard").glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules directly in zshard/ (at most {MAX_TOP_MODULES}; give them a room): {top}"
+
+
+def test_design_lists_the_rooms_from_the_ground_up():
+    # docs/design.md section 1 lists zshard's rooms so that each imports only rooms listed before it
+    order = []
+    for path in re.findall(r"\bzshard/(?:\w+/)*\w+\.py\b", _block((ROOT / "docs/design.md").read_text(), "## 1. Layers and files")):
+        room = _room(path.removesuffix(".py").replace("/", "."))
+        if room not in order:
+            order.append(room)
+    graph = _room_graph(_modules("zshard"))
+    late = {room: sorted(d for d in deps if d != "zshard" and d not in order[: order.index(room)])
+            for room, deps in graph.items() if room in order}
+    late = {room: deps for room, deps in late.items() if deps}
+    assert not late, f"docs/design.md section 1: rooms listed before the rooms they import: {late}"

@@ -1,7 +1,7 @@
 """A block unit's raw shard used as a value in ``loss_fn`` is refused before compiling.
 
 ``jax.tree.leaves(nnx.state(model, nnx.Param))`` inside ``loss_fn`` walks the raw values, which
-for a block unit are this device's padded shards (zshard/checks.py). The same penalty
+for a block unit are this device's padded shards (zshard/inspection/checks.py). The same penalty
 read through the variables (``v[...]``) is gathered and exact; root parameters are gathered
 logical values, so walking them is exact too.
 """
@@ -16,7 +16,7 @@ from conftest import ResBlock, ResMLP, assert_same_training, mlp_batches, mse_lo
 from flax import nnx
 
 import zshard
-import zshard.program
+import zshard.programs.program
 
 D = 19
 PENALTY = 1e-2

@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 import zshard
-from zshard.mesh import mesh_presets, parse_mesh
+from zshard.mesh.mesh import mesh_presets, parse_mesh
 
 
 def _ids(mesh: Mesh) -> np.ndarray:
@@ -140,7 +140,7 @@ def test_presets_are_found_after_a_non_editable_install(tmp_path):
     res = subprocess.run(pip, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     probe = (
-        "import zshard, zshard.checkpoint, zshard.mesh as m, train.plan\n"
+        "import zshard, zshard.checkpoint, zshard.mesh.mesh as m, train.plan\n"
         "assert zshard.__file__.startswith(SITE), zshard.__file__\n"
         "assert str(m.preset_dir()).startswith(SITE), m.preset_dir()\n"
         "mesh = zshard.make_mesh(*m.parse_mesh('cpu-2x4'))\n"

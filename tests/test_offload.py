@@ -25,7 +25,7 @@ from conftest import ROOT, ResMLP, mlp_batches, mse_loss
 from flax import nnx, traverse_util
 
 import zshard
-import zshard.offload as offload
+import zshard.optim.offload as offload
 from train.model import GPT, GPTConfig, cross_entropy_loss
 
 BF16 = zshard.MixedPrecision(param_dtype="bfloat16")
@@ -48,7 +48,7 @@ def batches():
 
 
 def tx_for(mesh: str):
-    """1x8: a chain with a global norm (the global-view optimizer, zshard.optim_global); 2x4: AdamW."""
+    """1x8: a chain with a global norm (the global-view optimizer, zshard.optim.optim_global); 2x4: AdamW."""
     return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)) if mesh == "1x8" else optax.adamw(1e-2)
 
 
@@ -201,7 +201,7 @@ def test_exported_gpu_program_moves_each_offloaded_leaf_once_each_way(mode):
 def assert_copies_wait_for_the_gradients(text: str, n_host: int):
     """Every host -> device copy reads an ``optimization_barrier`` result, and that barrier also takes
     values computed in the step (the gradients), so XLA:GPU cannot start the copy before the
-    backward ([Note: copies after the backward] in zshard/offload.py; on one H200 the copies were
+    backward ([Note: copies after the backward] in zshard/optim/offload.py; on one H200 the copies were
     issued early and the offloaded step's peak HBM was above the run without offload)."""
     barriers, copies, returned, func = {}, [], set(), None  # barrier -> its operands; (func, result, operand) of each copy
     for line in text.splitlines():

@@ -1,4 +1,4 @@
-"""Every Optax transformation, exactly, on shards (zshard.optim_global), against ``nnx.Optimizer``
+"""Every Optax transformation, exactly, on shards (zshard.optim.optim_global), against ``nnx.Optimizer``
 on one device: the model of ``optim_cases`` has uneven sizes, 1-D, 2-D, scalar and stacked
 (``nnx.vmap``-built, ``nnx.scan``-run) parameters; 10 steps on each strategy."""
 
@@ -227,13 +227,13 @@ def test_a_side_effecting_transformation_is_refused_by_name():
 
 
 def test_grad_norm_square_is_not_shared_with_adams_and_materialised():
-    """The step's gradient-norm metric (``zshard.optim.global_norm``) squares every gradient
+    """The step's gradient-norm metric (``zshard.optim.optim.global_norm``) squares every gradient
     shard, and so does Adam's second moment; XLA's CSE merged the two squares and materialised
     the shared one whole (Llama-70B HYBRID_SHARD 8x8: two ``[80, n_pad/8]`` squares, 28.19 GB;
     the scale table's peak fell 160.41 -> 150.80 GB with the barrier, docs/memory.md). Here one
     AdamW update and the norm of a stacked ``[80, 2**14]`` gradient, compiled together: the old
     form holds the square (5 MiB of temp), ``global_norm`` holds none of it."""
-    from zshard.optim import global_norm  # noqa: PLC0415
+    from zshard.optim.optim import global_norm  # noqa: PLC0415
 
     g = jax.ShapeDtypeStruct((80, 1 << 14), jnp.float32)
     square = 4 * 80 * (1 << 14)

@@ -9,7 +9,7 @@ from conftest import ResMLP, mlp_batches, mse_loss, reference_run
 from flax import nnx
 
 import zshard
-from zshard.step import default_prefetch
+from zshard.programs.step import default_prefetch
 
 D = 256
 

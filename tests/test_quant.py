@@ -1,4 +1,4 @@
-"""Quantized collectives (ZeRO++ qwZ / qgZ, zshard/quant.py): the formats, bit identity of
+"""Quantized collectives (ZeRO++ qwZ / qgZ, zshard/wire/quant.py): the formats, bit identity of
 quantize-then-gather and gather-then-quantize, the error of each collective, the bytes in the
 HLO the step emits and compiles, every strategy, scan, prefetch, remat, accumulation, tensor
 pieces, the report, checkpoints, and bad input before compiling."""
@@ -18,10 +18,10 @@ from jax.sharding import PartitionSpec as P
 
 import zshard
 from train.model import GPT, GPTConfig, cross_entropy_loss
-from zshard import quant
-from zshard.flat import ParamLayout
-from zshard.quant import Quant
-from zshard.hlo import _computations, parse_collectives
+from zshard.wire import quant
+from zshard.params.flat import ParamLayout
+from zshard.wire.quant import Quant
+from zshard.inspection.hlo import _computations, parse_collectives
 
 B = 32  # block of the step tests: every matrix of the tiny GPT has at least 32 elements per device
 INT8 = Quant("int8", block=B)

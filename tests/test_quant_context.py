@@ -1,4 +1,4 @@
-"""Quantized collectives (zshard/quant.py) on a mesh with a ``context`` axis: the context devices
+"""Quantized collectives (zshard/wire/quant.py) on a mesh with a ``context`` axis: the context devices
 are data devices of the FULL_SHARD world, so the int8 weight gathers and the int8 gradient
 all-to-all run over ``(replica, shard, context)``; numbers near one device, bytes in the HLO."""
 
@@ -8,8 +8,8 @@ from conftest import ResMLP, mlp_batches, mse_loss, reference_run, run_steps
 from flax import nnx
 
 import zshard
-from zshard.hlo import parse_collectives
-from zshard.quant import Quant
+from zshard.inspection.hlo import parse_collectives
+from zshard.wire.quant import Quant
 
 Q16 = Quant("int8", 16)
 DATA = mlp_batches(5, batch=16)

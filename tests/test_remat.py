@@ -95,7 +95,7 @@ def test_offload_saves_the_dots_in_host_memory():
     # vjp's residuals of a two-matmul function are its inputs and the two products, on the host
     import jax.numpy as jnp
 
-    from zshard.unit_call import checkpointed
+    from zshard.programs.unit_call import checkpointed
 
     def apply(w, x):
         return jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w))

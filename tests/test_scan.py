@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import zshard
 from train.model import GPT, GPTConfig, Llama, LlamaConfig, cross_entropy_loss
 from zshard.report import parse_collectives
-from zshard.units import stacked_layers
+from zshard.params.units import stacked_layers
 
 L = 3
 

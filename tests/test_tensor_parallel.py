@@ -24,7 +24,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import zshard
-import zshard.tp
+import zshard.params.tp
 from train.model import GPT, GPTConfig, cross_entropy_loss, tensor_plan
 from train.models.gpt import MODEL_PRESETS
 from zshard.report import parse_collectives
@@ -160,7 +160,7 @@ def _tiny_grad_norm() -> float:
 def test_grad_norm_without_clipping_equals_one_device(prefetch):
     """``metrics["grad_norm"]`` when nothing else reads the norm (no clipping), at the CPU's
     default prefetch 0 and at 1, on the main job's ``tiny`` GPT (d 128, 4 blocks), FULL_SHARD
-    1x4x2: one device's norm within 1e-6. [Note: no barrier under tensor] in zshard/optim.py:
+    1x4x2: one device's norm within 1e-6. [Note: no barrier under tensor] in zshard/optim/optim.py:
     with the barrier this was 4.89 against 2.05 (found by a new user's ``python -m train --mesh
     1x4x2``; the 2-block d-32 GPT above did not show it)."""
     cfg, _, batch = _tiny()
@@ -501,7 +501,7 @@ def _head_warnings(kind, plan):
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         zshard.init(lambda: HeadModel(kind), optax.adam(1e-3), mesh(1, 4, 2), tensor_parallel=plan, abstract=True)
-    return [str(w.message) for w in got if issubclass(w.category, zshard.tp.HeadSplitWarning)]
+    return [str(w.message) for w in got if issubclass(w.category, zshard.params.tp.HeadSplitWarning)]
 
 
 def test_a_split_that_cuts_attention_heads_is_warned_naming_the_parameter():

@@ -11,7 +11,7 @@ from flax import nnx
 
 from conftest import ResBlock, ResMLP
 import zshard
-from zshard.units import UnitWarning, find_units, path_str
+from zshard.params.units import UnitWarning, find_units, path_str
 
 
 class Inner(nnx.Module):

@@ -1,11 +1,11 @@
 """The wire and the gradient exit as components: one collective at a time on 8 emulated devices.
 
-Each test runs one collective of zshard/collectives.py or zshard/grad_exit.py under
+Each test runs one collective of zshard/wire/collectives.py or zshard/wire/grad_exit.py under
 ``jax.shard_map`` on the ``2 x 4`` mesh and compares it with a numpy reference (plain, quantized,
 error feedback, the three replica reductions), and where it moves quantized bytes, the bytes its
-traced collectives carry against :func:`zshard.quant.wire_bytes` (ZeRO++, arXiv 2306.10209
-section 3). Also: the mesh-axes record (zshard/axes.py), the wire records the planner resolves
-(zshard/wire.py), and no import cycle among zshard's modules. Nothing here compiles a train step.
+traced collectives carry against :func:`zshard.wire.quant.wire_bytes` (ZeRO++, arXiv 2306.10209
+section 3). Also: the mesh-axes record (zshard/mesh/axes.py), the wire records the planner resolves
+(zshard/wire/wire.py), and no import cycle among zshard's modules. Nothing here compiles a train step.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zshard
-from zshard.axes import MeshAxes
-from zshard.collectives import gather_params
-from zshard.flat import ParamLayout
-from zshard.grad_exit import GradExit, reduce_grads
-from zshard.quant import Quant, wire_bytes
-from zshard.strategy import ReplicaReduce
-from zshard.wire import UnitComm, resolve_wire
+from zshard.mesh.axes import MeshAxes
+from zshard.wire.collectives import gather_params
+from zshard.params.flat import ParamLayout
+from zshard.wire.grad_exit import GradExit, reduce_grads
+from zshard.wire.quant import Quant, wire_bytes
+from zshard.mesh.strategy import ReplicaReduce
+from zshard.wire.wire import UnitComm, resolve_wire
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = ("replica", "shard")

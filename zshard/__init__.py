@@ -24,19 +24,19 @@ submodule ``zshard.gpu`` (``GPU_COMPILER_OPTIONS``, ``TARGETS``, ``platform`` of
 from zshard import distributed, formulas, gpu
 from zshard.attention import attention
 from zshard.checkpoint import Checkpointer, export, load_params, restore, save
-from zshard.evaluate import EvalStep, make_eval_step, make_forward
+from zshard.programs.evaluate import EvalStep, make_eval_step, make_forward
 from zshard.gpu import gpu_devices
-from zshard.mesh import make_mesh, parse_mesh
-from zshard.precision import MixedPrecision
-from zshard.quant import Quant
+from zshard.mesh.mesh import make_mesh, parse_mesh
+from zshard.wire.precision import MixedPrecision
+from zshard.wire.quant import Quant
 from zshard.report import Report, parse_collectives, parse_overlap, report
-from zshard.sequence import positions
-from zshard.state import Plan, ShardedState, init, unshard
-from zshard.intercept import device_key
-from zshard.step import TokenMean, TrainStep, make_train_step
-from zshard.strategy import Strategy
-from zshard.units import path_str
-from zshard.weights import fetch_params
+from zshard.context.sequence import positions
+from zshard.plan.state import Plan, ShardedState, init, unshard
+from zshard.programs.intercept import device_key
+from zshard.programs.step import TokenMean, TrainStep, make_train_step
+from zshard.mesh.strategy import Strategy
+from zshard.params.units import path_str
+from zshard.plan.weights import fetch_params
 
 __all__ = [
     "Checkpointer",

@@ -52,10 +52,10 @@ import jax
 import jax.numpy as jnp
 
 from zshard.gpu import cuda_attention, traced_platform
-from zshard.flash import NEG, TILE, block_backward, block_forward, from_tiles, one_device, varying, zero
-from zshard.jaxprs import CONTEXT_SCOPE
-from zshard.mesh import CONTEXT
-from zshard.sequence import AttentionCall, SequenceSplit, active
+from zshard.context.flash import NEG, TILE, block_backward, block_forward, from_tiles, one_device, varying, zero
+from zshard.inspection.jaxprs import CONTEXT_SCOPE
+from zshard.mesh.mesh import CONTEXT
+from zshard.context.sequence import AttentionCall, SequenceSplit, active
 
 __all__ = ["IMPLS", "attention", "schedule"]
 

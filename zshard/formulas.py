@@ -26,13 +26,13 @@ from flax import traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.hpz import secondary_axes
-from zshard.mesh import CONTEXT, TENSOR
-from zshard.offload import _itemsize, master_paths
-from zshard.optim import optimizer_grad_specs, optimizer_program
-from zshard.quant import feedback_bytes, moved_bytes, wire_bytes
-from zshard.strategy import Strategy
-from zshard.hlo import _axis_name, parse_collectives
+from zshard.wire.hpz import secondary_axes
+from zshard.mesh.mesh import CONTEXT, TENSOR
+from zshard.optim.offload import _itemsize, master_paths
+from zshard.optim.optim import optimizer_grad_specs, optimizer_program
+from zshard.wire.quant import feedback_bytes, moved_bytes, wire_bytes
+from zshard.mesh.strategy import Strategy
+from zshard.inspection.hlo import _axis_name, parse_collectives
 
 __all__ = [
     "PARAM_CONTEXT", "activation_bytes", "context_formula", "expected_peak", "memory_formula", "moment_bytes", "optimizer_report",
@@ -155,7 +155,7 @@ def context_formula(plan, trace, config) -> dict:
     ``(C-1)/C X`` (a reduce-scatter, or the ring reversed). Segment ids, ``4 b s`` bytes of int32,
     are the same array in every layer: XLA merges their identical gathers into one per micro-batch
     (measured, tests/test_context.py). Calls are counted from the step's trace
-    (:class:`zshard.program.TraceInfo`): each call made in a unit's forward, times the unit's
+    (:class:`zshard.programs.program.TraceInfo`): each call made in a unit's forward, times the unit's
     layers (a scanned stack) and the micro-batches.
     """
     C, k = plan.context, config.grad_accum

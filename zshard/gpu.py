@@ -8,7 +8,7 @@
 - :func:`platform`: ``"cpu"``, ``"cuda"``, ``"rocm"`` or ``"tpu"`` of a mesh, a device, or the
   code being traced (:func:`traced_platform`: the mesh of the enclosing ``shard_map``). The
   attention kernel (:mod:`zshard.attention`), the prefetch default
-  (:func:`zshard.step_config.default_prefetch`) and the compiler options below follow it.
+  (:func:`zshard.programs.step_config.default_prefetch`) and the compiler options below follow it.
 - :data:`GPU_COMPILER_OPTIONS` / :func:`compiler_options`: the XLA:GPU options zshard's own
   ``jax.jit`` passes (``compiler_options=``) when the mesh is on CUDA; not ``XLA_FLAGS``.
 - :func:`cuda_attention`: ``zshard.attention``'s kernel on a CUDA mesh, cuDNN's flash attention,
@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zshard.flash import TILE, one_device
-from zshard.mesh import TENSOR
+from zshard.context.flash import TILE, one_device
+from zshard.mesh.mesh import TENSOR
 
 __all__ = [
     "CUDA_EXTRA", "CUDNN_CALLS", "CUDNN_DTYPES", "GPU_COMPILER_OPTIONS", "TARGETS", "compiler_options", "cuda_attention",

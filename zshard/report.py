@@ -30,14 +30,14 @@ from collections import Counter, defaultdict
 
 import jax
 
-from zshard.mesh import CONTEXT, REPLICA, SHARD, TENSOR
-from zshard.offload import _local_bytes, offload_report
-from zshard.quant import coverage
+from zshard.mesh.mesh import CONTEXT, REPLICA, SHARD, TENSOR
+from zshard.optim.offload import _local_bytes, offload_report
+from zshard.wire.quant import coverage
 from zshard.formulas import (
     PARAM_CONTEXT, _formula_comm, _moves, _param_axis, _policy_name, _state_formula,
     _tensor_formula, context_formula, optimizer_report,
 )
-from zshard.hlo import Collective, parse_collectives, parse_overlap, parse_replica_groups
+from zshard.inspection.hlo import Collective, parse_collectives, parse_overlap, parse_replica_groups
 
 __all__ = ["Collective", "Report", "attention_calls", "optimizer_report", "parse_collectives", "parse_overlap",
            "parse_replica_groups", "report"]
@@ -249,7 +249,7 @@ def report(step, state, batch) -> Report:
         formula_comm[TENSOR] = tensor["formula"]
     context = None
     if plan.context > 1:
-        _, trace = step.trace(state, batch)  # what the step's trace found: its attention calls (zshard.program.TraceInfo)
+        _, trace = step.trace(state, batch)  # what the step's trace found: its attention calls (zshard.programs.program.TraceInfo)
         context = context_formula(plan, trace, step.config)
         formula_comm[CONTEXT] = context["formula"]
         context["measured"] = by_axis.get(CONTEXT, 0.0)

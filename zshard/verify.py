@@ -54,7 +54,7 @@ import numpy as np
 import optax
 from flax import nnx, traverse_util
 
-from zshard.step import TokenMean
+from zshard.programs.step import TokenMean
 
 __all__ = ["FLOOR_FACTOR", "TOLERANCE", "VerifyResult", "load_function", "main", "reference_step", "rel_l2", "verify"]
 
@@ -457,8 +457,8 @@ def load_function(spec: str) -> Callable:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns 0 (pass), 1 (mismatch) or 2 (bad input)."""
-    from zshard.mesh import parse_mesh  # noqa: PLC0415
-    from zshard.strategy import Strategy  # noqa: PLC0415
+    from zshard.mesh.mesh import parse_mesh  # noqa: PLC0415
+    from zshard.mesh.strategy import Strategy  # noqa: PLC0415
 
     p = argparse.ArgumentParser(prog="python -m zshard.verify", allow_abbrev=False, description="Train K steps with zshard "
                                 "and with a plain single-device Optax step; compare losses and parameters.")

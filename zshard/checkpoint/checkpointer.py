@@ -40,9 +40,9 @@ from zshard.checkpoint.layout import (
     to_logical_fn,
     variables_from_tree,
 )
-from zshard.offload import memory_kind, to_device, with_device_params
-from zshard.state import ShardedState, init, init_feedback
-from zshard.units import path_str
+from zshard.optim.offload import memory_kind, to_device, with_device_params
+from zshard.plan.state import ShardedState, init, init_feedback
+from zshard.params.units import path_str
 
 __all__ = ["Checkpointer", "restore", "save"]
 

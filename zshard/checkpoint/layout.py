@@ -25,11 +25,11 @@ from flax import traverse_util
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.flat import ParamLayout
-from zshard.offload import memory_kind, to_device
-from zshard.state import ShardedState
-from zshard.units import path_str
-from zshard.weights import auto_axes
+from zshard.params.flat import ParamLayout
+from zshard.optim.offload import memory_kind, to_device
+from zshard.plan.state import ShardedState
+from zshard.params.units import path_str
+from zshard.plan.weights import auto_axes
 
 __all__ = [
     "FORMAT", "Entry", "auto_axes", "checksums", "differences", "logical_layout", "logical_spec", "nested",

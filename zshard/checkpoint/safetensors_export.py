@@ -20,9 +20,9 @@ from flax import nnx, traverse_util
 
 from zshard.checkpoint.checkpointer import Checkpointer
 from zshard.checkpoint.layout import FORMAT, checksums, differences, short_error
-from zshard.state import ShardedState
-from zshard.units import path_str
-from zshard.weights import fetch_params
+from zshard.plan.state import ShardedState
+from zshard.params.units import path_str
+from zshard.plan.weights import fetch_params
 
 __all__ = ["export", "load_params"]
 
