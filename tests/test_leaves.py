@@ -111,7 +111,7 @@ def test_without_the_check_the_number_is_silently_wrong(monkeypatch):
     the single-device one (the test of the check above can fail)."""
     data = mlp_batches(1)
     want = reference_run(lambda: ResMLP(rngs=nnx.Rngs(0)), optax.sgd(0.1), leaves_l2, data)
-    monkeypatch.setattr(zshard.program, "check_traced", lambda *a, **k: None)
+    monkeypatch.setattr(zshard.programs.program, "check_traced", lambda *a, **k: None)
     got = zshard_run(lambda: ResMLP(rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(2, 4), "FULL_SHARD", leaves_l2, data)
     assert abs(got.losses[0] - want.losses[0]) > 1e-3 * abs(want.losses[0]), (got.losses, want.losses)
 

@@ -54,7 +54,7 @@ import numpy as np
 import optax
 from flax import nnx, traverse_util
 
-from zshard.programs.step import TokenMean
+from zshard.programs.reference import reference_step
 
 __all__ = ["FLOOR_FACTOR", "TOLERANCE", "VerifyResult", "load_function", "main", "reference_step", "rel_l2", "verify"]
 
@@ -280,42 +280,6 @@ def _perturbed(model: nnx.Module, seed: int = 0) -> nnx.Module:
 
     nnx.update(model, jax.tree.map(one, nnx.state(model, nnx.Param)))
     return model
-
-
-def reference_step(loss_fn: Callable) -> Callable:
-    """The single-device reference every sharded result is compared with (this module's runs and
-    the test suite's, tests/conftest.py): one plain ``nnx.Optimizer`` step, jitted.
-
-    Returns:
-      ``step(model, opt, batch) -> (loss, grad_norm, rms)``, updating ``model`` and ``opt`` in
-      place: the scalar mean loss (``loss_fn``'s, a ``TokenMean`` divided out), the gradient's
-      global L2 norm (``optax.global_norm``) and, per parameter path (a tuple), its gradient's RMS
-      per element over the whole gradient's (fp32; :data:`NO_SIGNAL`).
-    """
-    mean_loss = _mean_loss(loss_fn)
-
-    @nnx.jit
-    def step(model, opt, batch):
-        loss, grads = nnx.value_and_grad(mean_loss)(model, batch)
-        opt.update(model, grads)
-        flat = traverse_util.flatten_dict(nnx.to_pure_dict(grads))
-        sq = {p: jnp.sum(jnp.square(g.astype(jnp.float32))) for p, g in flat.items()}
-        total = jnp.sqrt(sum(sq.values()) / sum(g.size for g in flat.values()))  # whole gradient, RMS per element
-        return loss, optax.global_norm(grads), {p: jnp.sqrt(s / flat[p].size) / total for p, s in sq.items()}
-
-    return step
-
-
-def _mean_loss(loss_fn: Callable) -> Callable:
-    """``loss_fn`` as a scalar mean: ``TokenMean(sum, count)`` -> ``sum / count``."""
-
-    def loss(model, batch):
-        out = loss_fn(model, batch)
-        if isinstance(out, TokenMean):
-            return out.total / out.count
-        return out
-
-    return loss
 
 
 def _dtype(params: dict[str, np.ndarray], param_dtype: str | None) -> str:
