@@ -214,6 +214,40 @@ def head_size(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.d_model // cfg.n_heads
 
 
+@jax.custom_vjp
+def _fused_dot(x, kernel):
+    """``x`` (..., C) . ``kernel`` [C, *out] -> (..., *out), contracting ``C``."""
+    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def _fused_dot_fwd(x, kernel):
+    return _fused_dot(x, kernel), (x, kernel)
+
+
+def _fused_dot_bwd(res, g):
+    x, kernel = res
+    lead, out = tuple(range(x.ndim - 1)), tuple(range(1, kernel.ndim))
+    # dx with the kernel on the left: (C, *out) is already the [non-contracting, contracting]
+    # order XLA's dot canonicalisation wants of a left operand, so the kernel is read in place.
+    # On the right (autodiff's order) XLA copies it transposed to [prod(out), C] first.
+    dxt = jax.lax.dot_general(kernel, g, ((out, tuple(range(x.ndim - 1, g.ndim))), ((), ())))  # [C, *lead]
+    dk = jax.lax.dot_general(x, g, ((lead, lead), ((), ())))  # [C, *out]: the kernel's own order
+    return jnp.moveaxis(dxt, 0, -1).astype(x.dtype), dk.astype(kernel.dtype)
+
+
+_fused_dot.defvjp(_fused_dot_fwd, _fused_dot_bwd)
+
+
+def fused_projection(layer: nnx.LinearGeneral, x: jax.Array) -> jax.Array:
+    """``layer(x)`` for an ``nnx.LinearGeneral`` over the last axis with several output axes
+    (``kernel`` [C, *out], e.g. ``w_gate_up`` [C, 2, F]): (..., C) -> (..., *out), the same
+    values, with a backward that never copies the kernel transposed (see ``_fused_dot_bwd``)."""
+    bias = layer.bias[...] if layer.bias is not None else None
+    x, kernel, bias = layer.promote_dtype((x, layer.kernel[...], bias), dtype=layer.dtype)
+    out = _fused_dot(x, kernel)
+    return out if bias is None else out + bias
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE: one fused projection ``wqkv`` ``[C, nkv, rep + 2,
     hs]`` (``rep = nh / nkv``: for each key/value head its ``rep`` query heads, then its key, then
@@ -253,7 +287,7 @@ class Attention(nnx.Module):
     def project(self, h):
         """``h`` (B, T, C) -> ``q`` (B, T, nh, hs), ``k, v`` (B, T, nkv, hs), before norms and RoPE."""
         B, T, _ = h.shape
-        qkv = self.wqkv(h)  # (B, T, nkv, rep + 2, hs)
+        qkv = fused_projection(self.wqkv, h)  # (B, T, nkv, rep + 2, hs)
         q = qkv[..., : self.rep, :].reshape(B, T, self.n_heads, self.hs)  # (B, T, nkv, rep, hs) -> (B, T, nh, hs)
         return q, qkv[..., self.rep, :], qkv[..., self.rep + 1, :]  # k, v: (B, T, nkv, hs)
 
@@ -290,8 +324,9 @@ class GatedMLP(nnx.Module):
         self.w_down = nnx.Linear(d_ff, d_model, use_bias=False, rngs=rngs)
 
     def __call__(self, x):
-        h = self.w_gate_up(x)  # (B, T, 2, F)
-        return self.w_down(ACTIVATIONS[self.act](h[..., 0, :]) * h[..., 1, :])
+        h = fused_projection(self.w_gate_up, x)  # (B, T, 2, F)
+        gate, up = jnp.split(h, 2, axis=-2)  # (B, T, 1, F) each
+        return self.w_down((ACTIVATIONS[self.act](gate) * up)[..., 0, :])
 
 
 # ----------------------------------------------------------------------------------------
@@ -478,7 +513,9 @@ def _chunked_bwd(vocab_dim, cap, chunk, res, g):
             dw_i = jax.lax.dot_general(dz, h_i, dw_dims, preferred_element_type=jnp.float32)  # [c, V]^T [c, C] -> [V, C]
         return dw + dw_i, dh
 
-    dw0 = _zero_after(w.shape, jnp.float32, g)  # f32 accumulator of the head's gradient, allocated once g exists
+    # f32 accumulator of the head's gradient, allocated once the forward's lse exists: g, the loss's
+    # cotangent, is the constant 1 in a step, so zeros tied to it alone went to the step's start
+    dw0 = _zero_after(w.shape, jnp.float32, lse * g)
     dw, dh = jax.lax.scan(body, dw0, (hc, tc, lse, scale))  # [C, V] or [V, C]; [n, c, C]
     dh = dh.reshape((-1,) + h.shape[1:])[:N]  # [n, c, C] -> [N, C]
     return dh, dw.astype(w.dtype), None
