@@ -355,8 +355,9 @@ def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: in
       ``w_down`` used and its gradient reduce-scattered already), ``8*s*b*f`` (the recomputed
       gate|up ``[s, 2f]``, its gradient and that gradient's transpose ``[2f, s]``, each ``2*s*b*f``:
       XLA:CPU builds the last two in two fusions that both read the first; the ``[s, f]``
-      gradient of the product and the gate's silu) and ``13*s*b*h`` (residual stream, norm
-      inputs and outputs, their gradients). GELU (GPT-2): the whole unit ``Psi_layer`` (each
+      gradient of the product and the gate's silu) and ``(9 + 4/T)*s*b*h`` (residual stream,
+      norm inputs and outputs, their gradients; four per-head buffers, queries, keys and the
+      attention output, split over ``T``). GELU (GPT-2): the whole unit ``Psi_layer`` (each
       parameter gathered or its gradient waiting for its reduce-scatter), ``2*s*b*f``,
       ``12*s*b*h``;
     - ``"attention"``, its attention backward: ``3*a*s^2*b`` (exponentials, probabilities, and
@@ -410,7 +411,7 @@ def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: in
     # devices): the gathered K/V and, allocated ahead of the attention backward, its dK/dV buffers (2 kv); the
     # gate|up gradient [s, 2f], its transpose, the two padded halves it is summed from and silu's product (9 s b f);
     # the residual stream, norms and the attention's dQ / output buffers (15 s b h)
-    mlp_sbf, mlp_sbh, mlp_kv = ((9, 15, 2) if glu else (2, 15, 2)) if C > 1 else ((8, 13, 0) if glu else (2, 12, 0))
+    mlp_sbf, mlp_sbh, mlp_kv = ((9, 15, 2) if glu else (2, 15, 2)) if C > 1 else ((8, 9 + 4 / tensor, 0) if glu else (2, 12, 0))
     mlp_psi = psi_layer - psi_mlp_out if glu and C == 1 else psi_layer  # SwiGLU: w_down done by the gate|up gradient
     elements = {
         "mlp": inputs + 2 * softmax + mlp_kv * kv + mlp_psi + mlp_sbf * sbf + mlp_sbh * sbh + tied_grad,
