@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 import zshard
+from train.models.linear import fused_projection
 
 __all__ = [
     "Embed", "RopeScaling", "rope_frequencies", "rope", "attend", "Attention", "GatedMLP", "OffsetRMSNorm",
@@ -212,40 +213,6 @@ def attend(q, k, v, cache=None, pos=None, *, scale: float, window: int | None = 
 def head_size(cfg) -> int:
     """Per-head width: ``cfg.head_dim`` where set (Qwen3, Gemma), else ``d_model // n_heads``."""
     return getattr(cfg, "head_dim", None) or cfg.d_model // cfg.n_heads
-
-
-@jax.custom_vjp
-def _fused_dot(x, kernel):
-    """``x`` (..., C) . ``kernel`` [C, *out] -> (..., *out), contracting ``C``."""
-    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
-
-
-def _fused_dot_fwd(x, kernel):
-    return _fused_dot(x, kernel), (x, kernel)
-
-
-def _fused_dot_bwd(res, g):
-    x, kernel = res
-    lead, out = tuple(range(x.ndim - 1)), tuple(range(1, kernel.ndim))
-    # dx with the kernel on the left: (C, *out) is already the [non-contracting, contracting]
-    # order XLA's dot canonicalisation wants of a left operand, so the kernel is read in place.
-    # On the right (autodiff's order) XLA copies it transposed to [prod(out), C] first.
-    dxt = jax.lax.dot_general(kernel, g, ((out, tuple(range(x.ndim - 1, g.ndim))), ((), ())))  # [C, *lead]
-    dk = jax.lax.dot_general(x, g, ((lead, lead), ((), ())))  # [C, *out]: the kernel's own order
-    return jnp.moveaxis(dxt, 0, -1).astype(x.dtype), dk.astype(kernel.dtype)
-
-
-_fused_dot.defvjp(_fused_dot_fwd, _fused_dot_bwd)
-
-
-def fused_projection(layer: nnx.LinearGeneral, x: jax.Array) -> jax.Array:
-    """``layer(x)`` for an ``nnx.LinearGeneral`` over the last axis with several output axes
-    (``kernel`` [C, *out], e.g. ``w_gate_up`` [C, 2, F]): (..., C) -> (..., *out), the same
-    values, with a backward that never copies the kernel transposed (see ``_fused_dot_bwd``)."""
-    bias = layer.bias[...] if layer.bias is not None else None
-    x, kernel, bias = layer.promote_dtype((x, layer.kernel[...], bias), dtype=layer.dtype)
-    out = _fused_dot(x, kernel)
-    return out if bias is None else out + bias
 
 
 class Attention(nnx.Module):
@@ -513,9 +480,7 @@ def _chunked_bwd(vocab_dim, cap, chunk, res, g):
             dw_i = jax.lax.dot_general(dz, h_i, dw_dims, preferred_element_type=jnp.float32)  # [c, V]^T [c, C] -> [V, C]
         return dw + dw_i, dh
 
-    # f32 accumulator of the head's gradient, allocated once the forward's lse exists: g, the loss's
-    # cotangent, is the constant 1 in a step, so zeros tied to it alone went to the step's start
-    dw0 = _zero_after(w.shape, jnp.float32, lse * g)
+    dw0 = _zero_after(w.shape, jnp.float32, lse * g)  # f32 accumulator of the head's gradient: after lse (g is a constant 1)
     dw, dh = jax.lax.scan(body, dw0, (hc, tc, lse, scale))  # [C, V] or [V, C]; [n, c, C]
     dh = dh.reshape((-1,) + h.shape[1:])[:N]  # [n, c, C] -> [N, C]
     return dh, dw.astype(w.dtype), None
