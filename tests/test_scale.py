@@ -98,12 +98,16 @@ def test_a_small_llama_step_holds_what_the_formula_says(monkeypatch):
     cfg = dataclasses.replace(scale.PLAN_PRESETS["llama-7b"], d_model=256, n_layers=2, n_heads=4, n_kv_heads=4,
                               d_ff=1024, vocab_size=512, seq_len=128)
     monkeypatch.setitem(scale.PLAN_PRESETS, "test-llama", cfg)
+    from jax._src import compilation_cache  # jax memoises whether the persistent cache is used
+
     cached = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)  # a program read from the cache writes no dump
+    compilation_cache.reset_cache()
     try:
         (row,) = scale.scale_worker(8, ["test-llama"], ["FULL_SHARD"], seq=128)
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)
+        compilation_cache.reset_cache()
     assert 0.98 <= row["live_ratio"] <= 1.02, (row["live"], row["expected"], row["moment"], row["live_op"])
 
 
