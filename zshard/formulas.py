@@ -391,7 +391,7 @@ def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: in
     two in the forward; and the gathered keys and values ``2 b s n_kv d`` (``kv_heads``, ``d = h /
     a``): held by the forward, twice in the MLP and the attention backward (with the buffers of
     their gradients ``dK``, ``dV``, before the reduce-scatter). The MLP backward's terms were read
-    off the live set of Llama-7B at 32k tokens, ``C = 4``, 64 devices (``9 s b f``, ``15 s b h``;
+    off the live set of Llama-7B at 32k tokens, ``C = 4``, 64 devices (``8 s b f``, ``15 s b h``;
     docs/long-sequences.md, "Memory"); GELU MLPs (GPT-2) are not measured on a context mesh.
 
     Returns:
@@ -408,11 +408,11 @@ def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: in
         kv = 2 * b * seq * (kv_heads or n_heads) / tensor * (d_model // n_heads)
     tied_grad = h * V if tied else 0
     # the recomputed layer's MLP backward on a context mesh (read off the live set of llama-7b at 32k, C = 4, 64
-    # devices): the gathered K/V and, allocated ahead of the attention backward, its dK/dV buffers (2 kv); the
-    # gate|up gradient [s, 2f], its transpose, the two padded halves it is summed from and silu's product (9 s b f);
-    # the residual stream, norms and the attention's dQ / output buffers (15 s b h)
-    mlp_sbf, mlp_sbh, mlp_kv = ((9, 15, 2) if glu else (2, 15, 2)) if C > 1 else ((8, 9 + 4 / tensor, 0) if glu else (2, 12, 0))
-    mlp_psi = psi_layer - psi_mlp_out if glu and C == 1 else psi_layer  # SwiGLU: w_down done by the gate|up gradient
+    # devices, 2026-12-05): the gathered K/V and, allocated ahead of the attention backward, its dK/dV buffers
+    # (2 kv); SwiGLU's 8 s b f as without context; the residual stream, norms and the attention's dQ / output
+    # buffers (15 s b h)
+    mlp_sbf, mlp_sbh, mlp_kv = ((8, 15, 2) if glu else (2, 15, 2)) if C > 1 else ((8, 9 + 4 / tensor, 0) if glu else (2, 12, 0))
+    mlp_psi = psi_layer - psi_mlp_out if glu else psi_layer  # SwiGLU: w_down done by the gate|up gradient
     elements = {
         "mlp": inputs + 2 * softmax + mlp_kv * kv + mlp_psi + mlp_sbf * sbf + mlp_sbh * sbh + tied_grad,
         "attention": inputs + 3 * softmax + 2 * kv + psi_layer - psi_mlp_out + sbf + 10 * sbh + tied_grad,
