@@ -113,12 +113,15 @@ def test_formulas():
     f, P, Pout = 4 * h, 100, 30
     m = moment_bytes(h, L, a, f, V, s, b, glu=True, psi_layer=P, psi_mlp_out=Pout, tied=False)
     inputs, soft = L * s * b * h, a * s * s * b
-    assert m == {"mlp": 4 * (inputs + 2 * soft + P + 4 * s * b * f + 12 * s * b * h),
+    assert m == {"mlp": 4 * (inputs + 2 * soft + P - Pout + 8 * s * b * f + 13 * s * b * h),
                  "attention": 4 * (inputs + 3 * soft + P - Pout + s * b * f + 10 * s * b * h),
                  "forward": 4 * (inputs + 2 * soft + P + h * V + 4 * s * b * h),
                  "head": 4 * (inputs + 3 * s * b * V + h * V + 4 * s * b * h)}
     g = moment_bytes(h, L, a, f, V, s, b, glu=False, psi_layer=P, psi_mlp_out=Pout, tied=True)
-    assert g["mlp"] - m["mlp"] == 4 * (h * V - 2 * s * b * f)  # a tied embedding's gradient held; GELU's 2 [s, f]
+    # a tied embedding's gradient held; GELU: the whole unit, 2 [s, f] and 12 [s, h] (SwiGLU: 8 and 13)
+    assert g["mlp"] - m["mlp"] == 4 * (h * V + Pout - 6 * s * b * f - s * b * h)
+    t = moment_bytes(h, L, a, f, V, s, b, glu=True, psi_layer=P, psi_mlp_out=Pout, tied=False, tensor=2)
+    assert t["mlp"] == 4 * (inputs + 2 * soft / 2 + P - Pout + 8 * s * b * f / 2 + (9 + 4 / 2) * s * b * h)
     assert g["attention"] - m["attention"] == 4 * h * V and g["forward"] == m["forward"] and g["head"] == m["head"]
     form = {"state": 10.0, "grad_shard": 1.0}
     assert expected_peak(form, {"mlp": 20.0, "attention": 22.0, "forward": 21.0, "head": 5.0}) == (33.0, "attention")

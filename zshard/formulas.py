@@ -350,11 +350,16 @@ def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: in
 
     - ``"mlp"``, the recomputed layer's MLP backward: the recomputed attention's exponentials
       and probabilities ``2*a*s^2*b`` (written-out softmax, no fused attention; kept for the
-      attention's backward, which comes next); the block unit ``Psi_layer``: each parameter is
-      gathered or its whole gradient waits for its reduce-scatter (Llama-70B: ``w_gate_up`` and
-      the attention's weights gathered, ``w_down``'s ``[f, h]`` gradient); ``m*s*b*f``
-      (``m`` = 4 SwiGLU: the ``[s, 2f]`` gradient of gate|up and its transpose; 2 GELU) and
-      ``12*s*b*h`` (residual stream, norm inputs and outputs, their gradients);
+      attention's backward, which comes next). SwiGLU (``glu``), where the gate|up gradient is
+      formed: the unit without ``Psi_out`` (``w_gate_up`` and the attention's weights gathered;
+      ``w_down`` used and its gradient reduce-scattered already), ``8*s*b*f`` (the recomputed
+      gate|up ``[s, 2f]``, its gradient and that gradient's transpose ``[2f, s]``, each ``2*s*b*f``:
+      XLA:CPU builds the last two in two fusions that both read the first; the ``[s, f]``
+      gradient of the product and the gate's silu) and ``(9 + 4/T)*s*b*h`` (residual stream,
+      norm inputs and outputs, their gradients; four per-head buffers, queries, keys and the
+      attention output, split over ``T``). GELU (GPT-2): the whole unit ``Psi_layer`` (each
+      parameter gathered or its gradient waiting for its reduce-scatter), ``2*s*b*f``,
+      ``12*s*b*h``;
     - ``"attention"``, its attention backward: ``3*a*s^2*b`` (exponentials, probabilities, and
       the probabilities' gradient), the unit without ``Psi_out`` (that gradient is already
       reduce-scattered), ``10*s*b*h + s*b*f``;
@@ -386,7 +391,7 @@ def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: in
     two in the forward; and the gathered keys and values ``2 b s n_kv d`` (``kv_heads``, ``d = h /
     a``): held by the forward, twice in the MLP and the attention backward (with the buffers of
     their gradients ``dK``, ``dV``, before the reduce-scatter). The MLP backward's terms were read
-    off the live set of Llama-7B at 32k tokens, ``C = 4``, 64 devices (``9 s b f``, ``15 s b h``;
+    off the live set of Llama-7B at 32k tokens, ``C = 4``, 64 devices (``8 s b f``, ``15 s b h``;
     docs/long-sequences.md, "Memory"); GELU MLPs (GPT-2) are not measured on a context mesh.
 
     Returns:
@@ -403,12 +408,13 @@ def moment_bytes(d_model: int, n_layers: int, n_heads: int, d_ff: int, vocab: in
         kv = 2 * b * seq * (kv_heads or n_heads) / tensor * (d_model // n_heads)
     tied_grad = h * V if tied else 0
     # the recomputed layer's MLP backward on a context mesh (read off the live set of llama-7b at 32k, C = 4, 64
-    # devices): the gathered K/V and, allocated ahead of the attention backward, its dK/dV buffers (2 kv); the
-    # gate|up gradient [s, 2f], its transpose, the two padded halves it is summed from and silu's product (9 s b f);
-    # the residual stream, norms and the attention's dQ / output buffers (15 s b h)
-    mlp_sbf, mlp_sbh, mlp_kv = ((9, 15, 2) if glu else (2, 15, 2)) if C > 1 else ((4 if glu else 2), 12, 0)
+    # devices, 2026-12-05): the gathered K/V and, allocated ahead of the attention backward, its dK/dV buffers
+    # (2 kv); SwiGLU's 8 s b f as without context; the residual stream, norms and the attention's dQ / output
+    # buffers (15 s b h)
+    mlp_sbf, mlp_sbh, mlp_kv = ((8, 15, 2) if glu else (2, 15, 2)) if C > 1 else ((8, 9 + 4 / tensor, 0) if glu else (2, 12, 0))
+    mlp_psi = psi_layer - psi_mlp_out if glu else psi_layer  # SwiGLU: w_down done by the gate|up gradient
     elements = {
-        "mlp": inputs + 2 * softmax + mlp_kv * kv + psi_layer + mlp_sbf * sbf + mlp_sbh * sbh + tied_grad,
+        "mlp": inputs + 2 * softmax + mlp_kv * kv + mlp_psi + mlp_sbf * sbf + mlp_sbh * sbh + tied_grad,
         "attention": inputs + 3 * softmax + 2 * kv + psi_layer - psi_mlp_out + sbf + 10 * sbh + tied_grad,
         "forward": inputs + 2 * softmax + kv + psi_layer + h * V + 4 * sbh,
         "head": inputs + 3 * s * b * V + h * V + 4 * sbh,

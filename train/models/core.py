@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 import zshard
+from train.models.linear import fused_projection
 
 __all__ = [
     "Embed", "RopeScaling", "rope_frequencies", "rope", "attend", "Attention", "GatedMLP", "OffsetRMSNorm",
@@ -256,7 +257,7 @@ class Attention(nnx.Module):
     def project(self, h):
         """``h`` (B, T, C) -> ``q`` (B, T, nh, hs), ``k, v`` (B, T, nkv, hs), before norms and RoPE."""
         B, T, _ = h.shape
-        qkv = self.wqkv(h)  # (B, T, nkv, rep + 2, hs)
+        qkv = fused_projection(self.wqkv, h)  # (B, T, nkv, rep + 2, hs)
         q = qkv[..., : self.rep, :].reshape(B, T, self.n_heads, self.hs)  # (B, T, nkv, rep, hs) -> (B, T, nh, hs)
         return q, qkv[..., self.rep, :], qkv[..., self.rep + 1, :]  # k, v: (B, T, nkv, hs)
 
@@ -293,8 +294,9 @@ class GatedMLP(nnx.Module):
         self.w_down = nnx.Linear(d_ff, d_model, use_bias=False, rngs=rngs)
 
     def __call__(self, x):
-        h = self.w_gate_up(x)  # (B, T, 2, F)
-        return self.w_down(ACTIVATIONS[self.act](h[..., 0, :]) * h[..., 1, :])
+        h = fused_projection(self.w_gate_up, x)  # (B, T, 2, F)
+        gate, up = jnp.split(h, 2, axis=-2)  # (B, T, 1, F) each
+        return self.w_down((ACTIVATIONS[self.act](gate) * up)[..., 0, :])
 
 
 # ----------------------------------------------------------------------------------------

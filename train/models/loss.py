@@ -130,7 +130,7 @@ def _chunked_bwd(vocab_dim, cap, chunk, res, g):
             dw_i = jax.lax.dot_general(dz, h_i, dw_dims, preferred_element_type=jnp.float32)  # [c, V]^T [c, C] -> [V, C]
         return dw + dw_i, dh
 
-    dw0 = _zero_after(w.shape, jnp.float32, g)  # f32 accumulator of the head's gradient, allocated once g exists
+    dw0 = _zero_after(w.shape, jnp.float32, lse * g)  # f32 accumulator of the head's gradient: after lse (g is a constant 1)
     dw, dh = jax.lax.scan(body, dw0, (hc, tc, lse, scale))  # [C, V] or [V, C]; [n, c, C]
     dh = dh.reshape((-1,) + h.shape[1:])[:N]  # [n, c, C] -> [N, C]
     # a barrier: XLA would fuse this cast into the reduce's, holding the f32 [C, V] through the blocks' backward
