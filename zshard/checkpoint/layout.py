@@ -48,7 +48,7 @@ class Entry:
       key: storage path, strings: ``("params", "blocks", "0", "lin", "kernel")``.
       shape: logical shape (what is stored).
       dtype: numpy dtype (the state leaf's).
-      layout: the parameter's record (:class:`~zshard.params.flat.ParamLayout`) for a parameter or a
+      layout: the parameter's record (:class:`~zshard.flat.ParamLayout`) for a parameter or a
         parameter-like optimizer leaf (stored in its logical shape), else ``None`` (a scalar
         count, stored as is).
       axes: mesh axes the logical array is split over (``()``: replicated).
@@ -228,7 +228,7 @@ def checksums(values: list) -> list[list[int]]:
     return np.asarray(jax.device_get(_checksums_jit(values))).tolist()
 
 
-# (a host-offloaded leaf is summed on the device: zshard.optim.offload.to_device)
+# (a host-offloaded leaf is summed on the device: zshard.offload.to_device)
 _checksums_jit = jax.jit(lambda xs: jnp.stack([_checksum(to_device(x)) for x in xs]) if xs else jnp.zeros((0, 2), jnp.uint32))
 
 

@@ -192,7 +192,7 @@ def compute_params(plan, state, train: dict) -> dict:
 
 # [Note: master cotangents] With ``"optimizer+master"`` the step differentiates the ``param_dtype``
 # copies, and each gather's backward hands back the reduced gradient in the *master* dtype (as it
-# does without offload: ``zshard.wire.collectives.reduce_flats``), a wider floating cotangent than its
+# does without offload: ``zshard.collectives.reduce_flats``), a wider floating cotangent than its
 # primal, which JAX accepts for a custom_vjp (``_temporary_dtype_exception`` in
 # ``jax/_src/custom_derivatives.py``, jax 0.10 to 0.12; tests/test_offload.py pins it). So the
 # gradients are bitwise those of the same mixed precision without offload, whatever the
@@ -263,7 +263,7 @@ def update_offloaded(plan, update, params: dict, grads: dict, opt_state, keep=No
     Args:
       plan: the plan (``plan.offload`` set).
       update: ``(params, grads, opt_state) -> (params, opt_state)`` on device values
-        (:func:`zshard.optim.optim.apply_optimizer`).
+        (:func:`zshard.optim.apply_optimizer`).
       params: trainable parameter shards ``[n_pad/N]`` (masters in host memory with ``"optimizer+master"``).
       grads: reduced gradients, device memory, shaped like the update takes them.
       opt_state: the local Optax state, offloaded leaves in host memory.
@@ -275,7 +275,7 @@ def update_offloaded(plan, update, params: dict, grads: dict, opt_state, keep=No
       new ``param_dtype`` copies of the host masters (device memory; ``{}`` without masters).
     """
     params, opt_state = _after(grads, (params, opt_state))  # [Note: copies after the backward]
-    with jax.named_scope("zshard.optim.offload.to_device"):
+    with jax.named_scope("zshard.offload.to_device"):
         params_d = jax.tree.map(to_device, params)  # [n_pad/N] host --copy--> device (masters only)
         state_d = jax.tree.map(to_device, opt_state)  # each offloaded leaf host --copy--> device
     new_params, new_state = update(params_d, grads, state_d)
@@ -286,7 +286,7 @@ def update_offloaded(plan, update, params: dict, grads: dict, opt_state, keep=No
     flat = traverse_util.flatten_dict(new_params)
     copies = {p: flat[p].astype(plan.mp.gather_dtype(plan.layouts[p].dtype)) for p in masters if p in flat}
     back = lambda n, o: to_host(n) if is_host(o) else n  # noqa: E731
-    with jax.named_scope("zshard.optim.offload.to_host"):
+    with jax.named_scope("zshard.offload.to_host"):
         new_params = jax.tree.map(back, new_params, params)  # device --copy--> host, where it came from
         new_state = jax.tree.map(back, new_state, opt_state)
     return new_params, new_state, traverse_util.unflatten_dict(copies) if copies else {}
@@ -396,7 +396,7 @@ def traced_naming_host_leaf(trace, state, *args):
     raise ValueError(
         f"zshard: {name} is in pinned_host memory and the program uses it in arithmetic with device data (JAX: "
         f"{str(error).splitlines()[0][:160]}); with offload, zshard moves each optimizer leaf to the device only "
-        "around the Optax update (zshard.optim.offload.update_offloaded): read it outside the step "
+        "around the Optax update (zshard.offload.update_offloaded): read it outside the step "
         "(jax.device_get), or use offload=None"
     ) from error
 

@@ -2,7 +2,7 @@
 
 zshard keeps each parameter as a padded flat shard (``[n_pad / N]`` per device, ``N`` the
 devices the optimizer state is split over). An elementwise chain (Adam, SGD, Lion, masks,
-schedules) runs on that slice unchanged (:mod:`zshard.optim.optim`). A transformation that looks
+schedules) runs on that slice unchanged (:mod:`zshard.optim`). A transformation that looks
 at a whole parameter or at the whole tree (``clip_by_global_norm``, ``apply_if_finite``,
 LAMB / LARS trust ratios, Adafactor's factored moments, Muon) goes through this module:
 
@@ -40,8 +40,8 @@ replicated. Side-effecting transformations (host callbacks) are refused before c
 
 This module owns the interpreter: the rule of each kind of equation (``_eval_eqn``) and the
 shard arithmetic of ``Ctx`` it relies on (element indices, logical coordinates). The stored
-form of a parameter comes from :class:`zshard.params.flat.ParamLayout` (:meth:`Layout.storage`), its
-all-gather from :func:`zshard.wire.collectives.all_gather_last`.
+form of a parameter comes from :class:`zshard.flat.ParamLayout` (:meth:`Layout.storage`), its
+all-gather from :func:`zshard.collectives.all_gather_last`.
 """
 
 from __future__ import annotations
@@ -245,10 +245,10 @@ def build_view(tx, template_logical: dict, layers: dict, num_shards: int, view_s
       layers: ``path -> L`` or ``None``.
       num_shards: devices the optimizer state is split over.
       view_specs: flat dict ``path -> PartitionSpec`` of the stored (sharded) state leaf.
-      why: the transformation that needs it (from :func:`zshard.optim.optim.check_elementwise`).
+      why: the transformation that needs it (from :func:`zshard.optim.check_elementwise`).
       tp: ``path -> (tp_dim, T)`` of the parameters split over the ``tensor`` axis.
       padded: ``path -> n_pad`` (of one layer's piece) where a parameter is padded beyond
-        ``num_shards`` (a quantized format's blocks, :func:`zshard.wire.quant.pad_multiple`); default:
+        ``num_shards`` (a quantized format's blocks, :func:`zshard.quant.pad_multiple`); default:
         a multiple of ``num_shards``.
 
     Raises:
