@@ -362,7 +362,7 @@ def test_gather_format_is_fake_quantized_weights_with_a_straight_through_gradien
     ("HYBRID_SHARD", (2, 4), MLP_HYB, dict(remat="dots")),
     ("HYBRID_SHARD", (2, 4), MLP_HYB, dict(grad_accum=2)),  # the replica all-reduce once per step, quantized
     ("HYBRID_SHARD_ZERO2", (2, 4), MLP_HYB, dict()),
-    ("HYBRID_SHARD_OPT", (2, 4), MLP_HYB, dict(prefetch=1)),  # into the gradient sinks, quantized
+    ("HYBRID_SHARD_OPT", (2, 4), MLP_HYB, dict(prefetch=1)),  # into the optimizer slices, quantized
     ("NO_SHARD", (2, 4), zshard.MixedPrecision(replica_format=Q16), dict()),
     ("SHARD_OPT", (2, 4), zshard.MixedPrecision(param_dtype="bfloat16", replica_format=Q16), dict()),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)

@@ -21,7 +21,7 @@ submodule ``zshard.gpu`` (``GPU_COMPILER_OPTIONS``, ``TARGETS``, ``platform`` of
 ``parse_overlap`` (each collective of a compiled program: async or not, compute between start and done).
 """
 
-from zshard import distributed, formulas, gpu
+from zshard import aliases, distributed, formulas, gpu
 from zshard.attention import attention
 from zshard.checkpoint import Checkpointer, export, load_params, restore, save
 from zshard.programs.evaluate import EvalStep, make_eval_step, make_forward
@@ -37,6 +37,8 @@ from zshard.programs.step import TokenMean, TrainStep, make_train_step
 from zshard.mesh.strategy import Strategy
 from zshard.params.units import path_str
 from zshard.plan.weights import fetch_params
+
+aliases.install()  # the flat module paths of zshard 0.1, for one release
 
 __all__ = [
     "Checkpointer",

@@ -368,14 +368,14 @@ def check_plan(plan) -> None:
         (NO_SHARD, SHARD_OPT: nothing is gathered or reduce-scattered), ``replica_format`` on one
         without replica axes (FULL_SHARD, SHARD_GRAD_OP), or a format that quantizes no parameter
         (every one too small for its block): each names the strategy or the largest parameter and the fix;
-        ``error_feedback`` with HYBRID_SHARD_OPT (its gradient sinks) or a parameter split over ``tensor``.
+        ``error_feedback`` with HYBRID_SHARD_OPT (its gradients land in the replica-sharded optimizer slices) or a parameter split over ``tensor``.
     """
     mp, st = plan.mp, plan.strategy
     if mp.error_feedback and st.scatters_replica:
         raise ValueError(
             f"MixedPrecision(reduce_format=Quant({mp.reduce_format.name!r}, error_feedback=True)): {st.value} reduces "
-            "gradients into its optimizer slices (gradient sinks), which error feedback does not support yet; use "
-            "HYBRID_SHARD or FULL_SHARD, or error_feedback=False"
+            "gradients into its optimizer slices (sharded over replica), which error feedback does not support yet; "
+            "use HYBRID_SHARD or FULL_SHARD, or error_feedback=False"
         )
     if mp.error_feedback:
         split = [r for r in plan.layouts.values() if r.split and plan.wires[r.path].residual]
