@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import zshard
-from zshard.moe import MoEStats, capacity, recording
+from zshard.moe import MoEStats, a2a_bytes, capacity, recording
 
 D, E, F, K = 8, 8, 6, 2
 
@@ -109,9 +109,13 @@ def test_router_runs_in_float32_under_bfloat16():
     np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=0.05, atol=0.05)
 
 
+def _mesh(X):
+    return Mesh(np.array(jax.devices()[:X]), ("expert",))
+
+
 def _expert_parallel(X, kw, n):
     """``zshard.moe`` in a shard_map over ``("expert",)`` of X devices: ``(x [X*n, D], router, wgu, wd) -> (y, dropped, load)``."""
-    mesh = Mesh(np.array(jax.devices()[:X]), ("expert",))
+    mesh = _mesh(X)
 
     def body(x, router, wgu, wd):
         y, s = zshard.moe(x, router, wgu, wd, **kw)
@@ -131,10 +135,11 @@ def test_expert_parallel_equals_one_device_forward_and_gradients(X):
             y, *aux = f(*a)
             return jnp.sum(y * ct), (y, aux)
 
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, router, wgu, wd)
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)).lower(x, router, wgu, wd).compile()
+        return compiled(x, router, wgu, wd), compiled.as_text()
 
-    (l1, (y1, _)), g1 = run(lambda *a: zshard.moe(*a, top_k=K))
-    (lx, (yx, (dropped, _, load))), gx = run(_expert_parallel(X, dict(top_k=K), 8))
+    ((l1, (y1, _)), g1), _ = run(lambda *a: zshard.moe(*a, top_k=K))
+    ((lx, (yx, (dropped, _, load))), gx), hlo = run(_expert_parallel(X, dict(top_k=K), 8))
     np.testing.assert_allclose(np.asarray(yx), np.asarray(y1), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(lx), float(l1), rtol=1e-5)
     for name, a, b in zip(("x", "router", "w_gate_up", "w_down"), gx, g1):
@@ -142,13 +147,18 @@ def test_expert_parallel_equals_one_device_forward_and_gradients(X):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
     # every device's experts got slots (the all-to-all carried rows), none dropped
     assert float(dropped[0]) == 0.0 and np.asarray(load).reshape(X, -1).sum(1).min() > 0
+    # the program's all-to-alls: the counts [X, E/X] int32 once, and the rows [X, cap, D] (cap = n * min(k, E/X))
+    # dispatched and combined, forward and backward, each sending a2a_bytes off the device
+    sent = sorted(c.sent_bytes for c in zshard.parse_collectives(hlo, _mesh(X)) if c.kind == "all-to-all")
+    assert sent == [(X - 1) * (E // X) * 4] + [a2a_bytes(8, K, X, E, D, 4)] * 4, sent
+    assert a2a_bytes(8, K, X, E, D, 4) == (X - 1) * 8 * min(K, E // X) * D * 4
 
 
 def test_expert_parallel_with_shared_sigmoid_bias():
     """DeepSeek-style routing and shared experts over X = 2: equal to one device."""
     x, router, wgu, wd, bias, (sg, sd, _) = _weights(4, n=16)
     kw = dict(top_k=3, score="sigmoid", router_bias=bias, routed_scaling_factor=2.0, shared_gate_up=sg, shared_down=sd)
-    mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+    mesh = _mesh(2)
     ep = jax.shard_map(lambda x, r, a, b: zshard.moe(x, r, a, b, **kw)[0], mesh=mesh,
                        in_specs=(P("expert"), P(), P("expert"), P("expert")), out_specs=P("expert"))
     want, *_ = dense(x, router, wgu, wd, 3, score="sigmoid", bias=bias, scale=2.0, shared=(sg, sd, None))
@@ -193,7 +203,11 @@ def test_capacity_drops_the_slots_past_capacity_over_expert():
     x, router = _routed(logits)
     _, _, wgu, wd, *_ = _weights(7)
     assert capacity(4, 2, 2, E, 1.0) == 4
-    y, total, per_device, load = jax.jit(_expert_parallel(2, dict(top_k=2, capacity_factor=1.0), 4))(x, router, wgu, wd)
+    compiled = jax.jit(_expert_parallel(2, dict(top_k=2, capacity_factor=1.0), 4)).lower(x, router, wgu, wd).compile()
+    y, total, per_device, load = compiled(x, router, wgu, wd)
+    sent = sorted(c.sent_bytes for c in zshard.parse_collectives(compiled.as_text(), _mesh(2)) if c.kind == "all-to-all")
+    assert sent == [(2 - 1) * (E // 2) * 4] + [(2 - 1) * 4 * D * 4] * 2 == [16, 128, 128], sent  # cap = 4 rows
+    assert a2a_bytes(4, 2, 2, E, D, 4, capacity_factor=1.0) == 128
     np.testing.assert_array_equal(np.asarray(per_device), [2.0, 0.0])
     assert float(total[0]) == 2.0
     np.testing.assert_array_equal(np.asarray(load), np.bincount(np.ravel(picks), minlength=E))

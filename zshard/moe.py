@@ -79,9 +79,10 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ACTS", "EXPERT", "SCORES", "MoECall", "MoEStats", "a2a_bytes", "capacity", "moe", "recording", "route"]
+__all__ = ["ACTS", "EXPERT", "EXPERT_SCOPE", "SCORES", "MoECall", "MoEStats", "a2a_bytes", "capacity", "moe", "recording", "route"]
 
 EXPERT = "expert"
+EXPERT_SCOPE = "zshard.expert"  # the named scope of the all-to-alls ('zshard.expert.dispatch' / '.combine')
 SCORES = ("softmax", "sigmoid")
 ACTS: dict[str, Callable] = {
     "silu": jax.nn.silu,  # SwiGLU (Shazeer 2020, arXiv 2002.05202)
@@ -259,7 +260,7 @@ def _dispatch(xf, flat_e, E: int, X: int, cap: int, keep, w_gate_up, w_down, act
     valid = p[None, :] < per_dest[:, None]  # [X, cap]: buffer row (d, p) holds sorted slot start[d] + p
     src = order[jnp.where(valid, start[:, None] + p[None, :], 0)]  # [X, cap] slot of each buffer row
     buf = jnp.where(valid[..., None], xf[src // k], 0)  # [X, cap, D]
-    with jax.named_scope("zshard/moe/dispatch"):
+    with jax.named_scope(f"{EXPERT_SCOPE}.dispatch"):
         recv = jax.lax.all_to_all(buf, EXPERT, 0, 0)  # [X(dest), cap, D] --all_to_all(expert)--> [X(source), cap, D]
         counts = jax.lax.all_to_all(sent, EXPERT, 0, 0)  # [X(dest), El] --all_to_all(expert)--> [X(source), El]
     # received row (j, p) is for local expert e where cumsum(counts[j])[e-1] <= p < cumsum(counts[j])[e]; El: padding
@@ -268,7 +269,7 @@ def _dispatch(xf, flat_e, E: int, X: int, cap: int, keep, w_gate_up, w_down, act
     r_order = jnp.argsort(local.reshape(X * cap), stable=True)  # [X*cap] rows by local expert, padding last
     h = _experts(recv.reshape(X * cap, D)[r_order], w_gate_up, w_down, counts.sum(axis=0), act)  # [X*cap, D]
     back = jnp.zeros_like(h).at[r_order].set(h, unique_indices=True).reshape(X, cap, D)  # [X(source), cap, D]
-    with jax.named_scope("zshard/moe/combine"):
+    with jax.named_scope(f"{EXPERT_SCOPE}.combine"):
         ret = jax.lax.all_to_all(back, EXPERT, 0, 0)  # [X(source), cap, D] --all_to_all(expert)--> [X(dest), cap, D]
     i = jnp.arange(n_slots, dtype=jnp.int32)
     d = key[order] // El  # [N*k] destination of each sorted slot (X for a dropped one)
