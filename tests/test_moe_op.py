@@ -248,3 +248,25 @@ def test_bad_input_is_refused_with_the_argument_and_fix():
         zshard.moe(x, router, wgu, wd, top_k=K, score="tanh")
     with pytest.raises(ValueError, match=r"capacity_factor = 0 must be > 0"):
         zshard.moe(x, router, wgu, wd, top_k=K, capacity_factor=0)
+
+
+def test_zoo_moe_layer_over_expert_equals_one_device():
+    """train/models/moe.py's MoE layer, its expert weights split over ``expert`` (X = 2) and the batch
+    too, gives the output and per-sequence (counts, probs) of the whole layer on one device."""
+    from flax import nnx
+
+    from train.model import MoEConfig
+    from train.models.moe import MoE
+
+    cfg = MoEConfig(vocab_size=64, seq_len=8, d_model=D, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=16, n_experts=E,
+                    top_k=K, d_expert=F)
+    graphdef, state = nnx.split(MoE(cfg, rngs=nnx.Rngs(0)))
+    x = jnp.asarray(np.random.default_rng(10).standard_normal((4, 8, D)), jnp.float32)
+    specs = jax.tree.map(lambda v: P("expert") if v.ndim == 3 else P(), state)  # w_gate_up, w_down: [E, ...]
+    run = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=_mesh(2), in_specs=(specs, P("expert")),
+                        out_specs=P("expert"))
+    (y, (counts, probs)), (y1, (counts1, probs1)) = jax.jit(run)(state, x), jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(counts1))
+    np.testing.assert_allclose(np.asarray(probs), np.asarray(probs1), rtol=1e-6, atol=1e-6)
+    assert np.asarray(counts1).sum() == 4 * 8 * K
