@@ -32,7 +32,7 @@ def _silu(a):
     return a / (1 + np.exp(-a))
 
 
-def dense(x, router, wgu, wd, k, *, score="softmax", norm=True, bias=None, scale=1.0, shared=None):
+def dense(x, router, wgu, wd, k, *, score="softmax", norm=True, bias=None, scale=1.0, shared=None, groups=None):
     """Every expert on every token in float64, masked by the top-k choice: ``[N, D]``."""
     x, router, wgu, wd = (np.asarray(a, np.float64) for a in (x, router, wgu, wd))
     logits = x @ router  # [N, E]
@@ -41,7 +41,15 @@ def dense(x, router, wgu, wd, k, *, score="softmax", norm=True, bias=None, scale
         p = z / z.sum(-1, keepdims=True)
     else:
         p = 1 / (1 + np.exp(-logits))
-    choice = np.argsort(-(p if bias is None else p + np.asarray(bias, np.float64)), axis=-1)[:, :k]  # [N, k]
+    pick = p if bias is None else p + np.asarray(bias, np.float64)  # [N, E]
+    if groups is not None:  # only the experts of the topk_group groups with the best two-expert sums
+        G, top_g = groups
+        best2 = np.sort(pick.reshape(len(pick), G, -1), axis=-1)[..., -2:].sum(-1)  # [N, G]
+        out_groups = np.argsort(-best2, axis=-1)[:, top_g:]  # [N, G - top_g]
+        for n, gs in enumerate(out_groups):
+            for g in gs:
+                pick[n, g * (E // G):(g + 1) * (E // G)] = -np.inf
+    choice = np.argsort(-pick, axis=-1)[:, :k]  # [N, k]
     mask = np.zeros_like(p)
     np.put_along_axis(mask, choice, 1.0, axis=-1)
     w = p * mask
@@ -66,27 +74,31 @@ def _weights(seed=0, n=16):
     return f32(n, D), f32(D, E), f32(E, D, 2 * F) * 0.5, f32(E, F, D) * 0.5, f32(E) * 0.3, (f32(D, 2 * F), f32(F, D), f32(D, 1))
 
 
-CASES = {  # name: (score, norm_topk_prob, bias, routed_scaling_factor, shared, shared_gate)
+CASES = {  # name: (score, norm_topk_prob, bias, routed_scaling_factor, shared, shared_gate[, limit_groups])
     "softmax-norm (Qwen3-MoE, Mixtral)": ("softmax", True, False, 1.0, False, False),
     "softmax-raw (Switch)": ("softmax", False, False, 1.0, False, False),
     "softmax-raw-gated-shared (Qwen2-MoE)": ("softmax", False, False, 1.0, True, True),
     "sigmoid-bias-norm-scaled-shared (DeepSeek-V3)": ("sigmoid", True, True, 2.5, True, False),
     "sigmoid-raw": ("sigmoid", False, False, 1.0, False, False),
+    "sigmoid-bias-groups (DeepSeek-V3 n_group=4, topk_group=2)": ("sigmoid", True, True, 2.5, False, False, (4, 2)),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_device_equals_the_dense_formula(case):
-    score, norm, use_bias, scale, use_shared, use_gate = CASES[case]
+    score, norm, use_bias, scale, use_shared, use_gate, *groups = CASES[case]
+    groups = groups[0] if groups else None
     x, router, wgu, wd, bias, (sg, sd, gate) = _weights()
     shared = (sg, sd, gate if use_gate else None) if use_shared else None
     kw = dict(top_k=K, score=score, norm_topk_prob=norm, router_bias=bias if use_bias else None,
-              routed_scaling_factor=scale)
+              routed_scaling_factor=scale, limit_groups=groups)
     if shared:
         kw.update(shared_gate_up=sg, shared_down=sd, shared_gate=shared[2])
     y, stats = jax.jit(lambda *a: zshard.moe(*a, **kw))(x.reshape(2, 8, D), router, wgu, wd)
     want, logits, p, choice = dense(x, router, wgu, wd, K, score=score, norm=norm, bias=bias if use_bias else None,
-                                    scale=scale, shared=shared)
+                                    scale=scale, shared=shared, groups=groups)
+    if groups:  # the group limit changed some token's choice (else this case tests nothing new)
+        assert not np.array_equal(choice, dense(x, router, wgu, wd, K, score=score, bias=bias, scale=scale)[3])
     assert y.shape == (2, 8, D) and y.dtype == jnp.float32 and isinstance(stats, MoEStats)
     np.testing.assert_array_equal(np.sort(np.asarray(stats.top_e).reshape(-1, K), -1), np.sort(choice, -1))
     np.testing.assert_allclose(np.asarray(y).reshape(-1, D), want, rtol=1e-5, atol=1e-5)
@@ -246,6 +258,8 @@ def test_bad_input_is_refused_with_the_argument_and_fix():
         zshard.moe(x, router, wgu[:4], wd[:4], top_k=K)
     with pytest.raises(ValueError, match=r"score = 'tanh'"):
         zshard.moe(x, router, wgu, wd, top_k=K, score="tanh")
+    with pytest.raises(ValueError, match=r"limit_groups = \(3, 1\) \(n_group, topk_group\) must split the E = 8"):
+        zshard.moe(x, router, wgu, wd, top_k=K, limit_groups=(3, 1))
     with pytest.raises(ValueError, match=r"capacity_factor = 0 must be > 0"):
         zshard.moe(x, router, wgu, wd, top_k=K, capacity_factor=0)
 

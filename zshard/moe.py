@@ -13,12 +13,16 @@ mixed precision: ``logits = float32(x) @ float32(router)`` ``[N, E]``):
   the experts; ``norm_topk_prob=True`` renormalises those ``k`` weights to sum to 1 (Mixtral's
   ``softmax(top-k logits)``, Qwen3-MoE's ``norm_topk_prob``; False: Qwen2-MoE / Switch's raw
   probabilities).
-- ``score="sigmoid"`` (DeepSeek-V3, arXiv 2412.19437 section 2.1.2, eq. 13-16): ``s = sigmoid(logits)``;
+- ``score="sigmoid"`` (DeepSeek-V3, arXiv 2412.19437 section 2.1.2, "Basics of DeepSeekMoE" and
+  "Auxiliary-Loss-Free Load Balancing"): ``s = sigmoid(logits)``;
   the experts are chosen by ``s + router_bias`` (the auxiliary-loss-free balancing bias ``b_i``,
   used for the selection only), weighted by ``s`` normalised over the chosen ``k`` (``+ 1e-20``),
-  times ``routed_scaling_factor``.
+  times ``routed_scaling_factor``. ``limit_groups=(n_group, topk_group)``: group-limited routing
+  (DeepSeek-V3 section 2.1.2, "Node-Limited Routing", as Hugging Face's ``n_group`` /
+  ``topk_group``): the groups ranked by the sum of their two best scores, the experts outside the
+  best ``topk_group`` excluded (``-inf``, where Hugging Face writes 0).
 
-The router z-loss (ST-MoE, arXiv 2202.08906 section 3.5, ``mean(logsumexp(logits)^2)``) and the
+The router z-loss (ST-MoE, arXiv 2202.08906, ``mean(logsumexp(logits)^2)``) and the
 load-balancing loss are the model's: :class:`MoEStats` carries ``logits``, ``probs``, ``top_e``.
 
 Dispatch. ``X = E // w_gate_up.shape[0]`` expert groups (``router`` names all ``E`` experts, the
@@ -46,7 +50,7 @@ Capacity (``cap``, rows per (source, destination) device pair):
   change it).
 - ``capacity_factor=c``: ``cap = min(ceil(c * N * k / X), N * min(k, E/X))``, Switch Transformer's
   expert capacity (arXiv 2101.03961 section 2.2, eq. 3: ``tokens / experts * capacity factor``;
-  GShard arXiv 2006.16668 section 2.2) summed over the ``E/X`` experts of one device. Each
+  GShard's expert capacity, arXiv 2006.16668) summed over the ``E/X`` experts of one device. Each
   destination takes its slots in token order (slot index ``s``) and drops the rest: a dropped
   slot contributes 0 (the token keeps its other experts, the shared experts and the residual) and
   is counted in ``MoEStats.dropped``. At ``X == 1`` the same rule with one destination.
@@ -151,15 +155,22 @@ def a2a_bytes(tokens: int, top_k: int, groups: int, experts: int, d_model: int, 
 
 
 def route(x, router, top_k: int, *, score: str = "softmax", norm_topk_prob: bool = True, router_bias=None,
-          routed_scaling_factor: float = 1.0):
+          routed_scaling_factor: float = 1.0, limit_groups: tuple[int, int] | None = None):
     """Router of :func:`moe`: ``x`` ``[N, D]``, ``router`` ``[D, E]`` -> ``(logits, probs, top_e, weights)``:
     float32 ``[N, E]``, float32 ``[N, E]``, int32 ``[N, k]``, float32 ``[N, k]`` (module docstring)."""
     logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)  # [N, E]
     probs = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)  # [N, E]
-    if router_bias is None:
+    choice = probs if router_bias is None else probs + router_bias.astype(jnp.float32)  # [N, E] what picks
+    if limit_groups is not None:  # group-limited routing: only the experts of the best topk_group groups compete
+        (G, top_g), (N, E) = limit_groups, choice.shape
+        by_group = choice.reshape(N, G, E // G)  # [N, E] -> [N, G, E/G]
+        group_score = jnp.sum(jax.lax.top_k(by_group, min(2, E // G))[0], axis=-1)  # [N, G]: its best two
+        chosen = jnp.sum(jax.nn.one_hot(jax.lax.top_k(group_score, top_g)[1], G, dtype=jnp.bool_), axis=1)  # [N, G]
+        choice = jnp.where(chosen[:, :, None], by_group, -jnp.inf).reshape(N, E)  # [N, G, E/G] -> [N, E]
+    if router_bias is None and limit_groups is None:
         weights, top_e = jax.lax.top_k(probs, top_k)  # [N, k] each
-    else:  # the bias picks, the unbiased score weighs (DeepSeek-V3 eq. 16)
-        _, top_e = jax.lax.top_k(probs + router_bias.astype(jnp.float32), top_k)  # [N, k]
+    else:  # the bias (and the groups) pick, the unbiased score weighs (DeepSeek-V3 section 2.1.2)
+        _, top_e = jax.lax.top_k(choice, top_k)  # [N, k]
         weights = jnp.take_along_axis(probs, top_e, axis=-1)  # [N, k]
     if norm_topk_prob:
         total = jnp.sum(weights, axis=-1, keepdims=True)
@@ -169,7 +180,7 @@ def route(x, router, top_k: int, *, score: str = "softmax", norm_topk_prob: bool
     return logits, probs, top_e.astype(jnp.int32), weights
 
 
-def _check(x, router, w_gate_up, w_down, top_k, score, capacity_factor, act, router_bias, shared):
+def _check(x, router, w_gate_up, w_down, top_k, score, capacity_factor, act, router_bias, shared, limit_groups):
     """The shapes and options of :func:`moe`, checked before tracing: ``(D, E, El, X, F)``."""
     if x.ndim < 1:
         raise ValueError("zshard.moe: x must be [..., D] tokens; got a scalar")
@@ -201,6 +212,12 @@ def _check(x, router, w_gate_up, w_down, top_k, score, capacity_factor, act, rou
         raise ValueError(f"zshard.moe: act = {act!r}; choose one of {sorted(ACTS)} or pass a function")
     if router_bias is not None and tuple(router_bias.shape) != (E,):
         raise ValueError(f"zshard.moe: router_bias has shape {tuple(router_bias.shape)}; it must be [E] = [{E}]")
+    if limit_groups is not None:
+        G, top_g = limit_groups
+        if not (E % G == 0 and 1 <= top_g <= G and top_k <= top_g * (E // G)):
+            raise ValueError(f"zshard.moe: limit_groups = {tuple(limit_groups)} (n_group, topk_group) must split the "
+                             f"E = {E} experts into n_group equal groups and keep topk_group in [1, n_group] groups "
+                             f"holding at least top_k = {top_k} experts")
     gate_up, down, gate = shared
     if (gate_up is None) != (down is None):
         raise ValueError("zshard.moe: pass both shared_gate_up [D, 2Fs] and shared_down [Fs, D], or neither")
@@ -280,7 +297,8 @@ def _dispatch(xf, flat_e, E: int, X: int, cap: int, keep, w_gate_up, w_down, act
 
 def moe(x, router, w_gate_up, w_down, *, top_k: int, score: str = "softmax", norm_topk_prob: bool = True,
         router_bias=None, routed_scaling_factor: float = 1.0, capacity_factor: float | None = None,
-        act: str | Callable = "silu", shared_gate_up=None, shared_down=None, shared_gate=None):
+        act: str | Callable = "silu", shared_gate_up=None, shared_down=None, shared_gate=None,
+        limit_groups: tuple[int, int] | None = None):
     """Top-k routed gated experts over ``x``'s tokens, the experts split over ``expert`` when ``X > 1``.
 
     Args:
@@ -294,6 +312,9 @@ def moe(x, router, w_gate_up, w_down, *, top_k: int, score: str = "softmax", nor
       norm_topk_prob: renormalise the ``k`` chosen weights to sum to 1.
       router_bias: ``[E]`` float, added to the scores for the choice only (DeepSeek-V3).
       routed_scaling_factor: multiplies the routed weights (DeepSeek-V3; 1.0 elsewhere).
+      limit_groups: ``(n_group, topk_group)``: group-limited routing (DeepSeek-V3's ``n_group`` /
+        ``topk_group``): the ``E`` experts in ``n_group`` equal groups, each scored by the sum of its
+        two best choice scores; only the best ``topk_group`` groups' experts can be chosen.
       capacity_factor: None (dropless, exact) or ``c > 0``: ``cap`` rows per destination
         (:func:`capacity`), slots past it dropped and counted.
       act: ``"silu"`` (SwiGLU), ``"gelu"``, ``"gelu_tanh"``, ``"relu"`` or a function.
@@ -310,7 +331,7 @@ def moe(x, router, w_gate_up, w_down, *, top_k: int, score: str = "softmax", nor
       ``X > 1`` without the mesh axis ``"expert"`` of size ``X`` bound.
     """
     D, E, El, X, F = _check(x, router, w_gate_up, w_down, top_k, score, capacity_factor, act, router_bias,
-                            (shared_gate_up, shared_down, shared_gate))
+                            (shared_gate_up, shared_down, shared_gate), limit_groups)
     if X > 1:
         _groups_bound(X, E, El)
     act = act if callable(act) else ACTS[act]
@@ -318,7 +339,8 @@ def moe(x, router, w_gate_up, w_down, *, top_k: int, score: str = "softmax", nor
     xf = x.reshape(-1, D)  # [..., D] -> [N, D]
     N = xf.shape[0]
     logits, probs, top_e, weights = route(xf, router, k, score=score, norm_topk_prob=norm_topk_prob,
-                                          router_bias=router_bias, routed_scaling_factor=routed_scaling_factor)
+                                          router_bias=router_bias, routed_scaling_factor=routed_scaling_factor,
+                                          limit_groups=limit_groups)
     cap = capacity(N, k, X, E, capacity_factor)
     calls = _RECORD.get()
     if calls is not None:
