@@ -237,9 +237,10 @@ def test_capacity_drops_the_slots_past_capacity_over_expert():
 
 def test_recording_sees_each_call():
     x, router, wgu, wd, *_ = _weights(8)
-    with recording() as calls:
-        jax.jit(lambda *a: zshard.moe(*a, top_k=K))(x, router, wgu, wd)
-        jax.jit(_expert_parallel(2, dict(top_k=K), 8))(x, router, wgu, wd)
+    with recording() as calls:  # traced only (eval_shape): the record is made while tracing
+        jax.eval_shape(lambda *a: zshard.moe(*a, top_k=K), x, router, wgu, wd)
+        jax.eval_shape(_expert_parallel(2, dict(top_k=K), 8), x, router, wgu, wd)
+    jax.eval_shape(lambda *a: zshard.moe(*a, top_k=K), x, router, wgu, wd)  # outside: not recorded
     assert [(c.experts, c.groups, c.local_experts, c.tokens, c.capacity, c.dropless) for c in calls] == [
         (E, 1, E, 16, 16 * K, True), (E, 2, E // 2, 8, 8 * K, True)]
 
