@@ -57,9 +57,12 @@ Capacity (``cap``, rows per (source, destination) device pair):
 
 All-to-all bytes per device of one dispatch or combine (``b`` bytes of ``x``'s dtype, ``(X-1)/X``
 of the buffer leaves the device; four per MoE layer per step: dispatch and combine, forward and
-backward): dropless ``(X - 1) * N * min(k, E/X) * D * b``; capacity ``(X - 1) * cap * D * b``
-(``~ c * N * k * D * b * (X-1)/X``); plus the counts' ``(X - 1) * (E/X) * 4`` bytes once per
-forward. :func:`a2a_bytes` evaluates them.
+backward, six when the block's forward is recomputed): dropless ``(X - 1) * N * min(k, E/X) * D * b``;
+capacity ``(X - 1) * cap * D * b`` (``~ c * N * k * D * b * (X-1)/X``); plus the counts'
+``(X - 1) * (E/X) * 4`` bytes once per forward (int32, no backward). :func:`a2a_bytes` evaluates
+them. The price of exact dropless with static shapes: each buffer holds ``X * N * min(k, E/X)``
+rows (``X`` times the ``N * k`` slots when ``k <= E/X``), and the receiver's grouped matmuls
+run over ``X * cap`` rows, the padding last (``ragged_dot`` gives 0 past the group sizes).
 
 Shared experts (DeepSeek-V3 section 2.1.2, Qwen2-MoE): ``shared_gate_up`` ``[D, 2Fs]`` and
 ``shared_down`` ``[Fs, D]``, a dense gated MLP on every token added to ``y``; Qwen2-MoE's
