@@ -188,3 +188,38 @@ def test_a_compiled_report_through_the_model():
     assert measured["all-gather"] == pytest.approx(formula["all-gather"] - root * 4 * 7 / 8, rel=0.02)
     pr = predict(w, traffic, load_profile("cpu"), dict(rep.mesh), state_bytes=rep.model_state_bytes["measured"]["total"])
     assert pr.step_s > pr.compute_s > 0 and math.isfinite(pr.mfu) and pr.bottleneck in ("compute", "memory", "shard")
+
+
+# Published FULL_SHARD runs: MosaicML llm-foundry, scripts/train/benchmarking/README.md (tables "H100 80GB BF16" and
+# "A100 80GB with 1600 Gbps node-node interconnect"): model shape from its scripts/train/yamls/pretrain/mpt-*.yaml,
+# NumParams, seq len, GPUs, micro-batch x accumulation, activation checkpointing, mixed precision (DEFAULT: bf16
+# gathers, fp32 gradient reduction; PURE: bf16 both), and the published MFU and tokens/s per GPU.
+PUBLISHED = [  # name, profile, N, layers, d_model, seq, global batch, accumulation, remat, GPUs, (gather, reduce bytes), MFU %, tok/s/GPU
+    ("MPT-7B, 8 x H100, micro-batch 6, no checkpointing", "h100", 6658859008, 32, 4096, 2048, 48, 1, "none", 8, (2, 4), 46.44, 10643),
+    ("MPT-70B, 64 x H100, micro-batch 8 x 4, checkpointing", "h100", 64862437376, 80, 8192, 2048, 2048, 4, "block", 64, (2, 4),
+     42.57, 1039),
+    ("MPT-30B, 8 x A100, micro-batch 3 x 21, checkpointing", "a100", 29975214080, 48, 7168, 2048, 504, 21, "block", 8, (2, 4),
+     55.3, 916),
+    ("MPT-70B, 64 x A100, micro-batch 8 x 4, checkpointing, PURE", "a100", 64862437376, 80, 8192, 2048, 2048, 4, "block", 64,
+     (2, 2), 53.33, 410),
+]
+
+
+def published_rows() -> list[str]:
+    """The rows of docs/planning.md's comparison table, predicted from the formulas' traffic."""
+    rows = []
+    for name, prof, n, layers, d, seq, batch, k, remat, gpus, (g, r), mfu, tps in PUBLISHED:
+        w = Workload(params=n, layers=layers, d_model=d, attn_width=d, seq_len=seq, global_batch=batch, remat=remat, accumulation=k)
+        mesh = {"replica": 1, "shard": gpus}
+        pr = predict(w, formula_traffic(w, mesh, gather_bytes=g, reduce_bytes=r), load_profile(prof), mesh)
+        rows.append(f"| {name} | {mfu:.2f}% | {pr.mfu:.1%} | {(pr.mfu * 100 - mfu) / mfu:+.0%} | {tps:,} | "
+                    f"{pr.tokens_per_s_per_device:,.0f} | {pr.bottleneck} |")
+    return rows
+
+
+def test_published_runs_in_the_docs():
+    from conftest import ROOT
+
+    page = (ROOT / "docs" / "planning.md").read_text()
+    missing = [row for row in published_rows() if row not in page]
+    assert not missing, "docs/planning.md's comparison table is stale; its rows now read:\n" + "\n".join(published_rows())
