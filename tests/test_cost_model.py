@@ -22,6 +22,7 @@ devices_per_node = 4
 matmul_fraction = 0.5
 intra_node_fraction = 0.5
 inter_node_fraction = 1.0
+async_collectives = {overlap}
 
 [sources]
 """ + "".join(f'{k} = "arithmetic"\n' for k in FIELDS)
@@ -29,9 +30,9 @@ inter_node_fraction = 1.0
 
 @pytest.fixture
 def toy(tmp_path):
-    def make(inter="10e9"):
-        path = tmp_path / f"toy-{inter}.toml"
-        path.write_text(TOY.format(inter=inter))
+    def make(inter="10e9", overlap="true"):
+        path = tmp_path / f"toy-{inter}-{overlap}.toml"
+        path.write_text(TOY.format(inter=inter, overlap=overlap))
         return load_profile(path)
     return make
 
@@ -94,6 +95,9 @@ def test_predict_each_term_by_hand(toy):
     assert pr.tokens_per_s_per_device == pytest.approx(10_000 / step)
     assert pr.mfu == pytest.approx(6.12288e13 / (step * 100e12))  # 0.3744
     assert pr.bottleneck == "compute"
+    # collectives that never overlap compute (XLA:CPU): all exposed, 0.08 + 0.1 s
+    sync = predict(W, TRAFFIC, toy(overlap="false"), MESH, strategy="HYBRID_SHARD")
+    assert sync.step_s == pytest.approx(F + B + 0.08 + 0.1 + 0.007) and sync.exposed_s == sync.comm_s
 
 
 def test_bottleneck_names_the_axis_or_memory(toy):
@@ -133,6 +137,7 @@ def test_profiles_load_with_sources():
     for p in (h100, h200, a100, load_profile("cpu")):
         assert set(p.sources) >= set(FIELDS) and all(p.sources[k].strip() for k in FIELDS)
         assert 0 < p.matmul_fraction <= 1 and p.devices_per_node >= 1
+    assert h100.async_collectives and not load_profile("cpu").async_collectives  # XLA:CPU runs collectives alone
 
 
 def test_profile_errors(tmp_path):
@@ -140,14 +145,17 @@ def test_profile_errors(tmp_path):
         load_profile("h900")
     assert "'h900'" in str(e.value) and all(n in str(e.value) for n in ("a100", "cpu", "h100", "h200"))
     bad = tmp_path / "bad.toml"
-    bad.write_text(TOY.format(inter="10e9").replace("matmul_fraction = 0.5", "matmul_fraction = 1.5"))
+    bad.write_text(TOY.format(inter="10e9", overlap="true").replace("matmul_fraction = 0.5", "matmul_fraction = 1.5"))
     with pytest.raises(ValueError, match="matmul_fraction = 1.5"):
         load_profile(bad)
-    bad.write_text(TOY.format(inter="10e9").replace('peak_flops = "arithmetic"\n', ""))
+    bad.write_text(TOY.format(inter="10e9", overlap="true").replace('peak_flops = "arithmetic"\n', ""))
     with pytest.raises(ValueError, match="no \\[sources\\] entry for peak_flops"):
         load_profile(bad)
-    bad.write_text(TOY.format(inter="10e9").replace("hbm_bandwidth = 1e12\n", ""))
+    bad.write_text(TOY.format(inter="10e9", overlap="true").replace("hbm_bandwidth = 1e12\n", ""))
     with pytest.raises(ValueError, match="missing hbm_bandwidth"):
+        load_profile(bad)
+    bad.write_text(TOY.format(inter="10e9", overlap='"yes"'))
+    with pytest.raises(ValueError, match="async_collectives = 'yes': true or false"):
         load_profile(bad)
     with pytest.raises(ValueError, match="no such file"):
         load_profile(tmp_path / "absent.toml")

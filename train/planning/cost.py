@@ -19,7 +19,8 @@ A step is three phases on each device (docs/planning.md, "Predicted step time"):
   behind the backward, one unit ahead (prefetch): of ``n`` units per pass, one unit's
   collective is exposed and each later unit exposes what its collective takes beyond its compute
   (:func:`_pipeline`). Tensor all-reduces, the context axis's keys and values and the expert
-  axis's all-to-alls sit between a unit's matmuls: exposed whole.
+  axis's all-to-alls sit between a unit's matmuls: exposed whole; so is every collective on a
+  profile without ``async_collectives`` (XLA:CPU).
 - **optimizer**: memory-bound: the optimizer reads the parameters, gradients and moments and
   writes the parameters and moments (``2 * state + gradients`` bytes) at the HBM bandwidth, plus
   the collectives that run after the backward (SHARD_OPT's and HYBRID_SHARD_OPT's all-gather of the
@@ -362,6 +363,8 @@ def predict(w: Workload, traffic: list[dict], profile: Profile, mesh: dict, *, s
         comm_s[t["axis"]] = comm_s.get(t["axis"], 0.0) + s
         phase = phase_of(t["kind"], t["axis"], strategy)
         where = "inter" if link["crosses_nodes"] else "intra"
+        if phase in ("gather", "backward") and not profile.async_collectives:
+            phase = "critical"  # collectives that never overlap compute (XLA:CPU): exposed whole
         if phase == "gather":
             for p, share in (("forward", split), ("backward", 1 - split)):
                 if share:

@@ -4,7 +4,8 @@
 bf16 FLOP/s; the CPU's measured float32), ``hbm_bytes`` and ``hbm_bandwidth`` (bytes, bytes/s),
 ``intra_node_bandwidth`` (NVLink, bytes/s per device each way), ``inter_node_bandwidth``
 (the device's share of the network between nodes, bytes/s each way), ``devices_per_node``, and
-the achievable fractions ``matmul_fraction``, ``intra_node_fraction``, ``inter_node_fraction``.
+the achievable fractions ``matmul_fraction``, ``intra_node_fraction``, ``inter_node_fraction``, and
+``async_collectives`` (default true; false where collectives never overlap compute, as on XLA:CPU).
 A ``[sources]`` table names where each number comes from (a datasheet, a published measurement,
 or the calibration command that measured it: ``python -m train.planning.calibrate``).
 
@@ -42,6 +43,8 @@ class Profile:
       devices_per_node: devices joined by the intra-node links.
       matmul_fraction: the fraction of ``peak_flops`` large matmuls reach.
       intra_node_fraction, inter_node_fraction: the fraction of each bandwidth collectives reach.
+      async_collectives: collectives run beside the compute (GPUs: NCCL streams); ``False`` where
+        every collective runs alone (XLA:CPU): then nothing hides them.
       sources: field -> where the number comes from.
     """
 
@@ -56,6 +59,7 @@ class Profile:
     matmul_fraction: float
     intra_node_fraction: float
     inter_node_fraction: float
+    async_collectives: bool = True
     sources: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -107,9 +111,12 @@ def load_profile(name: str | Path) -> Profile:
     if bad:
         raise ValueError(f"hardware profile {path.name}: {', '.join(f'{k} = {values[k]!r}' for k in bad)}: numbers must be "
                          "positive and fractions at most 1")
+    overlap = raw.get("async_collectives", True)
+    if not isinstance(overlap, bool):
+        raise ValueError(f"hardware profile {path.name}: async_collectives = {overlap!r}: true or false")
     return Profile(name=raw.get("name", path.stem), description=raw.get("description", ""),
                    devices_per_node=int(values.pop("devices_per_node")), **{k: float(v) for k, v in values.items()},
-                   sources=dict(sources))
+                   async_collectives=overlap, sources=dict(sources))
 
 
 def write_profile(profile: Profile, path: str | Path, comment: str = "") -> Path:
