@@ -231,3 +231,13 @@ def test_published_runs_in_the_docs():
     page = (ROOT / "docs" / "planning.md").read_text()
     missing = [row for row in published_rows() if row not in page]
     assert not missing, "docs/planning.md's comparison table is stale; its rows now read:\n" + "\n".join(published_rows())
+
+
+def test_plan_refuses_an_unknown_profile_before_compiling(capsys):
+    from train import plan
+
+    for flags, want in ((["--profile", "h900"], "--profile: hardware profile 'h900': unknown; choose one of a100, cpu, h100, h200"),
+                        (["--devices-per-node", "0"], "--devices-per-node 0: must be positive")):
+        with pytest.raises(SystemExit):
+            plan.main(["--model", "gpt2-124m", "--mesh", "1x8", *flags])
+        assert want in capsys.readouterr().err
