@@ -357,6 +357,7 @@ def predict(w: Workload, traffic: list[dict], profile: Profile, mesh: dict, *, s
     split = 0.5 if strategy in RESHARD else 1.0  # the gathers' share in the forward pass
     per_phase: dict = {}  # (phase, link) -> {axis: seconds}
     comm_s, links, exposed = {}, {}, {}
+    whole = 0.0  # seconds of the collectives nothing hides (critical, after the backward, or never asynchronous)
     for t in traffic:
         link = links.setdefault(t["axis"], axis_link(t["axis"], mesh, profile, devices_per_node))
         s = collective_seconds(t["kind"], t["axis"], t["bytes"], mesh, profile, devices_per_node)
@@ -375,19 +376,19 @@ def predict(w: Workload, traffic: list[dict], profile: Profile, mesh: dict, *, s
             d[t["axis"]] = d.get(t["axis"], 0.0) + s
         else:  # critical or optimizer: nothing hides it
             exposed[t["axis"]] = exposed.get(t["axis"], 0.0) + s
-    hidden_total = 0.0
+            whole += s
+    pipelined = 0.0  # seconds the prefetch pipeline leaves exposed
     for p, window in (("forward", fwd), ("backward", bwd)):
         cands = {where: d for (ph, where), d in per_phase.items() if ph == p}
         if not cands:
             continue
         per_link = {where: _pipeline(sum(d.values()), window, units) for where, d in cands.items()}
         top = max(per_link, key=per_link.get)  # the links run side by side: the slower one sets the exposure
-        hidden_total += per_link[top]
+        pipelined += per_link[top]
         total = sum(cands[top].values())
         for axis, s in cands[top].items():
             exposed[axis] = exposed.get(axis, 0.0) + per_link[top] * s / total
-    critical = sum(v for a, v in exposed.items()) - hidden_total  # exposed whole: critical and optimizer collectives
-    step = fwd + bwd + hidden_total + critical + memory_s
+    step = fwd + bwd + pipelined + whole + memory_s
     terms = {"compute": fwd + bwd, "memory": memory_s, **exposed}
     bottleneck = max(terms, key=terms.get)
     return Prediction(step_s=step, tokens_per_s_per_device=w.tokens / devices / step if step else math.inf,
