@@ -198,30 +198,48 @@ def test_a_compiled_report_through_the_model():
     assert pr.step_s > pr.compute_s > 0 and math.isfinite(pr.mfu) and pr.bottleneck in ("compute", "memory", "shard")
 
 
-# Published FULL_SHARD runs: MosaicML llm-foundry, scripts/train/benchmarking/README.md (tables "H100 80GB BF16" and
-# "A100 80GB with 1600 Gbps node-node interconnect"): model shape from its scripts/train/yamls/pretrain/mpt-*.yaml,
-# NumParams, seq len, GPUs, micro-batch x accumulation, activation checkpointing, mixed precision (DEFAULT: bf16
-# gathers, fp32 gradient reduction; PURE: bf16 both), and the published MFU and tokens/s per GPU.
-PUBLISHED = [  # name, profile, N, layers, d_model, seq, global batch, accumulation, remat, GPUs, (gather, reduce bytes), MFU %, tok/s/GPU
-    ("MPT-7B, 8 x H100, micro-batch 6, no checkpointing", "h100", 6658859008, 32, 4096, 2048, 48, 1, "none", 8, (2, 4), 46.44, 10643),
-    ("MPT-70B, 64 x H100, micro-batch 8 x 4, checkpointing", "h100", 64862437376, 80, 8192, 2048, 2048, 4, "block", 64, (2, 4),
-     42.57, 1039),
-    ("MPT-30B, 8 x A100, micro-batch 3 x 21, checkpointing", "a100", 29975214080, 48, 7168, 2048, 504, 21, "block", 8, (2, 4),
-     55.3, 916),
-    ("MPT-70B, 64 x A100, micro-batch 8 x 4, checkpointing, PURE", "a100", 64862437376, 80, 8192, 2048, 2048, 4, "block", 64,
-     (2, 2), 53.33, 410),
+# Published FSDP runs, each with its model shape, parameters N (multiplying) and Psi (all), sequence, GPUs,
+# micro-batch x accumulation, checkpointing, mixed precision and the published MFU and tokens/s per GPU:
+# - MosaicML llm-foundry, scripts/train/benchmarking/README.md (tables "H100 80GB BF16" and "A100 80GB with 1600
+#   Gbps node-node interconnect"), shapes from scripts/train/yamls/pretrain/mpt-*.yaml (tied embeddings: N = Psi =
+#   NumParams); DEFAULT mixed precision gathers bf16 and reduces fp32, PURE both bf16.
+# - torchtitan, docs/performance.md (64 A100 80GB, FSDP2, bf16 parameters, fp32 reduction): Llama 2 70B at
+#   4096 tokens, local batch 2, full checkpointing; Llama 3 8B at 8192 tokens, local batch 1, selective op
+#   checkpointing (taken as "dots"). Their N: 80 x (2 x 8192^2 + 2 x 8192 x 1024 + 3 x 8192 x 28672 + 2 x 8192)
+#   + 8192 + 32000 x 8192 = 68,714,504,192 (Psi adds the 32000 x 8192 table); 32 x (2 x 4096^2 + 2 x 4096 x 1024
+#   + 3 x 4096 x 14336 + 2 x 4096) + 4096 + 128256 x 4096 = 7,504,924,672 (Psi adds the 128256 x 4096 table).
+def _mpt(n, layers, d, batch, k, remat):
+    return dict(params=n, layers=layers, d_model=d, attn_width=d, seq_len=2048, global_batch=batch, accumulation=k, remat=remat)
+
+
+PUBLISHED = [  # (name, by, profile, workload, GPUs, (gather, reduce bytes), MFU %, tokens/s per GPU)
+    ("MPT-7B, 8 x H100, micro-batch 6, no checkpointing", "MosaicML", "h100", _mpt(6658859008, 32, 4096, 48, 1, "none"), 8,
+     (2, 4), 46.44, 10643),
+    ("MPT-70B, 64 x H100, micro-batch 8 x 4, checkpointing", "MosaicML", "h100", _mpt(64862437376, 80, 8192, 2048, 4, "block"),
+     64, (2, 4), 42.57, 1039),
+    ("MPT-30B, 8 x A100, micro-batch 3 x 21, checkpointing", "MosaicML", "a100", _mpt(29975214080, 48, 7168, 504, 21, "block"),
+     8, (2, 4), 55.3, 916),
+    ("MPT-70B, 64 x A100, micro-batch 8 x 4, checkpointing, PURE", "MosaicML", "a100",
+     _mpt(64862437376, 80, 8192, 2048, 4, "block"), 64, (2, 2), 53.33, 410),
+    ("Llama 2 70B, 64 x A100, 2 x 4096 tokens, full checkpointing", "torchtitan", "a100",
+     dict(params=68714504192, state_params=68976648192, layers=80, d_model=8192, attn_width=8192, kv_width=1024, seq_len=4096,
+          global_batch=128, remat="block"), 64, (2, 4), 50.5, 353),
+    ("Llama 3 8B, 64 x A100, 1 x 8192 tokens, selective op checkpointing", "torchtitan", "a100",
+     dict(params=7504924672, state_params=8030261248, layers=32, d_model=4096, attn_width=4096, kv_width=1024, seq_len=8192,
+          global_batch=64, remat="dots"), 64, (2, 4), 58.2, 2973),
 ]
 
 
 def published_rows() -> list[str]:
     """The rows of docs/planning.md's comparison table, predicted from the formulas' traffic."""
     rows = []
-    for name, prof, n, layers, d, seq, batch, k, remat, gpus, (g, r), mfu, tps in PUBLISHED:
-        w = Workload(params=n, layers=layers, d_model=d, attn_width=d, seq_len=seq, global_batch=batch, remat=remat, accumulation=k)
+    for name, by, prof, shape, gpus, (g, r), mfu, tps in PUBLISHED:
+        w = Workload(**shape)
         mesh = {"replica": 1, "shard": gpus}
         pr = predict(w, formula_traffic(w, mesh, gather_bytes=g, reduce_bytes=r), load_profile(prof), mesh)
-        rows.append(f"| {name} | {mfu:.2f}% | {pr.mfu:.1%} | {(pr.mfu * 100 - mfu) / mfu:+.0%} | {tps:,} | "
-                    f"{pr.tokens_per_s_per_device:,.0f} | {pr.bottleneck} |")
+        tokens = pr.tokens_per_s_per_device
+        rows.append(f"| {name} | {by} | {tps:,} | {tokens:,.0f} | {(tokens - tps) / tps:+.0%} | {mfu:.2f}% | {pr.mfu:.1%} | "
+                    f"{pr.bottleneck} |")
     return rows
 
 
