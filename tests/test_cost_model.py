@@ -259,3 +259,14 @@ def test_plan_refuses_an_unknown_profile_before_compiling(capsys):
         with pytest.raises(SystemExit):
             plan.main(["--model", "gpt2-124m", "--mesh", "1x8", *flags])
         assert want in capsys.readouterr().err
+
+
+def test_a_mixture_of_experts_counts_the_active_experts():
+    from train.model import MoEConfig
+
+    cfg = MoEConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, n_experts=4, top_k=1,
+                    d_expert=16, scan=True)
+    w = Workload.of_config(cfg, global_batch=8)
+    # per layer 4 experts of 3 x 32 x 16 = 1536 parameters; a token multiplies 1 of them: 3 idle x 1536 x 2 layers
+    idle = 3 * 1536 * 2
+    assert w.state_params - w.params == idle + 64 * 32  # and the untied embedding table, a lookup

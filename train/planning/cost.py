@@ -103,7 +103,11 @@ class Workload:
     @classmethod
     def of_config(cls, cfg, *, global_batch: int, seq_len: int | None = None, remat: str = "block", accumulation: int = 1):
         """The workload of a ``train.models`` config (a preset of ``train.model.PLAN_PRESETS``): its
-        parameters counted on the abstract model (``nnx.eval_shape``: nothing allocated)."""
+        parameters counted on the abstract model (``nnx.eval_shape``: nothing allocated). For a
+        mixture of experts (a config with ``n_experts``, ``top_k``, ``d_expert``), ``params`` is what
+        one token multiplies: ``top_k`` of the ``n_experts`` SwiGLU experts of every layer
+        (``3 d d_expert`` each), the training FLOPs ``6 N_active`` of Switch Transformer
+        (Fedus et al. 2021, arXiv 2101.03961, section 2); ``state_params`` keeps every expert."""
         import jax
         from flax import nnx
 
@@ -114,7 +118,8 @@ class Workload:
         model = nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))
         total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         q = head_size(cfg)
-        return cls(params=multiplying_params(model), layers=cfg.n_layers, d_model=cfg.d_model, attn_width=cfg.n_heads * q,
+        idle = (cfg.n_experts - cfg.top_k) * 3 * cfg.d_model * cfg.d_expert * cfg.n_layers if hasattr(cfg, "n_experts") else 0
+        return cls(params=multiplying_params(model) - idle, layers=cfg.n_layers, d_model=cfg.d_model, attn_width=cfg.n_heads * q,
                    seq_len=seq_len or cfg.seq_len, global_batch=global_batch, remat=remat, accumulation=accumulation,
                    kv_width=getattr(cfg, "n_kv_heads", cfg.n_heads) * q, state_params=total)
 
