@@ -168,6 +168,9 @@ def axis_link(axis: str, mesh: dict, profile: Profile, devices_per_node: int | N
 
     Returns:
       ``{"axes", "size", "nodes", "members_per_node", "crosses_nodes", "bandwidth"}`` (bytes/s).
+
+    Raises:
+      ValueError: ``axis`` names an axis ``mesh`` does not have.
     """
     dpn = devices_per_node or profile.devices_per_node
     names = _axes_of(axis, mesh)

@@ -18,7 +18,11 @@ __all__ = ["plan_prediction", "train_command"]
 
 
 def train_command(model: str, mesh: dict, strategy: str, batch: int, seq: int, remat: str, accumulation: int = 1) -> str:
-    """The ``python -m train`` command line of a configuration (``--mesh RxS[xT]``, ``--context C``)."""
+    """The ``python -m train`` command line of a configuration (``--mesh RxS[xT]``, ``--context C``).
+
+    ``model`` is the plan's preset name: ``python -m train --model`` takes the trainer's presets
+    (``train.model.MODEL_PRESETS``), so the line runs as is for those; a ``PLAN_PRESETS`` model
+    needs the trainer to take it too."""
     shape = f"{mesh.get('replica', 1)}x{mesh.get('shard', 1)}" + (f"x{mesh['tensor']}" if mesh.get("tensor", 1) > 1 else "")
     parts = [f"python -m train --model {model} --mesh {shape}"]
     if mesh.get("context", 1) > 1:
