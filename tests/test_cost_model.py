@@ -270,3 +270,15 @@ def test_a_mixture_of_experts_counts_the_active_experts():
     # per layer 4 experts of 3 x 32 x 16 = 1536 parameters; a token multiplies 1 of them: 3 idle x 1536 x 2 layers
     idle = 3 * 1536 * 2
     assert w.state_params - w.params == idle + 64 * 32  # and the untied embedding table, a lookup
+
+
+def test_calibrate_writes_a_profile_that_loads(tmp_path, capsys):
+    from train.planning import calibrate
+
+    out = tmp_path / "cpu.toml"
+    assert calibrate.main(["--rounds", "1", "--size", "64", "--collective-mib", "0.25", "--copy-mib", "0.25", "--out", str(out)]) == 0
+    p = load_profile(out)
+    assert p.name == "cpu" and p.devices_per_node == 8 and not p.async_collectives and p.matmul_fraction == 1.0
+    assert p.peak_flops > 0 and p.intra_node_bandwidth == p.inter_node_bandwidth > 0 and p.hbm_bandwidth > 0
+    assert p.sources["peak_flops"].startswith("measured ") and "calibrate --rounds 1 --size 64 --collective-mib 0.25 --copy-mib 0.25 (" in p.sources["peak_flops"]
+    assert f"wrote {out}" in capsys.readouterr().out

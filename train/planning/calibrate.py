@@ -141,12 +141,16 @@ def main(argv=None) -> int:
             p.error(f"--devices {args.devices}: JAX runs already with {len(jax.devices())} devices")
     m = calibrate(args.devices, rounds=args.rounds, size=args.size, collective_mib=args.collective_mib, copy_mib=args.copy_mib)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    command = "python -m train.planning.calibrate" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])
-                                                            if not str(a).endswith(".toml"))
+    given = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    given = [a for i, a in enumerate(given) if a != "--out" and (i == 0 or given[i - 1] != "--out") and not a.startswith("--out=")]
+    command = " ".join(["python -m train.planning.calibrate", *given])  # where it was written is no part of the measurement
     prof = profile_of(m, command, date)
-    out = write_profile(prof, args.out or profile_dir() / "cpu.toml",
-                        comment=f"This machine as the cost model sees it: {prof.description}.\nWritten by {command} on {date}; "
-                        "rerun it to measure again. Units: FLOP/s, bytes, bytes/s (per device).")
+    target = args.out or profile_dir() / "cpu.toml"
+    try:
+        out = write_profile(prof, target, comment=f"This machine as the cost model sees it: {prof.description}.\nWritten by "
+                            f"{command} on {date}; rerun it to measure again. Units: FLOP/s, bytes, bytes/s (per device).")
+    except OSError as e:
+        p.error(f"cannot write the profile to {target}: {e.strerror}; give --out FILE.toml (train.plan --profile FILE.toml reads it)")
     print(f"matmul {m['peak_flops'] / 1e9:.2f} GFLOP/s, all-gather {m['all_gather'] / 1e9:.3f} GB/s, reduce-scatter "
           f"{m['reduce_scatter'] / 1e9:.3f} GB/s, copy {m['hbm_bandwidth'] / 1e9:.2f} GB/s per device "
           f"({args.devices} devices, medians of {args.rounds} rounds)")
