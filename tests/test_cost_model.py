@@ -100,6 +100,16 @@ def test_predict_each_term_by_hand(toy):
     assert sync.step_s == pytest.approx(F + B + 0.08 + 0.1 + 0.007) and sync.exposed_s == sync.comm_s
 
 
+def test_accumulation_leaves_the_replica_all_reduce_after_the_loop(toy):
+    # 4 micro-batches: HYBRID_SHARD all-reduces the accumulated shard over replica once, after the backward
+    # (zshard.ReplicaReduce.PER_STEP): its 0.1 s exposed whole; the shard traffic still pipelines over 40 units
+    w = Workload(**{**W.__dict__, "accumulation": 4})
+    pr = predict(w, TRAFFIC, toy(), MESH, strategy="HYBRID_SHARD")
+    assert pr.exposed_s["replica"] == pytest.approx(0.1)
+    assert pr.exposed_s["shard"] == pytest.approx(0.02 / 40 + 0.06 / 40)  # forward and backward pipelines, one unit each
+    assert pr.step_s == pytest.approx(pr.compute_s + 0.1 + 0.002 + pr.memory_s)
+
+
 def test_bottleneck_names_the_axis_or_memory(toy):
     slow = predict(W, TRAFFIC, toy(inter="1e6"), MESH, strategy="HYBRID_SHARD")  # 1e9 bytes at 1 MB/s: 1000 s
     assert slow.bottleneck == "replica" and slow.exposed_s["replica"] > 900

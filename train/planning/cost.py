@@ -24,7 +24,7 @@ A step is three phases on each device (docs/planning.md, "Predicted step time"):
 - **optimizer**: memory-bound: the optimizer reads the parameters, gradients and moments and
   writes the parameters and moments (``2 * state + gradients`` bytes) at the HBM bandwidth, plus
   the collectives that run after the backward (SHARD_OPT's and HYBRID_SHARD_OPT's all-gather of the
-  updated parameters).
+  updated parameters; with accumulation, the cross-replica all-reduce of the accumulated gradient).
 
 Not modelled: pipeline parallelism, kernel-level effects (non-matmul time, attention kernels
 slower than GEMMs, launch overheads), collective latency (small messages), host offload traffic.
@@ -200,13 +200,19 @@ def collective_seconds(kind: str, axis: str, sent_bytes: float, mesh: dict, prof
     return sent_bytes / link["bandwidth"]
 
 
-def phase_of(kind: str, axis: str, strategy: str) -> str:
+def phase_of(kind: str, axis: str, strategy: str, accumulation: int = 1) -> str:
     """When a collective runs and what can hide it: ``"gather"`` (parameter all-gathers: behind the
     forward and backward compute), ``"backward"`` (gradient reductions: behind the backward),
-    ``"critical"`` (tensor, context, expert: exposed), ``"optimizer"`` (after the backward: exposed)."""
+    ``"critical"`` (tensor, context, expert: exposed), ``"optimizer"`` (after the backward: exposed).
+
+    With ``accumulation > 1`` the cross-replica all-reduce of HYBRID_SHARD, HYBRID_SHARD_ZERO2,
+    NO_SHARD and SHARD_OPT runs once, after the micro-batches (``zshard.ReplicaReduce.PER_STEP``):
+    ``"optimizer"``."""
     names = set(axis.split("+"))
     if names & {"tensor", "expert"} or names == {"context"}:  # "context (parameters)": the parameters' own collectives
         return "critical"
+    if kind == "all-reduce" and accumulation > 1 and strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "NO_SHARD", "SHARD_OPT"):
+        return "optimizer"  # the accumulated gradient, all-reduced once per step
     if kind == "all-gather":
         if strategy == "SHARD_OPT" or (strategy == "HYBRID_SHARD_OPT" and names == {"replica"}):
             return "optimizer"  # the updated parameters, gathered after the optimizer's update
@@ -370,7 +376,7 @@ def predict(w: Workload, traffic: list[dict], profile: Profile, mesh: dict, *, s
         link = links.setdefault(t["axis"], axis_link(t["axis"], mesh, profile, devices_per_node))
         s = collective_seconds(t["kind"], t["axis"], t["bytes"], mesh, profile, devices_per_node)
         comm_s[t["axis"]] = comm_s.get(t["axis"], 0.0) + s
-        phase = phase_of(t["kind"], t["axis"], strategy)
+        phase = phase_of(t["kind"], t["axis"], strategy, w.accumulation)
         where = "inter" if link["crosses_nodes"] else "intra"
         if phase in ("gather", "backward") and not profile.async_collectives:
             phase = "critical"  # collectives that never overlap compute (XLA:CPU): exposed whole
