@@ -78,6 +78,7 @@ def test_plan_cli_reports_and_gives_a_verdict(tmp_path):
     n = 124_439_808 - 12 * 2304 - (1024 - 64) * 768
     assert f"HYBRID_SHARD on 2x4 ({n:,} parameters, remat=block, grad_accum=1)" in out.stdout
     assert "FITS" in out.stdout and "DOES NOT FIT" not in out.stdout
+    assert summary["prediction"]["profile"] == "cpu" and "predicted on cpu: " in out.stdout and summary["micro_batch"] == 1
     # the quantized formats (docs/quantized.md), per axis against the formula
     assert "gather int8/256, reduce float32 |" in out.stdout, out.stdout[-3000:]
     assert re.search(r"\| replica \| [0-9.]+ \| [0-9.]+ \| (0\.99|1\.0)\d+ \| reduce int8/256 \|", out.stdout), out.stdout[-3000:]
@@ -177,6 +178,7 @@ def test_plan_h100_json_and_hlo(h100_plan):
     tokens = TINY.seq_len  # one sequence per device
     assert 6 * (blocks + TINY.vocab_size * TINY.d_model) * tokens <= summary["flops"] <= 12 * (blocks + TINY.vocab_size * TINY.d_model) * tokens + 1e7
     assert f"attention: {summary['attention']['kernel']}" in out and "collectives in the program" in out
+    assert summary["prediction"]["profile"] == "h100" and "predicted on h100: " in out and summary["step_s"] > 0
 
 
 def test_plan_h100_peer(h100_plan):
@@ -222,7 +224,12 @@ def test_plan_without_the_cuda_plugin_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(plan, "cuda_plugin", lambda: False)
     out, summary, _ = _plan(monkeypatch, tmp_path, "--target", "h200", "--mesh", "1x2", "--seq-len", "16")
     assert "--target h200: jax's CUDA plugin is not installed (the cuda12 extra): compiling on 2 emulated CPU devices" in out
-    assert summary["target"] == "cpu" and summary["mesh"] == {"replica": 1, "shard": 2}
+    assert summary["target"] == "cpu" and summary["mesh"] == {"replica": 1, "shard": 2, "tensor": 1, "context": 1}
+    # the prediction is on the target asked for (train/planning), from the CPU program's collectives
+    assert summary["prediction"]["profile"] == "h200" and "predicted on h200 (collective bytes from the cpu program)" in out
+    assert summary["step_s"] > 0 and 0 < summary["mfu"] < 1 and summary["compiled"] and summary["fits"]
+    assert summary["command"] == "python -m train --model tiny-llama --mesh 1x2 --strategy FULL_SHARD --batch-size 2 " \
+        "--seq-len 16 --remat block"
     assert summary["attention"]["kernel"] == "xla" and summary["memory"]["temp"] > 0
 
 

@@ -54,6 +54,8 @@ from flax import nnx
 import zshard
 from train.devices import emulate_devices
 from train.model import PLAN_PRESETS, build_model, cross_entropy_loss, tensor_plan, units_with_ends
+from train.planning.profiles import load_profile
+from train.planning.single import plan_prediction
 from train.plan_gpu import (TARGET_MEMORY_GB, TARGETS, compile_peer, cuda_plugin, program_summary, side_by_side,
                             target_devices, write_json)
 
@@ -123,6 +125,12 @@ def _parse(argv):
                    help="also compile the same model and batch as jax.jit with FSDP shardings (the benchmark's FSDP-compiler "
                    "peer, same remat and precision) and print both side by side")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also compile every strategy and plot per-device memory side by side")
+    p.add_argument("--profile", default=None, metavar="NAME|FILE.toml",
+                   help="hardware profile of the predicted step time (train/planning/profiles: a100, cpu, h100, h200, or a "
+                   "TOML file such as python -m train.planning.calibrate --out writes); default: the --target's")
+    p.add_argument("--devices-per-node", type=int, default=None, metavar="N",
+                   help="devices per node for the predicted step time (which mesh axes cross nodes); default: the "
+                   "--target profile's (8 GPUs; the CPU: all emulated devices)")
     return p, p.parse_args(argv)
 
 
@@ -155,12 +163,17 @@ def main(argv=None) -> int:
         parser.error(f"--strategy: {e}")
     if (not gpu or fallback) and len(jax.devices()) < world:
         parser.error(f"--mesh {mesh_name} needs {world} devices, JAX sees {len(jax.devices())}")
+    try:
+        load_profile(args.profile or args.target)  # an unknown profile is refused before compiling
+    except ValueError as e:
+        parser.error(f"--profile: {e}")
     cfg = PLAN_PRESETS[args.model]
     try:
         tp_plan = tensor_plan(cfg, tensor)  # {} when tensor == 1
     except ValueError as e:
         parser.error(f"--mesh {mesh_name}: {e}")
-    for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size), ("--device-memory-gb", args.device_memory_gb)):
+    for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size), ("--device-memory-gb", args.device_memory_gb),
+                        ("--devices-per-node", args.devices_per_node)):
         if value is not None and not value > 0:
             parser.error(f"{flag} {value}: must be positive")
     seq = cfg.seq_len if args.seq_len is None else args.seq_len
@@ -250,6 +263,13 @@ def main(argv=None) -> int:
                "compile_s": seconds, "fits": peak <= budget, "device_memory_gb": memory_gb,
                **program_summary(compiled, mesh, target=target, **geometry)}
     _program_lines(summary)
+    try:  # the predicted step on --target's profile (train/planning): the top-level fields of issue 51's candidates
+        summary.update(plan_prediction(rep, cfg, model=args.model, target=args.profile or args.target, mesh_shape=dict(mesh.shape),
+                                       batch=batch, seq=seq, peak_bytes=peak, budget_bytes=budget,
+                                       devices_per_node=args.devices_per_node))
+    except ValueError as e:
+        parser.error(str(e))
+    _prediction_line(summary)
     if args.peer:
         c, peer_mesh, peer_s = compile_peer(cfg, devices, dict(mesh.shape), batch, seq, optax.adamw(1e-4), remat=args.remat,
                                             compute_dtype=mp.param_dtype if mp is not None else None, build=build)
@@ -303,6 +323,14 @@ def main(argv=None) -> int:
         fig.savefig(args.plot, dpi=120)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _prediction_line(summary: dict) -> None:
+    """Print the predicted step time of the plan (train/planning/cost.py's model)."""
+    target = summary["prediction"]["profile"]
+    cut = "" if summary["target"] == target else f" (collective bytes from the {summary['target']} program)"
+    print(f"predicted on {target}{cut}: {summary['step_s']:.3g} s per step, {summary['tokens_per_s_per_device']:,.0f} tokens/s "
+          f"per device, MFU {summary['mfu']:.1%}, bottleneck {summary['bottleneck']} (docs/planning.md)")
 
 
 def _program_lines(summary: dict) -> None:
