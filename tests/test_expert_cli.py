@@ -70,3 +70,23 @@ def test_expert_count_not_divided_is_refused(capsys, tmp_path):
                             "--expert", "8", "--batch-size", "8", "--seq-len", "8", "--out", str(tmp_path / "run")])
     assert "mesh.expert (--expert) 8: expert=8 does not divide the experts (n_experts = 4)" in err, err
     assert "use expert = 2, 4" in err, err
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--model", "llama-1b", "--mesh", "1x4", "--expert", "2"],
+     "--expert 2 (--model llama-1b): expert=2: LlamaConfig has no experts"),
+    (["--model", "qwen3-30b-a3b", "--mesh", "1x1", "--expert", "3"],
+     "--expert 3 (--model qwen3-30b-a3b): expert=3 does not divide the experts (n_experts = 128)"),
+    (["--model", "qwen3-30b-a3b", "--mesh", "1x4", "--expert", "0"], "--expert 0: must be a positive number of devices"),
+    (["--model", "deepseek-v3", "--mesh", "1x2", "--expert", "2", "--batch-size", "2"],
+     "--batch-size 2 must divide by the 4 data devices of the 1x2, expert 2 mesh"),
+    (["--model", "qwen3-30b-a3b", "--mesh", "1x2", "--expert", "2", "--peer"], "without --tensor / --context / --expert"),
+])
+def test_plan_refuses_before_compiling(capsys, argv, want):
+    """``python -m train.plan --expert X`` (in this process: argparse exits with status 2, nothing compiled)."""
+    from train import plan  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as e:
+        plan.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and want in err, err[-1000:]
