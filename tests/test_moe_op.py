@@ -280,7 +280,7 @@ def test_zoo_moe_layer_over_expert_equals_one_device():
     specs = jax.tree.map(lambda v: P("expert") if v.ndim == 3 else P(), state)  # w_gate_up, w_down: [E, ...]
     run = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=_mesh(2), in_specs=(specs, P("expert")),
                         out_specs=P("expert"))
-    (y, (counts, probs)), (y1, (counts1, probs1)) = jax.jit(run)(state, x), jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+    (y, (counts, probs, *_)), (y1, (counts1, probs1, *_)) = jax.jit(run)(state, x), jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y1), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(counts1))
     np.testing.assert_allclose(np.asarray(probs), np.asarray(probs1), rtol=1e-6, atol=1e-6)

@@ -39,7 +39,7 @@ def config(r: ConfigReader) -> MoEConfig:
         **decoder_fields(r), rope_theta=theta, rope_scaling=scaling, tie_embeddings=bool(r.get("tie_word_embeddings", False)),
         sliding_window=window, n_experts=int(experts), top_k=int(r.need("num_experts_per_tok")),
         d_expert=int(r.need("moe_intermediate_size")), norm_topk_prob=bool(r.get("norm_topk_prob", False)),
-        router_aux_coef=float(r.get("router_aux_loss_coef", 0.001)),
+        router_aux_coef=float(r.get("router_aux_loss_coef", 0.001)), router_z_loss_coef=float(r.get("router_z_loss_coef", 0.0)),
     )
 
 
@@ -68,10 +68,13 @@ def tensors(mc: MoEConfig, names=None) -> dict[str, Map]:
 def hf_config(mc: MoEConfig) -> dict:
     out = decoder_config(mc)
     out.update({
+        "architectures": [MODEL_TYPES["qwen3_moe"]],
         "rope_parameters": hf_rope(mc.rope_theta, mc.rope_scaling), "hidden_act": "silu", "attention_bias": False,
         "use_sliding_window": mc.sliding_window is not None, "sliding_window": mc.sliding_window,
         "num_experts": mc.n_experts, "num_experts_per_tok": mc.top_k, "moe_intermediate_size": mc.d_expert,
         "norm_topk_prob": mc.norm_topk_prob, "router_aux_loss_coef": mc.router_aux_coef, "decoder_sparse_step": 1,
         "mlp_only_layers": [], "output_router_logits": False,
     })
+    if mc.router_z_loss_coef:  # not a Qwen3-MoE key (transformers keeps it as an attribute); ours reads it back
+        out["router_z_loss_coef"] = mc.router_z_loss_coef
     return out
