@@ -101,7 +101,11 @@ CASES = {
     "full-1x2x4-accum-clip": ("FULL_SHARD", (1, 2, 4), 2, CLIP),
     "hybrid-2x2x2-accum-clip": ("HYBRID_SHARD", (2, 2, 2), 2, CLIP),
     "hybrid-2x1x4-clip": ("HYBRID_SHARD", (2, 1, 4), 1, CLIP),
+    # the gathered weights kept from forward to backward: FULL_SHARD's and HYBRID_SHARD's reductions
+    "zero2-1x4x2-accum": ("SHARD_GRAD_OP", (1, 4, 2), 2, None),
+    "hybrid-zero2-2x2x2-clip": ("HYBRID_SHARD_ZERO2", (2, 2, 2), 1, CLIP),
 }
+REPEATED = ("zero2-1x4x2-accum", "hybrid-zero2-2x2x2-clip")  # the paths of the four above: -m exhaustive
 
 
 @pytest.fixture(scope="module")
@@ -113,19 +117,25 @@ def references():
     }
 
 
-@pytest.fixture(scope="module")
-def runs():
-    """Each case trained once (shared by the numbers and the compiled-program tests)."""
-    out = {}
-    for name, (strategy, (r, s, x), accum, clip) in CASES.items():
+class _Runs(dict):
+    """Each case trained once, when a test first asks for it (shared by the numbers and the
+    compiled-program tests)."""
+
+    def __missing__(self, name):
+        strategy, (r, s, x), accum, clip = CASES[name]
         state0 = zshard.init(make, tx(), zshard.make_mesh(r, s, expert=x), strategy=strategy, expert_parallel=PLAN)
         step = zshard.make_train_step(mse, prefetch=1, grad_accum=accum, clip_norm=clip)
         state, losses, norms = run_steps(step, state0, DATA)
-        out[name] = types.SimpleNamespace(state=state, step=step, losses=losses, norms=norms, clip=clip)
-    return out
+        self[name] = types.SimpleNamespace(state=state, step=step, losses=losses, norms=norms, clip=clip)
+        return self[name]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.fixture(scope="module")
+def runs():
+    return _Runs()
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.exhaustive) if n in REPEATED else n for n in CASES])
 def test_expert_parallel_trains_like_one_device(name, runs, references):
     """Losses, gradient norms (before clipping: each expert counted once) and every parameter after
     3 Adam steps equal the single-device run within 1e-5 (fp32), with accumulation and clipping."""
@@ -294,6 +304,13 @@ def test_bad_expert_input_is_refused_before_compiling(mesh_kw, init_kw, match):
     model, opt = kw.pop("model", make), kw.pop("tx", tx())
     with pytest.raises(ValueError, match=match):
         zshard.init(model, opt, zshard.make_mesh(mesh_kw[0], mesh_kw[1], expert=mesh_kw[2]), abstract=True, **kw)
+
+
+def test_hpz_with_experts_is_refused_before_compiling(runs):
+    """ZeRO++ hpZ's secondary partition does not know expert groups: refused when the step is traced."""
+    run = runs["full-2x2x2"]
+    with pytest.raises(ValueError, match=r"hpz=True .* with expert parallelism .* not supported"):
+        zshard.make_train_step(mse, hpz=True).trace(run.state, DATA[0])
 
 
 def test_make_mesh_refuses_unsupported_expert_meshes():
