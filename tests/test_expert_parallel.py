@@ -363,3 +363,21 @@ def test_make_mesh_expert_axis():
     assert axes.expert_enabled and axes.data_axes == ("replica", "shard", "expert") and axes.world == 8
     assert axes.with_context(("replica", "shard")) == ("replica", "shard", "expert")
     assert zshard.make_mesh(1, 8, expert=1).axis_names == ("replica", "shard")
+
+
+def test_scanned_experts_train_like_one_device():
+    """The stacked blocks (``nnx.vmap`` + ``nnx.scan``, expert parameters ``[L, E, ...]``, each scan
+    iteration gathering one layer's ``E/X`` experts over ``shard``) on FULL_SHARD 1x4x2 with
+    accumulation: losses, norms and parameters equal one device within 1e-5. SGD: this model's
+    router has a gradient element that is zero up to rounding, which Adam turns into a step of
+    +-lr on any mesh (1x8 without experts as well: 9.2e-4 relative on the router, measured)."""
+    build = lambda: Stacked(nnx.Rngs(0))  # noqa: E731
+    sgd = optax.sgd(1e-3)
+    want = reference_run(build, sgd, mse, DATA)
+    state = zshard.init(build, sgd, zshard.make_mesh(1, 4, expert=2), expert_parallel={"blocks.w_*": 0})
+    state, losses, norms = run_steps(zshard.make_train_step(mse, grad_accum=2), state, DATA)
+    np.testing.assert_allclose(losses, want.losses, rtol=1e-5)
+    np.testing.assert_allclose(norms, want.grad_norms, rtol=1e-5)
+    got = flat_params(zshard.unshard(state))
+    for path, ref in want.params.items():
+        assert rel_l2(got[path], ref) <= 1e-5, (path, rel_l2(got[path], ref))
