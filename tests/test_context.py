@@ -379,7 +379,7 @@ def test_train_models_equal_one_device(name, strategy, shape):
         assert rel_l2(np.asarray(flat[path].get_value()), ref) <= 1e-5, path
 
 
-def test_plan_cli_with_a_context_axis():
+def test_plan_cli_with_a_context_axis(capsys):
     """``python -m train.plan --context C``: the scanned GPT-2 preset's step on 1 x 2 x 2 emulated devices; its
     ``context`` row measured = formula (calls in a scanned unit counted once per layer, not again when the scan is
     differentiated); a sequence that does not split into 2C chunks refused before compiling."""
@@ -394,8 +394,12 @@ def test_plan_cli_with_a_context_axis():
     row = re.search(r"^\| context \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|(?: [^|]* \|)?$", out.stdout, re.M)  # (+ moves)
     assert row and float(row.group(1)) > 0 and row.group(3) == "1.0000", out.stdout[-2500:]
     assert "each sequence split over context 2 (32 tokens per device)" in out.stdout and "FITS" in out.stdout
-    bad = subprocess.run(base + ["--seq-len", "62"], cwd=root, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--seq-len 62 must divide by 2 x --context = 4" in bad.stderr, bad.stderr[-500:]
+    from train import plan  # noqa: PLC0415  (refused before compiling: in this process, no second interpreter)
+
+    with pytest.raises(SystemExit) as e:
+        plan.main(base[3:] + ["--seq-len", "62"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--seq-len 62 must divide by 2 x --context = 4" in err, err[-500:]
 
 
 # --- python -m train --context C ------------------------------------------------------------------------
