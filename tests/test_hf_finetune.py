@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT
-from test_hf import FAMILIES, FIXTURES, _state, forward, plain_model
+from test_hf import FAMILIES, FIXTURES, SAME_CLASS, _state, forward, plain_model
 from test_train import run
 from train.generate import generate, generate_local
 from train.model import from_hf, init_cache
@@ -40,9 +40,7 @@ def tokens(tmp_path_factory):
 # Llama with another configuration (rope scaling, q/k/v biases, a sliding window, qwen3's q/k norms):
 # the same fine-tuning path as llama (train.models.Llama); gemma2 is gemma3's (train.models.Gemma, its
 # logit soft-capping a configuration). Their numbers are the other tests' in this file and
-# tests/test_hf.py; these cases are -m exhaustive.
-LLAMA_LIKE = ("llama3", "qwen2", "mistral", "qwen3")
-SAME_CLASS = (*LLAMA_LIKE, "gemma2")
+# tests/test_hf.py; these cases (tests/test_hf.py's SAME_CLASS) are -m exhaustive.
 
 
 def by_class(names):
