@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -223,14 +221,15 @@ def test_distributed_section_complete_is_accepted():
         (["--config", "{missing}"], "no such file"),
     ],
 )
-def test_main_refuses_bad_config_with_status_2_and_writes_nothing(tmp_path, args, needle):
+def test_main_refuses_bad_config_with_status_2_and_writes_nothing(tmp_path, capsys, args, needle):
+    """python -m train's checks in this process (tests/test_train.py's ``refused``: exit 2, one line)."""
+    from test_train import refused  # noqa: PLC0415
+
     bad = write(tmp_path, "[training]\nstepz = 3\n")
     out = tmp_path / "run"
     argv = [a.replace("{bad}", str(bad)).replace("{missing}", str(tmp_path / "missing.toml")) for a in args]
-    res = subprocess.run([sys.executable, "-m", "train", *argv, "--out", str(out), "--model", "nano"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert needle in res.stderr, res.stderr[-2000:]
+    err = refused([*argv, "--out", str(out), "--model", "nano"], capsys)
+    assert needle in err, err[-2000:]
     assert not out.exists()
 
 

@@ -218,18 +218,21 @@ def test_training_equals_one_device(strategy, shape, impl, remat, window, segmen
 
 def test_eval_step_gives_the_single_device_loss():
     ref = make()()
-    want = [float(loss_fn(ref, jax.tree.map(jnp.asarray, b))) for b in batches(2, weight=True)]
+    # jitted (one program per batch shape): op by op, the single-device loss and forward compiled
+    # each operation apart, most of this test's time
+    one_loss, one_forward = nnx.jit(loss_fn), nnx.jit(lambda model, tok: model(tok))
+    want = [float(one_loss(ref, jax.tree.map(jnp.asarray, b))) for b in batches(2, weight=True)]
     state = zshard.init(ref, optax.adamw(1e-3), mesh(1, 4, 2), strategy="FULL_SHARD")
     split = zshard.make_eval_step(loss_fn, sequence_axis={"tokens": 1, "targets": 1, "weight": None})
     rows = zshard.make_eval_step(loss_fn)  # no sequence axis: the rows over context too, whole sequences
     for b, w in zip(batches(2, rows=8, weight=True)[:0] or batches(2, weight=True), want):
         assert float(split(state, b)["loss"]) == pytest.approx(w, rel=1e-6)
     eight = batches(1, rows=8, weight=True)[0]
-    assert float(rows(state, eight)["loss"]) == pytest.approx(float(loss_fn(ref, jax.tree.map(jnp.asarray, eight))), rel=1e-6)
+    assert float(rows(state, eight)["loss"]) == pytest.approx(float(one_loss(ref, jax.tree.map(jnp.asarray, eight))), rel=1e-6)
     # generation's forward: rows over every data axis (R S C), each device whole sequences
     fwd = zshard.make_forward(lambda model, tok: model(tok))
     tok = batches(1, rows=8)[0]["tokens"]
-    np.testing.assert_allclose(np.asarray(fwd(state, tok)), np.asarray(ref(jnp.asarray(tok))), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(fwd(state, tok)), np.asarray(one_forward(ref, jnp.asarray(tok))), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"must divide by the 8 devices"):
         fwd(state, tok[:4])
 
@@ -376,7 +379,7 @@ def test_train_models_equal_one_device(name, strategy, shape):
         assert rel_l2(np.asarray(flat[path].get_value()), ref) <= 1e-5, path
 
 
-def test_plan_cli_with_a_context_axis():
+def test_plan_cli_with_a_context_axis(capsys):
     """``python -m train.plan --context C``: the scanned GPT-2 preset's step on 1 x 2 x 2 emulated devices; its
     ``context`` row measured = formula (calls in a scanned unit counted once per layer, not again when the scan is
     differentiated); a sequence that does not split into 2C chunks refused before compiling."""
@@ -391,8 +394,12 @@ def test_plan_cli_with_a_context_axis():
     row = re.search(r"^\| context \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|(?: [^|]* \|)?$", out.stdout, re.M)  # (+ moves)
     assert row and float(row.group(1)) > 0 and row.group(3) == "1.0000", out.stdout[-2500:]
     assert "each sequence split over context 2 (32 tokens per device)" in out.stdout and "FITS" in out.stdout
-    bad = subprocess.run(base + ["--seq-len", "62"], cwd=root, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--seq-len 62 must divide by 2 x --context = 4" in bad.stderr, bad.stderr[-500:]
+    from train import plan  # noqa: PLC0415  (refused before compiling: in this process, no second interpreter)
+
+    with pytest.raises(SystemExit) as e:
+        plan.main(base[3:] + ["--seq-len", "62"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--seq-len 62 must divide by 2 x --context = 4" in err, err[-500:]
 
 
 # --- python -m train --context C ------------------------------------------------------------------------

@@ -162,13 +162,8 @@ def train(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("suffix,dtype,vocab", [(".bin", "uint32", 70_000), (".npy", "uint16", 300)])
-def test_token_file_trains_with_its_vocabulary(tmp_path, suffix, dtype, vocab):
-    path = write_tokens(tmp_path / f"tokens{suffix}", pattern(6_000, vocab), dtype)
-    out = tmp_path / "run"
-    extra = ["--token-dtype", dtype] if suffix == ".bin" else []
-    res = train(*SMALL, "--steps", "6", "--lr", "0.01", "--eval-every", "0", "--data", str(path), "--vocab-size", str(vocab),
-                *extra, "--out", str(out))
+def _assert_trained_with_vocabulary(res, out, vocab: int, steps: int):
+    """A finished ``python -m train`` run on a token file of ``vocab`` ids (6,000 tokens, ``SMALL``)."""
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"]["config"]["vocab_size"] == vocab
@@ -178,10 +173,21 @@ def test_token_file_trains_with_its_vocabulary(tmp_path, suffix, dtype, vocab):
     weights = load_file(out / "model.safetensors")
     assert any(w.shape[0] == vocab and w.ndim == 2 for k, w in weights.items() if "wte" in k), {k: w.shape for k, w in weights.items()}
     lines = (out / "samples.txt").read_text().splitlines()
-    assert lines[0] == "=== step 6: 6 tokens after a 8-token prompt, temperature 0.8 (token ids) ==="
+    assert lines[0] == f"=== step {steps}: 6 tokens after a 8-token prompt, temperature 0.8 (token ids) ==="
     prompt, sample = (list(map(int, line.split(": ")[1].split())) for line in lines[1:3])
     assert len(prompt) == 8 and len(sample) == 6 and all(0 <= t < vocab for t in prompt + sample)
     assert "nats/token" in res.stderr.splitlines()[-1]
+
+
+def test_token_file_trains_with_its_vocabulary(tmp_path):
+    """A .bin of uint32 ids above 65535 (--token-dtype): the model's vocabulary is the file's. (A .npy
+    of uint16 ids, vocabulary 300: test_token_file_resume_is_bitwise's first run, one run fewer.)"""
+    vocab = 70_000
+    path = write_tokens(tmp_path / "tokens.bin", pattern(6_000, vocab), "uint32")
+    out = tmp_path / "run"
+    res = train(*SMALL, "--steps", "6", "--lr", "0.01", "--eval-every", "0", "--data", str(path), "--vocab-size", str(vocab),
+                "--token-dtype", "uint32", "--out", str(out))
+    _assert_trained_with_vocabulary(res, out, vocab, 6)
 
 
 def _losses(out):
@@ -190,13 +196,15 @@ def _losses(out):
 
 def test_token_file_resume_is_bitwise(tmp_path):
     """8 steps straight (checkpoints 4 and 8) == the same run resumed from checkpoint 4: the same
-    metrics.jsonl losses bit for bit (the Grain iterator's position comes back from the checkpoint)."""
-    path = write_tokens(tmp_path / "tokens.bin", pattern(6_000, 1_000), "uint16")
+    metrics.jsonl losses bit for bit (the Grain iterator's position comes back from the checkpoint).
+    The file is a .npy of uint16 ids, vocabulary 300: the first run is also the .npy case of
+    test_token_file_trains_with_its_vocabulary (the model's vocabulary is the file's)."""
+    path = write_tokens(tmp_path / "tokens.npy", pattern(6_000, 300), "uint16")
     out = tmp_path / "run"
-    args = [*SMALL, "--steps", "8", "--eval-every", "4", "--data", str(path), "--vocab-size", "1000", "--ckpt-every", "4",
-            "--out", str(out)]
+    args = [*SMALL, "--steps", "8", "--lr", "0.01", "--eval-every", "4", "--data", str(path), "--vocab-size", "300",
+            "--ckpt-every", "4", "--out", str(out)]
     res = train(*args)
-    assert res.returncode == 0, res.stderr[-3000:]
+    _assert_trained_with_vocabulary(res, out, 300, 8)
     want = _losses(out)
     assert [s for s, loss, _ in want if loss is not None] == list(range(1, 9))
     shutil.rmtree(out / "checkpoints" / "8")

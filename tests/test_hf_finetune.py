@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT
-from test_hf import FAMILIES, FIXTURES, _state, forward, plain_model
+from test_hf import FAMILIES, FIXTURES, SAME_CLASS, _state, forward, plain_model
 from test_train import run
 from train.generate import generate, generate_local
 from train.model import from_hf, init_cache
@@ -37,12 +37,18 @@ def tokens(tmp_path_factory):
     return path
 
 
-# Llama with another configuration (rope scaling, q/k/v biases, a sliding window): the same
-# fine-tuning path as llama; their numbers are the other tests' in this file and tests/test_hf.py
-LLAMA_LIKE = ("llama3", "qwen2", "mistral")
+# Llama with another configuration (rope scaling, q/k/v biases, a sliding window, qwen3's q/k norms):
+# the same fine-tuning path as llama (train.models.Llama); gemma2 is gemma3's (train.models.Gemma, its
+# logit soft-capping a configuration). Their numbers are the other tests' in this file and
+# tests/test_hf.py; these cases (tests/test_hf.py's SAME_CLASS) are -m exhaustive.
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.exhaustive) if n in LLAMA_LIKE else n for n in FAMILIES])
+def by_class(names):
+    """``names`` as pytest params, the families whose class another family already takes -m exhaustive."""
+    return [pytest.param(n, marks=pytest.mark.exhaustive) if n in SAME_CLASS else n for n in names]
+
+
+@pytest.mark.parametrize("name", by_class(FAMILIES))
 def test_init_from_fine_tunes(name, tokens, tmp_path):
     out = tmp_path / "run"
     sample = SAMPLED.get(name, "0")  # sampling of every family: test_sharded_generation_equals_single_device
@@ -81,7 +87,9 @@ def test_kv_cache_matches_full_forward(name):
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+# Sharded generation of a family whose class another family takes (SAME_CLASS) is that family's sharded
+# path: their own cache numbers (sliding windows, soft-capping) are test_kv_cache_matches_full_forward's
+@pytest.mark.parametrize("name", by_class(FAMILIES))
 def test_sharded_generation_equals_single_device(name):
     builder, state, _ = _state(name, "FULL_SHARD", 1, 8)
     prompts = np.load(FIXTURES / name / "batch.npy")[:3, :5]

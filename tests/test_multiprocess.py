@@ -9,6 +9,7 @@ chunks, jax-ml/jax#40830; the model here is ~1k parameters).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -50,7 +51,9 @@ def _results(output: str) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def two_by_four():
-    """``python -m zshard.launch --nproc 2 --devices-per-proc 4 -- python tests/mp_worker.py train``."""
+    """``python -m zshard.launch --nproc 2 --devices-per-proc 4 -- python tests/mp_worker.py train``: each
+    strategy of ``mp_worker.STRATEGIES`` on ``make_mesh()``, then the tensor mode's GPT on
+    ``make_mesh(2, 2, tensor=2)`` (one launch for the tests of both)."""
     cmd = [PY, "-m", "zshard.launch", "--nproc", "2", "--devices-per-proc", "4", "--", PY, str(WORKER), "train"]
     res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
@@ -59,11 +62,17 @@ def two_by_four():
     return results
 
 
+@functools.cache
+def _reference():
+    """One device's run of the worker's model, once for both strategies."""
+    return reference_run(mp_worker.make_model, mp_worker.make_tx(), mp_worker.loss_fn, mp_worker.batches())
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", mp_worker.STRATEGIES)
 def test_two_processes_train_like_one_process_and_the_reference(two_by_four, strategy):
     batches = mp_worker.batches()
-    want = reference_run(mp_worker.make_model, mp_worker.make_tx(), mp_worker.loss_fn, batches)
+    want = _reference()
     one = zshard_run(mp_worker.make_model(), mp_worker.make_tx(), zshard.make_mesh(2, 4), strategy, mp_worker.loss_fn, batches)
     got = {rank: r[strategy] for rank, r in two_by_four.items()}
     assert got[0]["mesh"] == {"replica": 2, "shard": 4}  # make_mesh(): replica = processes
@@ -103,14 +112,11 @@ def test_hybrid_gathers_and_reduce_scatters_stay_inside_a_process(two_by_four):
 
 
 @pytest.mark.multiprocess
-def test_tensor_groups_stay_inside_a_process_and_train_like_one_device():
+def test_tensor_groups_stay_inside_a_process_and_train_like_one_device(two_by_four):
     """2 processes x 4 devices, ``make_mesh(2, 2, tensor=2)``: each tensor group is two devices
     of one process (the per-block all-reduces never cross a host), the GPT with its TP plan
     trains like one device, and a tensor group wider than a process is refused by name."""
-    cmd = [PY, "-m", "zshard.launch", "--nproc", "2", "--devices-per-proc", "4", "--", PY, str(WORKER), "tensor"]
-    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    got = {rank: r["tensor"] for rank, r in _results(res.stdout).items()}
+    got = {rank: r["tensor"] for rank, r in two_by_four.items()}
     assert sorted(got) == [0, 1]
     make, tx, loss, _, data = mp_worker.tensor_case()
     want = reference_run(make, tx, loss, data)

@@ -86,19 +86,21 @@ def test_plan_cli_reports_and_gives_a_verdict(tmp_path):
     assert "DOES NOT FIT" in tiny.stdout, tiny.stdout[-1000:]
 
 
-def test_plan_cli_bad_input():
-    out = subprocess.run([sys.executable, "-m", "train.plan", "--model", "llama-9b", "--mesh", "1x2"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "choose one of gpt2-124m" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "2x2", "--batch-size", "6"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "must divide by the 4 data devices" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "1x1x5"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "--mesh 1x1x5" in out.stderr and "n_heads" in out.stderr, out.stderr[-1000:]
-    out = subprocess.run([sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "2x2", "--strategy", "NO_SHARD",
-                          "--gather-format", "int8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "NO_SHARD keeps every parameter whole" in out.stderr, out.stderr[-1000:]
+def test_plan_cli_bad_input(capsys):
+    """Refused before any compile, in this process (a subprocess per case spent seconds importing
+    jax): ``plan.main`` exits with status 2 and names the flag; ``python -m train.plan``'s own exit
+    status is test_plan_cli_reports_and_gives_a_verdict's and tests/test_sample.py's."""
+    for argv, needles in (
+        (["--model", "llama-9b", "--mesh", "1x2"], ["choose one of gpt2-124m"]),
+        (["--model", "gpt2-124m", "--mesh", "2x2", "--batch-size", "6"], ["must divide by the 4 data devices"]),
+        (["--model", "gpt2-124m", "--mesh", "1x1x5"], ["--mesh 1x1x5", "n_heads"]),
+        (["--model", "gpt2-124m", "--mesh", "2x2", "--strategy", "NO_SHARD", "--gather-format", "int8"],
+         ["NO_SHARD keeps every parameter whole"]),
+    ):
+        with pytest.raises(SystemExit) as e:
+            plan.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and all(n in err for n in needles), (argv, err[-1000:])
 
 
 def test_plan_bad_target_and_peer(capsys):
