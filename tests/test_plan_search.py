@@ -147,3 +147,33 @@ def test_nothing_fits_says_what_would():
     assert all(c["reason"] for c in res["candidates"])
     lines = what_would_fit(cfg, devices=8, seq=4096, batch=8, budget=80e9, psi=69_000_000_000, activation_bytes=2)
     assert any(line.startswith("--devices ") for line in lines)
+
+
+@pytest.mark.parametrize("flag", ["--mesh", "--strategy", "--mesh.shape"])
+def test_auto_refuses_the_flags_it_chooses(flag, capsys):
+    from train.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--auto", f"{flag}=1x8" if "mesh" in flag else flag, *([] if "mesh" in flag else ["FULL_SHARD"])])
+    assert e.value.code == 2
+    assert f"{flag}: --auto chooses" in capsys.readouterr().err
+
+
+def test_auto_chooses_and_records(tmp_path):
+    """choose() writes the best candidate into the Config (what config.toml records) and the Config validates;
+    summary.json's auto holds the predicted and the median measured step_s."""
+    from train.config import Config
+    from train.planning.auto import auto_summary, choose
+
+    run = Config()
+    run.model.preset, run.model.seq_len, run.training.batch_size = "nano", 32, 8
+    auto = choose(run, jax.devices()[:8], finalists=1, log=lambda *a: None)
+    c = auto["choice"]
+    m = c["mesh"]
+    assert run.mesh.shape.startswith(f"{m['replica']}x{m['shard']}")
+    assert (run.mesh.strategy, run.training.remat, run.training.grad_accum) == (c["strategy"], c["remat"], c["accumulation"])
+    assert c["compiled"] and auto["predicted_step_s"] == c["step_s"] > 0
+    run.validate(8)
+    got = auto_summary(auto, [{"step_time_s": 9.0}, {"step_time_s": 1.0}, {"step_time_s": 3.0}, {"step_time_s": 2.0}])["auto"]
+    assert got["measured_step_s"] == 2.0 and got["ratio"] == pytest.approx(2.0 / c["step_s"])
+    assert auto_summary(None, []) == {}
