@@ -117,13 +117,16 @@ def memory_floor(c: dict, cfg, psi: int, seq: int, *, master_bytes: int = 4, act
 def memory_estimate(c: dict, cfg, psi: int, seq: int, *, master_bytes: int = 4, activation_bytes: int = 4) -> float:
     """The floor (:func:`memory_floor`) plus the activations a remat policy keeps, per layer (Korthikanti et al.
     2022, section 4.2.1, tensor parallelism without sequence parallelism, at ``e`` bytes per element):
-    ``s b h (5 + 12/T) e + 2.5 a s^2 b e / T`` (attention scores only without a context axis: the tiled kernel
-    keeps none); ``none``: all ``L`` layers; ``dots``: the matmul outputs, half of it; ``block`` / ``offload``:
+    ``s b h (5 + 12/T) e + 2.5 a s S b e / T`` (``S`` the whole sequence; the scores are left out with a context
+    axis under ``block`` / ``offload``: the tiled kernel keeps none); ``none``: all ``L`` layers; ``dots``: the matmul outputs, half of it; ``block`` / ``offload``:
     one layer (recomputed in backward); plus the head's logits and their gradient ``3 s b V e``."""
     m = c["mesh"]
     t, s, b = m["tensor"], seq / m["context"], c["micro_batch"]
     a, h, v = cfg.n_heads, cfg.d_model, cfg.vocab_size
-    layer = s * b * h * (5 + 12 / t) * activation_bytes + (2.5 * a * s * s * b * activation_bytes / t if m["context"] == 1 else 0)
+    # the scores [a/T, s/C, s] of every query against every key: with a context axis the tiled kernel keeps none under
+    # block remat, but dots and none save its matmul outputs, the tiles' scores included
+    scores = 0 if m["context"] > 1 and c["remat"] in ("block", "offload") else 2.5 * a * s * seq * b * activation_bytes / t
+    layer = s * b * h * (5 + 12 / t) * activation_bytes + scores
     layers = {"none": cfg.n_layers, "dots": cfg.n_layers / 2}.get(c["remat"], 1.0)
     head = 3 * s * b * v * activation_bytes / (t if v % t == 0 else 1)
     return memory_floor(c, cfg, psi, seq, master_bytes=master_bytes, activation_bytes=activation_bytes)["total"] + \
