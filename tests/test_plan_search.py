@@ -177,3 +177,18 @@ def test_auto_chooses_and_records(tmp_path):
     got = auto_summary(auto, [{"step_time_s": 9.0}, {"step_time_s": 1.0}, {"step_time_s": 3.0}, {"step_time_s": 2.0}])["auto"]
     assert got["measured_step_s"] == 2.0 and got["ratio"] == pytest.approx(2.0 / c["step_s"])
     assert auto_summary(None, []) == {}
+
+
+@pytest.mark.parametrize("scipy", [True, False])
+def test_spearman(scipy, monkeypatch):
+    """The benchmark's rank correlation, with scipy and with numpy's ranks (ties: mean ranks)."""
+    import sys
+
+    from train.bench.planned import spearman
+
+    if not scipy:
+        monkeypatch.setitem(sys.modules, "scipy.stats", None)  # import fails: the numpy path
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486832980505138)
