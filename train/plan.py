@@ -34,6 +34,12 @@ and prints the two side by side (docs/performance.md):
 
     python -m train.plan --model llama-3-8b --mesh 1x8 --seq-len 8192 --target h100 --peer --json plan.json
 
+With ``--search --devices N`` (no ``--mesh``) it searches the meshes, strategies, remat policies and
+accumulation for the fastest configuration that fits, compiling only a few finalists
+(:mod:`train.planning.search`; docs/planning.md, "The search"):
+
+    python -m train.plan --model llama-70b --devices 64 --target h100 --seq-len 4096 --global-batch-tokens 1048576 --search
+
 The model presets (``train/model.py``, ``PLAN_PRESETS``) are GPT-2 and Llama shapes from
 their papers. The planner lives with the application (zshard does not import ``train``).
 """
