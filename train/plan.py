@@ -40,6 +40,12 @@ and prints the two side by side (docs/performance.md):
 
     python -m train.plan --model llama-3-8b --mesh 1x8 --seq-len 8192 --target h100 --peer --json plan.json
 
+With ``--search --devices N`` (no ``--mesh``) it searches the meshes, strategies, remat policies and
+accumulation for the fastest configuration that fits, compiling only a few finalists
+(:mod:`train.planning.search`; docs/planning.md, "The search"):
+
+    python -m train.plan --model llama-70b --devices 64 --target h100 --seq-len 4096 --global-batch-tokens 1048576 --search
+
 The model presets (``train/model.py``, ``PLAN_PRESETS``) are GPT-2 and Llama shapes from
 their papers, and two mixtures of experts (Qwen3-30B-A3B; DeepSeek-V3, approximated as its
 docstring says). The planner lives with the application (zshard does not import ``train``).
@@ -87,7 +93,15 @@ def _parse(argv):
         "devices and report per-device memory and communication against the ZeRO/FSDP formulas.",
     )
     p.add_argument("--model", required=True, help="preset: " + ", ".join(PLAN_PRESETS))
-    p.add_argument("--mesh", required=True, metavar="RxS[xT]", help="mesh shape, e.g. 8x8 (R*S emulated devices) or 1x8x8 (R*S*T, tensor axis T)")
+    p.add_argument("--mesh", default=None, metavar="RxS[xT]", help="mesh shape, e.g. 8x8 (R*S emulated devices) or 1x8x8 (R*S*T, "
+                   "tensor axis T); required without --search")
+    p.add_argument("--search", action="store_true",
+                   help="search the meshes, strategies, remat policies and accumulation of --devices devices for the fastest "
+                   "configuration that fits (train/planning/search.py): formulas first, then --finalists compiled")
+    p.add_argument("--devices", type=int, default=None, metavar="N", help="with --search: devices of the run")
+    p.add_argument("--global-batch-tokens", type=int, default=None, metavar="B",
+                   help="with --search: tokens per optimizer step (a multiple of --seq-len); default one sequence per device")
+    p.add_argument("--finalists", type=int, default=4, metavar="K", help="with --search: candidates compiled (default 4)")
     p.add_argument("--tensor", type=int, default=None, metavar="T", help="tensor-parallel size (the same as a mesh RxSxT)")
     p.add_argument("--expert", type=int, default=1, metavar="X",
                    help="expert parallelism: each MoE layer's experts split over X devices (R*S*X emulated devices, the batch "
@@ -128,8 +142,8 @@ def _parse(argv):
                    "stay in --param-dtype); default: bfloat16 with a GPU --target, else none (the parameters' dtype)")
     p.add_argument("--reduce-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the gradient reduce-scatter with --compute-dtype (default float32)")
-    p.add_argument("--remat", default="block", help="activation checkpointing of each block (make_train_step(remat=...)): "
-                   "none, block (default), dots")
+    p.add_argument("--remat", default=None, help="activation checkpointing of each block (make_train_step(remat=...)): "
+                   "none, block (default), dots, offload; with --search a comma list of those to consider (default none,block,dots)")
     p.add_argument("--hlo", default=None, metavar="FILE", help="write the compiled (optimized) program's HLO text")
     p.add_argument("--json", default=None, metavar="FILE", help="write a JSON summary: target, memory, attention, collectives, flops")
     p.add_argument("--peer", action="store_true",
@@ -147,6 +161,15 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     parser, args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.search:
+        from train.planning.search_cli import search_main  # noqa: PLC0415
+        return search_main(parser, args)
+    if args.mesh is None:
+        parser.error("--mesh is required (or --search with --devices to search the meshes)")
+    for flag in ("devices", "global_batch_tokens"):
+        if getattr(args, flag) is not None:
+            parser.error(f"--{flag.replace('_', '-')} is for --search; give --mesh and --batch-size for one plan")
+    args.remat = args.remat or "block"
     try:
         replica, shard, *rest = zshard.parse_mesh(args.mesh)
     except ValueError as e:

@@ -22,6 +22,7 @@ import numpy as np
 import zshard
 from train import output
 from train.output import PROG, write_atomic
+from train.planning.auto import auto_summary
 from train.stops import Stop
 
 __all__ = ["finish", "moe_summary", "preempted_line", "summary_line"]
@@ -115,6 +116,7 @@ def finish(b, p, t_start: float) -> dict:
                         if (setup.ckpt.directory / str(s)).is_dir()] if setup.ckpt is not None else [],
         "wall_s": time.perf_counter() - t_start,  # whole program, imports included
         "config": setup.resolved.to_dict(),
+        **auto_summary(getattr(b, "auto", None), p.records),  # python -m train --auto: the choice, predicted and measured step_s
     }
     write_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     line = preempted_line(summary, b, p, out) if preempted else summary_line(summary, b, out)

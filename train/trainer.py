@@ -30,6 +30,7 @@ from flax import nnx
 import zshard
 from train import checkpointing, config, data, fit, output, summary
 from train.cli import device_count, fail, parse_config
+from train.planning.auto import choose, take_auto
 from train.devices import emulate_devices
 from train.hooks import Checkpoint, Evaluate, Metrics, Sample
 from train.job import Setup, make_optimizer, validate
@@ -46,6 +47,10 @@ def start(argv: list[str], stops: Stops) -> "Trainer":
     """Steps 1-3 of a run (``train/__main__.py``): the flags, the emulated devices, ``jax.distributed``,
     the checks (:func:`train.job.validate`) and the compiled :class:`Trainer`, each said in one line.
     ``stops``: the signal handling installed first (its handlers again after ``jax.distributed``)."""
+    try:  # --auto: the plan search chooses the mesh, strategy, remat and accumulation (train/planning/auto.py)
+        argv, auto = take_auto(argv)
+    except ValueError as e:
+        fail(str(e))
     run, config_path = parse_config(argv)
     emulate_devices(device_count(run, argv, config_path))  # before jax starts (the launcher's per-process count stands)
     # jax.distributed's preemption service would take SIGTERM (its handler replaces ours, and
@@ -58,6 +63,11 @@ def start(argv: list[str], stops: Stops) -> "Trainer":
     except (ValueError, RuntimeError, TimeoutError) as e:
         fail(str(e))
     output.WRITES_FILES = jax.process_index() == 0
+    if auto:
+        try:
+            auto = choose(run, jax.devices()[: max(run.mesh.devices, 1)], log=say)
+        except ValueError as e:
+            fail(str(e))
     setup = validate(run)
     if setup.ckpt.resuming:
         stops.before_training = (f"nothing was written; {setup.ckpt.directory / str(setup.ckpt.start)} stays the latest "
@@ -69,6 +79,7 @@ def start(argv: list[str], stops: Stops) -> "Trainer":
         f"({axes}) mesh of {len(setup.devices)} {setup.devices[0].platform} devices; data: {setup.source}: "
         f"{len(setup.train_data):,} train / {len(setup.eval_data):,} held-out {what}; output: {setup.out}")
     t = Trainer(setup, stops)
+    t.auto = auto or None  # summary.json's "auto": the choice, predicted and measured step_s
     if t.report is not None and output.WRITES_FILES:
         print(t.report.table(), file=sys.stderr)
     n = t.state.plan.num_params()

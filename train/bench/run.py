@@ -47,6 +47,8 @@ def _parse(argv):
     p.add_argument("--scale-timeout", type=float, default=900.0, metavar="S", help="seconds allowed to each scale subprocess")
     p.add_argument("--offload", action="store_true", help="only the host-offload measurement on one GPU (train/bench/offload.py: HBM "
                    "saved, step-time overhead against the pinned-transfer bound); skipped without a GPU")
+    p.add_argument("--planned", action="store_true", help="only the plan search against reality (train/bench/planned.py): the "
+                   "top candidates of an 8-device search run for real, predicted vs measured step times, Spearman's rank correlation")
     args = p.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         p.error(f"--repeats {args.repeats}: must be a positive integer (timing rounds)")
@@ -66,6 +68,9 @@ def main(argv=None) -> int:
     if args.offload:  # the GPU's own devices, no emulated ones
         return offload_main(str(out), args.repeats or 10)
     emulate_devices(NUM_DEVICES)  # before jax starts (in a test process it has: its 8 stand)
+    if args.planned:  # the plan search against measured steps (issue 51 item 4a)
+        from train.bench.planned import planned_main  # noqa: PLC0415
+        return planned_main(str(out), args.repeats or 5)
     t_start = time.perf_counter()
 
     if len(jax.devices("cpu")) < NUM_DEVICES:

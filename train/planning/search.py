@@ -1,0 +1,290 @@
+"""The plan search: the fastest configuration that fits (``python -m train.plan --search``, ``python -m train --auto``).
+
+Three stages (docs/planning.md, "The search"):
+
+1. **enumerate** (:func:`enumerate_candidates`): every mesh ``R x S x T x C`` of the devices (tensor
+   ``T`` dividing the heads and key/value heads, at most a node; context ``C`` with the sequence
+   dividing by ``2 C``; ``R * S`` dividing the global batch), the strategies (``NO_SHARD``,
+   ``SHARD_OPT``, ``SHARD_GRAD_OP``, ``FULL_SHARD`` on ``R = 1``; the ``HYBRID_*`` ones on ``R > 1``:
+   FULL_SHARD over ``R x S`` is FULL_SHARD over ``R * S``), the remat policies and the gradient
+   accumulation (micro-batches of ``1, 2, 4, ...`` sequences per data group);
+2. **prune by formula** (:func:`memory_floor`, :func:`memory_estimate`,
+   :func:`train.planning.cost.formula_traffic`): a candidate whose *floor* (the model state, the
+   gradient shards and the block inputs every remat policy keeps: bytes the compiled program
+   cannot hold less of) exceeds the device memory is out; the rest are ranked by the predicted step
+   time from the formulas' collective bytes (:func:`train.planning.cost.predict`);
+3. **compile the finalists** (:func:`compile_candidate`): the best few whose *estimate* (the floor
+   plus the activations Korthikanti et al. 2022, arXiv 2205.05198, section 4 count per remat
+   policy) fits are compiled ahead of time (XLA:GPU for a GPU target when the ``cuda12`` extra is
+   installed, else emulated CPU devices): their memory is the compiled program's ``argument +
+   output - alias + temp``, their time predicted from the program's own collectives.
+
+:func:`search` returns the candidates ranked: compiled and fitting first (by predicted step time),
+then those estimated to fit (not compiled), then those that do not fit, each with ``reason``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+from train.planning.cost import Workload, formula_traffic, predict, traffic_of_report
+from train.planning.profiles import Profile
+from train.planning.single import train_command
+
+__all__ = ["REMATS", "SEARCHED", "compile_candidate", "enumerate_candidates", "memory_estimate", "memory_floor", "rank", "search",
+           "search_table", "what_would_fit"]
+
+REMATS = ("none", "block", "dots", "offload")
+SEARCHED = ("none", "block", "dots")
+"""The remat policies searched by default: ``offload`` (the matmul outputs to host memory) is searched only when
+asked (``--remat offload``): the cost model does not count host transfers, so it would look as fast as ``none``."""
+FLAT = ("NO_SHARD", "SHARD_OPT", "SHARD_GRAD_OP", "FULL_SHARD")  # R = 1
+HYBRID = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "HYBRID_SHARD_OPT")  # R > 1
+GB = 1e9
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(devices: int, cfg, seq: int, batch: int, *, max_tensor: int = 8, max_context: int = 8) -> list[dict]:
+    """Mesh shapes ``{replica, shard, tensor, context}`` of ``devices`` for ``batch`` sequences of ``seq`` tokens:
+    ``T`` divides the heads and key/value heads (``train.models.tensor_plan``'s rule), ``seq % 2C == 0``,
+    ``R * S`` divides ``batch``."""
+    heads, kv = cfg.n_heads, getattr(cfg, "n_kv_heads", cfg.n_heads)
+    out = []
+    for t in _divisors(devices):
+        if t > max_tensor or heads % t or kv % t:
+            continue
+        for c in _divisors(devices // t):
+            if c > max_context or seq % (2 * c):
+                continue
+            data = devices // (t * c)
+            if batch % data:
+                continue
+            for r in _divisors(data):
+                out.append({"replica": r, "shard": data // r, "tensor": t, "context": c})
+    return out
+
+
+def enumerate_candidates(devices: int, cfg, seq: int, batch: int, remats=SEARCHED, max_accumulation: int = 16) -> list[dict]:
+    """Every candidate of the search space (this module's docstring, stage 1): dicts with ``mesh``,
+    ``strategy``, ``remat``, ``micro_batch`` (sequences per data group per micro-batch) and ``accumulation``."""
+    out = []
+    for m in meshes(devices, cfg, seq, batch):
+        strategies = FLAT if m["replica"] == 1 else HYBRID
+        per = batch // (m["replica"] * m["shard"])
+        for k in (a for a in _divisors(per) if a <= max_accumulation and a & (a - 1) == 0):
+            for s in strategies:
+                if m["replica"] * m["shard"] * m["context"] == 1 and s != "NO_SHARD":
+                    continue  # one data device: every strategy is NO_SHARD
+                for r in remats:
+                    out.append({"mesh": dict(m), "strategy": s, "remat": r, "micro_batch": per // k, "accumulation": k})
+    return out
+
+
+def _shards(c: dict) -> tuple[int, int, int]:
+    """Devices sharing (parameters, optimizer state, gradients) of one tensor slice."""
+    m, s = c["mesh"], c["strategy"]
+    world = m["replica"] * m["shard"] * m["context"]
+    inner = m["shard"] * m["context"]
+    return {"NO_SHARD": (1, 1, 1), "SHARD_OPT": (1, world, 1), "SHARD_GRAD_OP": (world, world, world),
+            "FULL_SHARD": (world, world, world), "HYBRID_SHARD": (inner, inner, inner),
+            "HYBRID_SHARD_ZERO2": (inner, inner, inner), "HYBRID_SHARD_OPT": (inner, world, world)}[s]
+
+
+def memory_floor(c: dict, cfg, psi: int, seq: int, *, master_bytes: int = 4, activation_bytes: int = 4) -> dict:
+    """Bytes per device a candidate's compiled step cannot hold less of (ZeRO, arXiv 1910.02054, section 5.2;
+    zshard.formulas.memory_formula): ``state`` = masters ``m Psi'/N_p`` + Adam's two moments ``2 m Psi'/N_o``,
+    ``grads`` = ``m Psi'/N_g`` (``Psi' = Psi / T``; ``N_p``, ``N_o``, ``N_g`` the devices sharing each),
+    ``inputs`` = the ``L`` block inputs ``L s b h e`` every remat policy but ``offload`` keeps (Korthikanti
+    et al. 2022 section 4.3; ``s`` = seq / C, ``b`` the micro-batch). ``SHARD_GRAD_OP`` / ``HYBRID_SHARD_ZERO2``
+    keep the gathered parameters from forward to backward: ``+ Psi' e``.
+
+    Returns ``{"state", "grads", "inputs", "gathered", "total"}`` (bytes, floats)."""
+    m = c["mesh"]
+    p = psi / m["tensor"]
+    n_p, n_o, n_g = _shards(c)
+    state = master_bytes * p / n_p + 2 * master_bytes * p / n_o
+    grads = master_bytes * p / n_g
+    inputs = 0.0 if c["remat"] == "offload" else cfg.n_layers * (seq / m["context"]) * c["micro_batch"] * cfg.d_model * activation_bytes
+    gathered = p * activation_bytes if c["strategy"] in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2") else 0.0
+    return {"state": state, "grads": grads, "inputs": inputs, "gathered": gathered, "total": state + grads + inputs + gathered}
+
+
+def memory_estimate(c: dict, cfg, psi: int, seq: int, *, master_bytes: int = 4, activation_bytes: int = 4) -> float:
+    """The floor (:func:`memory_floor`) plus the activations a remat policy keeps, per layer (Korthikanti et al.
+    2022, section 4.2.1, tensor parallelism without sequence parallelism, at ``e`` bytes per element):
+    ``s b h (5 + 12/T) e + 2.5 a s S b e / T`` (``S`` the whole sequence; the scores are left out with a context
+    axis under ``block`` / ``offload``: the tiled kernel keeps none); ``none``: all ``L`` layers; ``dots``: the matmul outputs, half of it; ``block`` / ``offload``:
+    one layer (recomputed in backward); plus the head's logits and their gradient ``3 s b V e``."""
+    m = c["mesh"]
+    t, s, b = m["tensor"], seq / m["context"], c["micro_batch"]
+    a, h, v = cfg.n_heads, cfg.d_model, cfg.vocab_size
+    # the scores [a/T, s/C, s] of every query against every key: with a context axis the tiled kernel keeps none under
+    # block remat, but dots and none save its matmul outputs, the tiles' scores included
+    scores = 0 if m["context"] > 1 and c["remat"] in ("block", "offload") else 2.5 * a * s * seq * b * activation_bytes / t
+    layer = s * b * h * (5 + 12 / t) * activation_bytes + scores
+    layers = {"none": cfg.n_layers, "dots": cfg.n_layers / 2}.get(c["remat"], 1.0)
+    head = 3 * s * b * v * activation_bytes / (t if v % t == 0 else 1)
+    return memory_floor(c, cfg, psi, seq, master_bytes=master_bytes, activation_bytes=activation_bytes)["total"] + \
+        layers * layer + head
+
+
+def _workload(c: dict, base: Workload) -> Workload:
+    return dataclasses.replace(base, remat=c["remat"], accumulation=c["accumulation"])
+
+
+def _fill(c: dict, pred, model: str, batch: int, seq: int) -> dict:
+    c.update(step_s=pred.step_s, tokens_per_s_per_device=pred.tokens_per_s_per_device, mfu=pred.mfu,
+             bottleneck=pred.bottleneck,
+             command=train_command(model, c["mesh"], c["strategy"], batch, seq, c["remat"], c["accumulation"]))
+    return c
+
+
+def rank(cands: list[dict]) -> list[dict]:
+    """Best first: compiled and fitting, then estimated to fit (not compiled), then not fitting; each by step time."""
+    order = lambda c: (0 if c["fits"] and c["compiled"] else 1 if c["fits"] else 2, c["step_s"])  # noqa: E731
+    return sorted(cands, key=order)
+
+
+def compile_candidate(c: dict, cfg, seq: int, batch: int, devices, *, mixed_precision=None):
+    """Compile candidate ``c`` ahead of time on ``devices`` (the first ``R*S*T*C`` are used); returns
+    ``(zshard.Report, peak bytes per device = argument + output - alias + temp, seconds)``.
+
+    Raises:
+      ValueError: zshard refuses the configuration (its message)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import zshard
+    from train.model import build_model, cross_entropy_loss, tensor_plan
+
+    m = c["mesh"]
+    world = m["replica"] * m["shard"] * m["tensor"] * m["context"]
+    mesh = zshard.make_mesh(m["replica"], m["shard"], tensor=m["tensor"], context=m["context"], devices=list(devices)[:world])
+    step = zshard.make_train_step(cross_entropy_loss, sequence_axis=1 if m["context"] > 1 else None, remat=c["remat"],
+                                  grad_accum=c["accumulation"])
+    cfg = dataclasses.replace(cfg, seq_len=seq)
+    state = zshard.init(lambda: build_model(cfg, nnx.Rngs(0)), optax.adamw(1e-4), mesh, strategy=c["strategy"], abstract=True,
+                        mixed_precision=mixed_precision, tensor_parallel=tensor_plan(cfg, m["tensor"]) or None)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    t0 = time.perf_counter()
+    rep = zshard.report(step, state, (tokens, tokens))
+    d = rep.per_device_bytes
+    return rep, d["argument"] + d["output"] - d["alias"] + d["temp"], time.perf_counter() - t0
+
+
+def search(cfg, *, model: str, devices: int, seq: int, batch: int, profile: Profile, budget: float, compile_devices=None,
+           mixed_precision=None, remats=SEARCHED, finalists: int = 4, devices_per_node: int | None = None,
+           log=print) -> dict:
+    """Search the configurations of ``model`` (config ``cfg``) on ``devices`` devices for a global ``batch`` of
+    sequences of ``seq`` tokens; ``budget``: device memory, bytes; ``compile_devices``: the devices to compile the
+    finalists for (``None``: compile nothing, formulas only); ``mixed_precision``: the
+    ``zshard.MixedPrecision`` compiled (bf16 gathers and activations: 2 bytes in the formulas).
+
+    Returns ``{"candidates": [...] ranked (:func:`rank`), "considered", "pruned", "compiled", "compile_s"}``.
+
+    Raises:
+      ValueError: no mesh of ``devices`` fits the model and batch (the message says why)."""
+    cands = enumerate_candidates(devices, cfg, seq, batch, remats)
+    if not cands:
+        raise ValueError(f"--devices {devices}: no mesh R x S x T x C of {devices} devices divides the global batch of {batch} "
+                         f"sequences (R*S must divide it), the {cfg.n_heads} heads (T) and the sequence {seq} (2C)")
+    base = Workload.of_config(cfg, global_batch=batch, seq_len=seq)
+    psi = base.psi
+    e = 2 if mixed_precision is not None else 4
+    for c in cands:
+        floor = memory_floor(c, cfg, psi, seq, activation_bytes=e)
+        est = memory_estimate(c, cfg, psi, seq, activation_bytes=e)
+        w = _workload(c, base)
+        traffic = formula_traffic(w, c["mesh"], c["strategy"], gather_bytes=e, activation_bytes=e)
+        _fill(c, predict(w, traffic, profile, c["mesh"], strategy=c["strategy"], devices_per_node=devices_per_node),
+              model, batch, seq)
+        c.update(floor_bytes=floor["total"], memory_bytes=int(est), compiled=False, fits=est <= budget,
+                 pruned=floor["total"] > budget, reason=None)
+        if c["pruned"]:
+            c["reason"] = (f"formula floor {floor['total'] / GB:.1f} GB > {budget / GB:g} GB (state {floor['state'] / GB:.1f}, "
+                           f"gradients {floor['grads'] / GB:.1f}, block inputs {floor['inputs'] / GB:.1f}"
+                           + (f", gathered parameters {floor['gathered'] / GB:.1f}" if floor["gathered"] else "") + " GB)")
+        elif not c["fits"]:
+            c["reason"] = f"estimated {est / GB:.1f} GB > {budget / GB:g} GB (not compiled)"
+    alive = sorted((c for c in cands if not c["pruned"]), key=lambda c: (not c["fits"], c["step_s"]))
+    compile_s, compiled = 0.0, 0
+    if compile_devices is not None:
+        for c in alive[:finalists]:
+            try:
+                rep, peak, s = compile_candidate(c, cfg, seq, batch, compile_devices, mixed_precision=mixed_precision)
+            except ValueError as err:
+                c.update(fits=False, compiled=False, reason=f"zshard refused it: {err}")
+                continue
+            compile_s += s
+            compiled += 1
+            w = _workload(c, base)
+            pred = predict(w, traffic_of_report(rep), profile, c["mesh"], strategy=c["strategy"],
+                           state_bytes=rep.model_state_bytes["measured"]["total"], devices_per_node=devices_per_node)
+            _fill(c, pred, model, batch, seq)
+            fits = peak <= budget
+            c.update(memory_bytes=int(peak), compiled=True, fits=fits,
+                     reason=None if fits else f"compiled peak {peak / GB:.2f} GB > {budget / GB:g} GB")
+            log(f"compiled {describe(c)} in {s:.0f} s: {peak / GB:.2f} GB, predicted {c['step_s']:.3g} s per step")
+    return {"candidates": rank(cands), "considered": len(cands), "pruned": sum(c["pruned"] for c in cands),
+            "compiled": compiled, "compile_s": compile_s}
+
+
+def describe(c: dict) -> str:
+    """``RxSxTxC STRATEGY remat=... b=... k=...``: one candidate in a few characters."""
+    m = c["mesh"]
+    return (f"{m['replica']}x{m['shard']}x{m['tensor']}x{m['context']} {c['strategy']} remat={c['remat']} "
+            f"b={c['micro_batch']} k={c['accumulation']}")
+
+
+def search_table(result: dict, rows: int = 10) -> str:
+    """The ranked table: configuration (mesh R x S x T x C), memory per device (compiled, or ``~`` the estimate),
+    predicted step time, tokens/s per device, MFU, bottleneck, and why it does not fit."""
+    head = f"{'#':>3} {'mesh RxSxTxC':<13} {'strategy':<19} {'remat':<7} {'b':>3} {'k':>3} {'GB/dev':>8} {'step s':>9} " \
+           f"{'tok/s/dev':>10} {'MFU':>6} {'bottleneck':<10} note"
+    lines = [head, "-" * len(head)]
+    for i, c in enumerate(result["candidates"][:rows], 1):
+        m = c["mesh"]
+        mem = f"{c['memory_bytes'] / GB:.2f}" if c["compiled"] else f"~{c['memory_bytes'] / GB:.1f}"
+        note = c["reason"] or ("compiled, fits" if c["compiled"] else "estimate fits (not compiled)")
+        lines.append(f"{i:>3} {m['replica']}x{m['shard']}x{m['tensor']}x{m['context']:<7} {c['strategy']:<19} {c['remat']:<7} "
+                     f"{c['micro_batch']:>3} {c['accumulation']:>3} {mem:>8} {c['step_s']:>9.3g} "
+                     f"{c['tokens_per_s_per_device']:>10,.0f} {c['mfu']:>6.1%} {c['bottleneck']:<10} {note}")
+    return "\n".join(lines)
+
+
+def what_would_fit(cfg, *, devices: int, seq: int, batch: int, budget: float, psi: int, activation_bytes: int) -> list[str]:
+    """When nothing fits: the smallest changes whose formula floor fits (more devices, a shorter sequence, the
+    optimizer state offloaded to the host), each one line."""
+    def best_floor(n, s, offload=False):
+        cands = enumerate_candidates(n, cfg, s, batch, ("offload",) if offload else ("block",))
+        vals = []
+        for c in cands:
+            f = memory_floor(c, cfg, psi, s, activation_bytes=activation_bytes)
+            moments = 2 * 4 * psi / c["mesh"]["tensor"] / _shards(c)[1]  # Adam's two fp32 moments on the device
+            vals.append(f["total"] - (moments if offload else 0))
+        return min(vals, default=math.inf)
+
+    out = []
+    for n in (devices * 2 ** i for i in range(1, 7)):
+        if best_floor(n, seq) <= budget:
+            out.append(f"--devices {n} (a formula floor of {best_floor(n, seq) / GB:.1f} GB per device)")
+            break
+    s = seq // 2
+    while s >= 256:
+        if best_floor(devices, s) <= budget:
+            out.append(f"--seq-len {s} (a formula floor of {best_floor(devices, s) / GB:.1f} GB per device)")
+            break
+        s //= 2
+    off = best_floor(devices, seq, offload=True)
+    if off <= budget:
+        out.append(f"--offload optimizer with --remat offload (the Adam moments and the saved matmul outputs in host memory: "
+                   f"{off / GB:.1f} GB per device on the device)")
+    return out or [f"nothing simple: even {devices * 64} devices or a 256-token sequence leave the formula floor above "
+                   f"{budget / GB:g} GB"]
