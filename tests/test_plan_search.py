@@ -192,3 +192,11 @@ def test_spearman(scipy, monkeypatch):
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
     assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486832980505138)
+
+
+def test_help_lists_auto():
+    """``python -m train --help`` documents ``--auto`` (its parser takes the flag; take_auto removes it before parsing)."""
+    from train.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--auto " in text and "plan search" in text and "Refused beside --mesh, --strategy" in text

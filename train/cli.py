@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", default=None,
                    help="TOML (or JSON) file with [model] [data] [mesh] [optimizer] [training] [checkpoint] "
                    "[distributed] [logging] tables; flags override it")
+    p.add_argument("--auto", action="store_true", default=argparse.SUPPRESS,
+                   help="choose the mesh, strategy, remat and gradient accumulation with the plan search "
+                   "(python -m train.plan --search) for the devices present, on the cpu profile; config.toml records the "
+                   "choice, summary.json's auto the predicted and measured step_s. Refused beside --mesh, --strategy, "
+                   "--zero-stage, --tensor, --context, --remat or --grad-accum (train/planning/auto.py)")
     config.add_arguments(p)
     return p
 
