@@ -66,6 +66,9 @@ class Workload:
       kv_width: key/value heads times head width (grouped-query attention); default ``attn_width``.
       state_params: ``Psi``, every parameter (gathered and updated); default ``params``.
       causal: causal attention (a kernel computes half the scores).
+      expert_params: parameters of the routed experts (``w_gate_up``, ``w_down`` of every MoE layer; 0: dense),
+        included in ``state_params``: split over the ``expert`` axis.
+      n_experts, top_k: experts per MoE layer and experts per token (0: dense).
     """
 
     params: int
@@ -79,6 +82,9 @@ class Workload:
     kv_width: int | None = None
     state_params: int | None = None
     causal: bool = True
+    expert_params: int = 0
+    n_experts: int = 0
+    top_k: int = 0
 
     def __post_init__(self):
         if self.remat not in REMAT:
@@ -121,7 +127,9 @@ class Workload:
         idle = (cfg.n_experts - cfg.top_k) * 3 * cfg.d_model * cfg.d_expert * cfg.n_layers if hasattr(cfg, "n_experts") else 0
         return cls(params=multiplying_params(model) - idle, layers=cfg.n_layers, d_model=cfg.d_model, attn_width=cfg.n_heads * q,
                    seq_len=seq_len or cfg.seq_len, global_batch=global_batch, remat=remat, accumulation=accumulation,
-                   kv_width=getattr(cfg, "n_kv_heads", cfg.n_heads) * q, state_params=total)
+                   kv_width=getattr(cfg, "n_kv_heads", cfg.n_heads) * q, state_params=total,
+                   expert_params=cfg.n_experts * 3 * cfg.d_model * cfg.d_expert * cfg.n_layers if hasattr(cfg, "n_experts") else 0,
+                   n_experts=getattr(cfg, "n_experts", 0), top_k=getattr(cfg, "top_k", 0))
 
 
 def step_flops(w: Workload, devices: int = 1) -> dict:
@@ -209,7 +217,8 @@ def phase_of(kind: str, axis: str, strategy: str, accumulation: int = 1) -> str:
     NO_SHARD and SHARD_OPT runs once, after the micro-batches (``zshard.ReplicaReduce.PER_STEP``):
     ``"optimizer"``."""
     names = set(axis.split("+"))
-    if names & {"tensor", "expert"} or names == {"context"}:  # "context (parameters)": the parameters' own collectives
+    if "tensor" in names or names in ({"context"}, {"expert"}) or kind == "all-to-all":  # "context (parameters)": the
+        # parameters' own collectives; the expert axis's all-to-all of the tokens (a gather over shard+expert hides)
         return "critical"
     if kind == "all-reduce" and accumulation > 1 and strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "NO_SHARD", "SHARD_OPT"):
         return "optimizer"  # the accumulated gradient, all-reduced once per step
@@ -250,6 +259,12 @@ def formula_traffic(w: Workload, mesh: dict, strategy: str = "FULL_SHARD", *, ga
     remat: zshard/formulas.py's count), ``2 X r(T)`` each. Context: the keys and values
     ``2 b T n_kv d e`` per layer, ``r(C)`` of it per forward pass (2 with ``block``) and for the
     backward's reduce-scatter. The root unit's single gather and quantized formats are left out.
+    Expert (``X = mesh["expert"]``, an MoE workload): the dense parameters ``Psi_D' = Psi' - Psi_E`` are
+    sharded over ``shard x expert`` (and ``replica`` for a flat strategy: ``N_D = N X``), the routed
+    experts ``Psi_E / X`` per expert group over the shard axes only (``N``): gathers and reduce-scatters
+    as above per part; across replicas the all-reduce ``2 (Psi/(N X)) d r(R)``; the tokens'
+    all-to-all over ``expert``, dispatch and combine in forward and backward (twice more with
+    ``block`` remat), each ``zshard.moe.a2a_bytes`` of the ``b s`` tokens (dropless capacity).
 
     ``g``, ``d``, ``m``, ``e``: bytes per element of the gathers, the gradient reductions, the
     master parameters and the activations (bf16 gathers and compute, fp32 reductions and masters).
@@ -259,10 +274,12 @@ def formula_traffic(w: Workload, mesh: dict, strategy: str = "FULL_SHARD", *, ga
     """
     if strategy not in _STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: choose one of {', '.join(_STRATEGIES)}")
-    R, S, C, T = (int(mesh.get(a, 1)) for a in ("replica", "shard", "context", "tensor"))
+    R, S, C, T, X = (int(mesh.get(a, 1)) for a in ("replica", "shard", "context", "tensor", "expert"))
     r = lambda n: (n - 1) / n  # noqa: E731
     k, psi = w.accumulation, w.psi / T
     out = []
+    if X > 1:
+        return _expert_traffic(w, mesh, strategy, (R, S, X), gather_bytes, reduce_bytes, activation_bytes)
 
     def add(kind, axes, sent, count):
         name = _name(axes, mesh)
@@ -295,6 +312,42 @@ def formula_traffic(w: Workload, mesh: dict, strategy: str = "FULL_SHARD", *, ga
         kv = 2 * micro * w.seq_len * (w.kv_width or w.attn_width) // T * activation_bytes
         n = ((2 if w.remat == "block" else 1) + 1) * w.layers * k
         add("all-gather", ("context",), n * kv * r(C), n)
+    return out
+
+
+def _expert_traffic(w: Workload, mesh: dict, strategy: str, sizes, g: int, d: int, e: int) -> list[dict]:
+    """:func:`formula_traffic` on a mesh with an ``expert`` axis (its docstring; zshard refuses tensor and context there)."""
+    from zshard.moe import a2a_bytes
+
+    if strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+        raise ValueError(f"strategy {strategy!r} with expert={sizes[2]}: zshard supports FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD "
+                         "and HYBRID_SHARD_ZERO2 with an expert axis")
+    if not w.n_experts:
+        raise ValueError(f"expert={sizes[2]}: the workload has no experts (a dense model): use expert=1")
+    R, S, X = sizes
+    r = lambda n: (n - 1) / n  # noqa: E731
+    k, hybrid = w.accumulation, strategy.startswith("HYBRID")
+    N = S * (1 if hybrid else R)
+    passes = 2 if strategy in RESHARD else 1
+    out = []
+
+    def add(kind, axes, sent, count):
+        name = "+".join(a for a in mesh if a in axes and mesh[a] > 1)
+        if name and sent > 0:
+            out.append({"kind": kind, "axis": name, "count": int(count), "bytes": float(sent)})
+
+    dense, experts = w.psi - w.expert_params, w.expert_params / X
+    shard_axes = ("shard",) if hybrid else ("replica", "shard")
+    # dense [Psi_D/(N X)] --all_gather(shard x expert)--> [Psi_D]; experts [Psi_E/(X N)] --all_gather(shard)--> [Psi_E/X]
+    add("all-gather", (*shard_axes, "expert"), passes * k * dense * g * r(N * X), passes * k * w.layers)
+    add("reduce-scatter", (*shard_axes, "expert"), k * dense * d * r(N * X), k * w.layers)
+    add("all-gather", shard_axes, passes * k * experts * g * r(N), passes * k * w.layers)
+    add("reduce-scatter", shard_axes, k * experts * d * r(N), k * w.layers)
+    if hybrid:
+        add("all-reduce", ("replica",), 2 * w.psi / (N * X) * d * r(R), w.layers)
+    micro = w.global_batch // (R * S * X) // k  # sequences of one device per micro-batch
+    n = (6 if w.remat == "block" else 4) * w.layers * k  # dispatch + combine, forward and backward (+ recompute)
+    add("all-to-all", ("expert",), n * a2a_bytes(micro * w.seq_len, w.top_k, X, w.n_experts, w.d_model, e), n)
     return out
 
 
@@ -350,7 +403,7 @@ def predict(w: Workload, traffic: list[dict], profile: Profile, mesh: dict, *, s
 
     ``state_bytes``: parameters and optimizer state on one device (``Report.model_state_bytes
     ["measured"]["total"]``); default: fp32 parameters and two Adam moments, ``12 Psi / (T N)``
-    over the ``N`` devices the strategy shards them on. The optimizer moves ``2 * state + grads``
+    over the ``N`` devices the strategy shards them on (``12 Psi / (N X)`` with an ``expert`` axis). The optimizer moves ``2 * state + grads``
     bytes (gradients: a third of the fp32 state).
 
     Raises:
@@ -365,7 +418,7 @@ def predict(w: Workload, traffic: list[dict], profile: Profile, mesh: dict, *, s
     if state_bytes is None:
         R, S, C, T = (int(mesh.get(a, 1)) for a in ("replica", "shard", "context", "tensor"))
         n = {"NO_SHARD": 1, "HYBRID_SHARD": S * C, "HYBRID_SHARD_ZERO2": S * C}.get(strategy, R * S * C)
-        state_bytes = 12.0 * w.psi / (T * n)
+        state_bytes = 12.0 * w.psi / (T * n * int(mesh.get("expert", 1)))  # dense over shard x expert, experts E/X each
     memory_s = (2 * state_bytes + state_bytes / 3) / profile.hbm_bandwidth
     units = w.layers * w.accumulation
     split = 0.5 if strategy in RESHARD else 1.0  # the gathers' share in the forward pass

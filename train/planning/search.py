@@ -7,7 +7,10 @@ Three stages (docs/planning.md, "The search"):
    dividing by ``2 C``; ``R * S`` dividing the global batch), the strategies (``NO_SHARD``,
    ``SHARD_OPT``, ``SHARD_GRAD_OP``, ``FULL_SHARD`` on ``R = 1``; the ``HYBRID_*`` ones on ``R > 1``:
    FULL_SHARD over ``R x S`` is FULL_SHARD over ``R * S``), the remat policies and the gradient
-   accumulation (micro-batches of ``1, 2, 4, ...`` sequences per data group);
+   accumulation (micro-batches of ``1, 2, 4, ...`` sequences per data group); for a mixture of experts
+   also the ``expert`` axis ``X`` (``R x S x X``: ``X`` dividing the experts and the devices per node, so
+   that an expert group's all-to-all stays inside a node as ``zshard.make_mesh`` requires; never with
+   ``T`` or ``C``; only FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2: what zshard supports);
 2. **prune by formula** (:func:`memory_floor`, :func:`memory_estimate`,
    :func:`train.planning.cost.formula_traffic`): a candidate whose *floor* (the model state, the
    gradient shards and the block inputs every remat policy keeps: bytes the compiled program
@@ -42,6 +45,7 @@ SEARCHED = ("none", "block", "dots")
 asked (``--remat offload``): the cost model does not count host transfers, so it would look as fast as ``none``."""
 FLAT = ("NO_SHARD", "SHARD_OPT", "SHARD_GRAD_OP", "FULL_SHARD")  # R = 1
 HYBRID = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "HYBRID_SHARD_OPT")  # R > 1
+WITH_EXPERT = ("SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")  # zshard's strategies with expert > 1
 GB = 1e9
 
 
@@ -49,12 +53,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(devices: int, cfg, seq: int, batch: int, *, max_tensor: int = 8, max_context: int = 8) -> list[dict]:
-    """Mesh shapes ``{replica, shard, tensor, context}`` of ``devices`` for ``batch`` sequences of ``seq`` tokens:
-    ``T`` divides the heads and key/value heads (``train.models.tensor_plan``'s rule), ``seq % 2C == 0``,
-    ``R * S`` divides ``batch``."""
+def meshes(devices: int, cfg, seq: int, batch: int, *, max_tensor: int = 8, max_context: int = 8,
+           devices_per_node: int = 8) -> list[dict]:
+    """Mesh shapes ``{replica, shard, tensor, context[, expert]}`` of ``devices`` for ``batch`` sequences of ``seq``
+    tokens: ``T`` divides the heads and key/value heads (``train.models.tensor_plan``'s rule), ``seq % 2C == 0``,
+    ``R * S`` divides ``batch``. A mixture of experts (a config with ``n_experts``) gets ``expert`` on every mesh,
+    and the meshes ``R x S x X`` (``T = C = 1``, ``X > 1`` dividing ``n_experts`` and ``devices_per_node``,
+    ``R * S * X`` dividing ``batch``: ``train.models.expert_plan`` and ``zshard.make_mesh``'s rules)."""
     heads, kv = cfg.n_heads, getattr(cfg, "n_kv_heads", cfg.n_heads)
+    experts = getattr(cfg, "n_experts", 0)
     out = []
+    for x in _divisors(devices) if experts else ():
+        if x == 1 or experts % x or devices_per_node % x or batch % devices:
+            continue
+        for r in _divisors(devices // x):
+            out.append({"replica": r, "shard": devices // x // r, "tensor": 1, "context": 1, "expert": x})
     for t in _divisors(devices):
         if t > max_tensor or heads % t or kv % t:
             continue
@@ -65,20 +78,22 @@ def meshes(devices: int, cfg, seq: int, batch: int, *, max_tensor: int = 8, max_
             if batch % data:
                 continue
             for r in _divisors(data):
-                out.append({"replica": r, "shard": data // r, "tensor": t, "context": c})
+                out.append({"replica": r, "shard": data // r, "tensor": t, "context": c, **({"expert": 1} if experts else {})})
     return out
 
 
-def enumerate_candidates(devices: int, cfg, seq: int, batch: int, remats=SEARCHED, max_accumulation: int = 16) -> list[dict]:
+def enumerate_candidates(devices: int, cfg, seq: int, batch: int, remats=SEARCHED, max_accumulation: int = 16,
+                         devices_per_node: int = 8) -> list[dict]:
     """Every candidate of the search space (this module's docstring, stage 1): dicts with ``mesh``,
     ``strategy``, ``remat``, ``micro_batch`` (sequences per data group per micro-batch) and ``accumulation``."""
     out = []
-    for m in meshes(devices, cfg, seq, batch):
-        strategies = FLAT if m["replica"] == 1 else HYBRID
-        per = batch // (m["replica"] * m["shard"])
+    for m in meshes(devices, cfg, seq, batch, devices_per_node=devices_per_node):
+        x = m.get("expert", 1)
+        strategies = [s for s in (FLAT if m["replica"] == 1 else HYBRID) if x == 1 or s in WITH_EXPERT]
+        per = batch // (m["replica"] * m["shard"] * x)
         for k in (a for a in _divisors(per) if a <= max_accumulation and a & (a - 1) == 0):
             for s in strategies:
-                if m["replica"] * m["shard"] * m["context"] == 1 and s != "NO_SHARD":
+                if m["replica"] * m["shard"] * m["context"] * x == 1 and s != "NO_SHARD":
                     continue  # one data device: every strategy is NO_SHARD
                 for r in remats:
                     out.append({"mesh": dict(m), "strategy": s, "remat": r, "micro_batch": per // k, "accumulation": k})
@@ -86,22 +101,26 @@ def enumerate_candidates(devices: int, cfg, seq: int, batch: int, remats=SEARCHE
 
 
 def _shards(c: dict) -> tuple[int, int, int]:
-    """Devices sharing (parameters, optimizer state, gradients) of one tensor slice."""
+    """Devices sharing (parameters, optimizer state, gradients) of one tensor slice (with an expert axis: the dense
+    parameters shared by ``N X`` devices, the experts split ``X`` ways and shared by ``N``: ``N X`` for both)."""
     m, s = c["mesh"], c["strategy"]
-    world = m["replica"] * m["shard"] * m["context"]
-    inner = m["shard"] * m["context"]
+    world = m["replica"] * m["shard"] * m["context"] * m.get("expert", 1)
+    inner = m["shard"] * m["context"] * m.get("expert", 1)
     return {"NO_SHARD": (1, 1, 1), "SHARD_OPT": (1, world, 1), "SHARD_GRAD_OP": (world, world, world),
             "FULL_SHARD": (world, world, world), "HYBRID_SHARD": (inner, inner, inner),
             "HYBRID_SHARD_ZERO2": (inner, inner, inner), "HYBRID_SHARD_OPT": (inner, world, world)}[s]
 
 
-def memory_floor(c: dict, cfg, psi: int, seq: int, *, master_bytes: int = 4, activation_bytes: int = 4) -> dict:
+def memory_floor(c: dict, cfg, psi: int, seq: int, *, master_bytes: int = 4, activation_bytes: int = 4,
+                 expert_params: int = 0) -> dict:
     """Bytes per device a candidate's compiled step cannot hold less of (ZeRO, arXiv 1910.02054, section 5.2;
     zshard.formulas.memory_formula): ``state`` = masters ``m Psi'/N_p`` + Adam's two moments ``2 m Psi'/N_o``,
     ``grads`` = ``m Psi'/N_g`` (``Psi' = Psi / T``; ``N_p``, ``N_o``, ``N_g`` the devices sharing each),
     ``inputs`` = the ``L`` block inputs ``L s b h e`` every remat policy but ``offload`` keeps (Korthikanti
     et al. 2022 section 4.3; ``s`` = seq / C, ``b`` the micro-batch). ``SHARD_GRAD_OP`` / ``HYBRID_SHARD_ZERO2``
-    keep the gathered parameters from forward to backward: ``+ Psi' e``.
+    keep the gathered parameters from forward to backward: ``+ Psi' e``. With an expert axis ``X`` (``expert_params``
+    ``Psi_E`` of ``Psi``: the routed experts) the state is sharded ``N X`` ways (:func:`_shards`) and the gathered
+    parameters are the dense ones and an expert group's share: ``(Psi - Psi_E + Psi_E / X) e``.
 
     Returns ``{"state", "grads", "inputs", "gathered", "total"}`` (bytes, floats)."""
     m = c["mesh"]
@@ -110,16 +129,20 @@ def memory_floor(c: dict, cfg, psi: int, seq: int, *, master_bytes: int = 4, act
     state = master_bytes * p / n_p + 2 * master_bytes * p / n_o
     grads = master_bytes * p / n_g
     inputs = 0.0 if c["remat"] == "offload" else cfg.n_layers * (seq / m["context"]) * c["micro_batch"] * cfg.d_model * activation_bytes
-    gathered = p * activation_bytes if c["strategy"] in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2") else 0.0
+    x = m.get("expert", 1)
+    gathered = (p - expert_params + expert_params / x) * activation_bytes if c["strategy"] in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2") else 0.0
     return {"state": state, "grads": grads, "inputs": inputs, "gathered": gathered, "total": state + grads + inputs + gathered}
 
 
-def memory_estimate(c: dict, cfg, psi: int, seq: int, *, master_bytes: int = 4, activation_bytes: int = 4) -> float:
+def memory_estimate(c: dict, cfg, psi: int, seq: int, *, master_bytes: int = 4, activation_bytes: int = 4,
+                    expert_params: int = 0) -> float:
     """The floor (:func:`memory_floor`) plus the activations a remat policy keeps, per layer (Korthikanti et al.
     2022, section 4.2.1, tensor parallelism without sequence parallelism, at ``e`` bytes per element):
     ``s b h (5 + 12/T) e + 2.5 a s S b e / T`` (``S`` the whole sequence; the scores are left out with a context
     axis under ``block`` / ``offload``: the tiled kernel keeps none); ``none``: all ``L`` layers; ``dots``: the matmul outputs, half of it; ``block`` / ``offload``:
-    one layer (recomputed in backward); plus the head's logits and their gradient ``3 s b V e``."""
+    one layer (recomputed in backward); plus the head's logits and their gradient ``3 s b V e``. A mixture of
+    experts adds per layer the rows its experts receive, ``X cap`` (``zshard.moe.capacity``, dropless, of the ``s b``
+    tokens), each with its input and output ``2 h`` and its SwiGLU's ``3 d_expert`` elements."""
     m = c["mesh"]
     t, s, b = m["tensor"], seq / m["context"], c["micro_batch"]
     a, h, v = cfg.n_heads, cfg.d_model, cfg.vocab_size
@@ -127,9 +150,15 @@ def memory_estimate(c: dict, cfg, psi: int, seq: int, *, master_bytes: int = 4, 
     # block remat, but dots and none save its matmul outputs, the tiles' scores included
     scores = 0 if m["context"] > 1 and c["remat"] in ("block", "offload") else 2.5 * a * s * seq * b * activation_bytes / t
     layer = s * b * h * (5 + 12 / t) * activation_bytes + scores
+    if getattr(cfg, "n_experts", 0):
+        from zshard.moe import capacity
+
+        x = m.get("expert", 1)
+        layer += x * capacity(int(s * b), cfg.top_k, x, cfg.n_experts) * (2 * h + 3 * cfg.d_expert) * activation_bytes
     layers = {"none": cfg.n_layers, "dots": cfg.n_layers / 2}.get(c["remat"], 1.0)
     head = 3 * s * b * v * activation_bytes / (t if v % t == 0 else 1)
-    return memory_floor(c, cfg, psi, seq, master_bytes=master_bytes, activation_bytes=activation_bytes)["total"] + \
+    return memory_floor(c, cfg, psi, seq, master_bytes=master_bytes, activation_bytes=activation_bytes,
+                        expert_params=expert_params)["total"] + \
         layers * layer + head
 
 
@@ -162,16 +191,19 @@ def compile_candidate(c: dict, cfg, seq: int, batch: int, devices, *, mixed_prec
     from flax import nnx
 
     import zshard
-    from train.model import build_model, cross_entropy_loss, tensor_plan
+    from train.model import build_model, expert_plan, loss_for, tensor_plan
 
     m = c["mesh"]
-    world = m["replica"] * m["shard"] * m["tensor"] * m["context"]
-    mesh = zshard.make_mesh(m["replica"], m["shard"], tensor=m["tensor"], context=m["context"], devices=list(devices)[:world])
-    step = zshard.make_train_step(cross_entropy_loss, sequence_axis=1 if m["context"] > 1 else None, remat=c["remat"],
+    x = m.get("expert", 1)
+    world = m["replica"] * m["shard"] * m["tensor"] * m["context"] * x
+    mesh = zshard.make_mesh(m["replica"], m["shard"], tensor=m["tensor"], context=m["context"], expert=x, devices=list(devices)[:world])
+    loss, has_aux = loss_for(cfg)  # an MoE: cross-entropy + its router losses
+    step = zshard.make_train_step(loss, has_aux=has_aux, sequence_axis=1 if m["context"] > 1 else None, remat=c["remat"],
                                   grad_accum=c["accumulation"])
     cfg = dataclasses.replace(cfg, seq_len=seq)
     state = zshard.init(lambda: build_model(cfg, nnx.Rngs(0)), optax.adamw(1e-4), mesh, strategy=c["strategy"], abstract=True,
-                        mixed_precision=mixed_precision, tensor_parallel=tensor_plan(cfg, m["tensor"]) or None)
+                        mixed_precision=mixed_precision, tensor_parallel=tensor_plan(cfg, m["tensor"]) or None,
+                        expert_parallel=expert_plan(cfg, x) or None)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     t0 = time.perf_counter()
     rep = zshard.report(step, state, (tokens, tokens))
@@ -191,16 +223,17 @@ def search(cfg, *, model: str, devices: int, seq: int, batch: int, profile: Prof
 
     Raises:
       ValueError: no mesh of ``devices`` fits the model and batch (the message says why)."""
-    cands = enumerate_candidates(devices, cfg, seq, batch, remats)
+    dpn = devices_per_node or profile.devices_per_node
+    cands = enumerate_candidates(devices, cfg, seq, batch, remats, devices_per_node=dpn)
     if not cands:
         raise ValueError(f"--devices {devices}: no mesh R x S x T x C of {devices} devices divides the global batch of {batch} "
                          f"sequences (R*S must divide it), the {cfg.n_heads} heads (T) and the sequence {seq} (2C)")
     base = Workload.of_config(cfg, global_batch=batch, seq_len=seq)
-    psi = base.psi
+    psi, pe = base.psi, base.expert_params
     e = 2 if mixed_precision is not None else 4
     for c in cands:
-        floor = memory_floor(c, cfg, psi, seq, activation_bytes=e)
-        est = memory_estimate(c, cfg, psi, seq, activation_bytes=e)
+        floor = memory_floor(c, cfg, psi, seq, activation_bytes=e, expert_params=pe)
+        est = memory_estimate(c, cfg, psi, seq, activation_bytes=e, expert_params=pe)
         w = _workload(c, base)
         traffic = formula_traffic(w, c["mesh"], c["strategy"], gather_bytes=e, activation_bytes=e)
         _fill(c, predict(w, traffic, profile, c["mesh"], strategy=c["strategy"], devices_per_node=devices_per_node),
@@ -236,15 +269,20 @@ def search(cfg, *, model: str, devices: int, seq: int, batch: int, profile: Prof
             "compiled": compiled, "compile_s": compile_s}
 
 
+def _shape(m: dict) -> str:
+    """``RxSxTxC``, or ``RxSxTxC/eX`` with an expert axis ``X > 1``."""
+    return f"{m['replica']}x{m['shard']}x{m['tensor']}x{m['context']}" + (f"/e{m['expert']}" if m.get("expert", 1) > 1 else "")
+
+
 def describe(c: dict) -> str:
-    """``RxSxTxC STRATEGY remat=... b=... k=...``: one candidate in a few characters."""
+    """``RxSxTxC[/eX] STRATEGY remat=... b=... k=...``: one candidate in a few characters."""
     m = c["mesh"]
-    return (f"{m['replica']}x{m['shard']}x{m['tensor']}x{m['context']} {c['strategy']} remat={c['remat']} "
+    return (f"{_shape(m)} {c['strategy']} remat={c['remat']} "
             f"b={c['micro_batch']} k={c['accumulation']}")
 
 
 def search_table(result: dict, rows: int = 10) -> str:
-    """The ranked table: configuration (mesh R x S x T x C), memory per device (compiled, or ``~`` the estimate),
+    """The ranked table: configuration (mesh R x S x T x C, ``/eX`` with an expert axis), memory per device (compiled, or ``~`` the estimate),
     predicted step time, tokens/s per device, MFU, bottleneck, and why it does not fit."""
     head = f"{'#':>3} {'mesh RxSxTxC':<13} {'strategy':<19} {'remat':<7} {'b':>3} {'k':>3} {'GB/dev':>8} {'step s':>9} " \
            f"{'tok/s/dev':>10} {'MFU':>6} {'bottleneck':<10} note"
@@ -253,7 +291,7 @@ def search_table(result: dict, rows: int = 10) -> str:
         m = c["mesh"]
         mem = f"{c['memory_bytes'] / GB:.2f}" if c["compiled"] else f"~{c['memory_bytes'] / GB:.1f}"
         note = c["reason"] or ("compiled, fits" if c["compiled"] else "estimate fits (not compiled)")
-        lines.append(f"{i:>3} {m['replica']}x{m['shard']}x{m['tensor']}x{m['context']:<7} {c['strategy']:<19} {c['remat']:<7} "
+        lines.append(f"{i:>3} {_shape(m):<13} {c['strategy']:<19} {c['remat']:<7} "
                      f"{c['micro_batch']:>3} {c['accumulation']:>3} {mem:>8} {c['step_s']:>9.3g} "
                      f"{c['tokens_per_s_per_device']:>10,.0f} {c['mfu']:>6.1%} {c['bottleneck']:<10} {note}")
     return "\n".join(lines)

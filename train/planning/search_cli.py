@@ -69,7 +69,7 @@ def search_main(parser, args) -> int:
         profile = load_profile(args.profile or args.target)
     except ValueError as e:
         parser.error(f"--profile: {e}")
-    if not enumerate_candidates(args.devices, cfg, seq, batch, remats):
+    if not enumerate_candidates(args.devices, cfg, seq, batch, remats, devices_per_node=args.devices_per_node or profile.devices_per_node):
         parser.error(f"--devices {args.devices}: no mesh R x S x T x C of {args.devices} devices fits: R*S must divide the global "
                      f"batch of {batch} sequences, T the {cfg.n_heads} heads and {getattr(cfg, 'n_kv_heads', cfg.n_heads)} key/value "
                      f"heads, 2C the sequence of {seq}; choose a device count such as {_near(batch)}")

@@ -18,7 +18,7 @@ __all__ = ["plan_prediction", "train_command"]
 
 
 def train_command(model: str, mesh: dict, strategy: str, batch: int, seq: int, remat: str, accumulation: int = 1) -> str:
-    """The ``python -m train`` command line of a configuration (``--mesh RxS[xT]``, ``--context C``).
+    """The ``python -m train`` command line of a configuration (``--mesh RxS[xT]``, ``--context C``, ``--expert X``).
 
     ``model`` is the plan's preset name: ``python -m train --model`` takes the trainer's presets
     (``train.model.MODEL_PRESETS``), so the line runs as is for those; a ``PLAN_PRESETS`` model
@@ -27,6 +27,8 @@ def train_command(model: str, mesh: dict, strategy: str, batch: int, seq: int, r
     parts = [f"python -m train --model {model} --mesh {shape}"]
     if mesh.get("context", 1) > 1:
         parts.append(f"--context {mesh['context']}")
+    if mesh.get("expert", 1) > 1:
+        parts.append(f"--expert {mesh['expert']}")
     parts.append(f"--strategy {strategy} --batch-size {batch} --seq-len {seq} --remat {remat}")
     if accumulation > 1:
         parts.append(f"--grad-accum {accumulation}")
