@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="choose the mesh, strategy, remat and gradient accumulation with the plan search "
                    "(python -m train.plan --search) for the devices present, on the cpu profile; config.toml records the "
                    "choice, summary.json's auto the predicted and measured step_s. Refused beside --mesh, --strategy, "
-                   "--zero-stage, --tensor, --context, --remat or --grad-accum (train/planning/auto.py)")
+                   "--zero-stage, --tensor, --context, --expert, --remat or --grad-accum (train/planning/auto.py)")
     config.add_arguments(p)
     return p
 

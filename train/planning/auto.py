@@ -1,10 +1,10 @@
 """``python -m train --auto``: train with the configuration the plan search finds best for the devices present.
 
-:func:`take_auto` takes ``--auto`` out of the flags (refusing ``--mesh`` / ``--strategy`` beside it);
+:func:`take_auto` takes ``--auto`` out of the flags (refusing ``--mesh`` / ``--strategy`` / ``--expert`` ... beside it);
 :func:`choose` runs :func:`train.planning.search.search` for the run's model, sequence length, global
 batch and device count on the ``cpu`` profile (this machine, calibrated: its memory per device is the
 budget), compiles the best finalists on the emulated devices and writes the choice into the
-:class:`train.config.Config` (``mesh.shape``, ``mesh.context``, ``mesh.strategy``, ``training.remat``,
+:class:`train.config.Config` (``mesh.shape``, ``mesh.context``, ``mesh.expert``, ``mesh.strategy``, ``training.remat``,
 ``training.grad_accum``): ``OUT/config.toml`` records it, and ``summary.json`` under ``auto`` the
 predicted and the measured (median) ``step_s`` (:func:`auto_summary`).
 """
@@ -18,7 +18,8 @@ import numpy as np
 __all__ = ["REFUSED", "auto_summary", "choose", "take_auto"]
 
 REFUSED = ("--mesh", "--mesh.shape", "--strategy", "--mesh.strategy", "--zero-stage", "--mesh.zero_stage", "--tensor",
-           "--mesh.tensor", "--context", "--mesh.context", "--remat", "--training.remat", "--grad-accum", "--training.grad_accum")
+           "--mesh.tensor", "--context", "--mesh.context", "--expert", "--mesh.expert", "--remat", "--training.remat", "--grad-accum",
+           "--training.grad_accum")
 """Flags ``--auto`` chooses itself: given beside it, refused."""
 
 
@@ -71,6 +72,7 @@ def choose(run, devices, *, finalists: int = 2, log=print) -> dict:
     run.mesh.shape = f"{m['replica']}x{m['shard']}" + (f"x{m['tensor']}" if m["tensor"] > 1 else "")
     run.mesh.tensor = None
     run.mesh.context = m["context"] if m["context"] > 1 else None
+    run.mesh.expert = m["expert"] if m.get("expert", 1) > 1 else None
     run.mesh.strategy = best["strategy"]
     run.training.remat = best["remat"]
     run.training.grad_accum = best["accumulation"]
