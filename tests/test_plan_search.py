@@ -159,6 +159,7 @@ def test_auto_refuses_the_flags_it_chooses(flag, capsys):
     assert f"{flag}: --auto chooses" in capsys.readouterr().err
 
 
+@pytest.mark.exhaustive  # tests/test_train_auto.py runs the same choice end to end
 def test_auto_chooses_and_records(tmp_path):
     """choose() writes the best candidate into the Config (what config.toml records) and the Config validates;
     summary.json's auto holds the predicted and the median measured step_s."""
