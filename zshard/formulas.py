@@ -13,6 +13,9 @@ ZeRO state as :func:`_state_formula`, counted from ``Psi`` for Adam in one dtype
 gradient shards), :func:`moment_bytes` (what a step holds beyond that at each instant that can
 set its peak), :func:`expected_peak` (their sum) and :func:`activation_bytes` (Korthikanti et
 al.'s saved activations). This is the one set: ``train.scale`` re-exports them.
+
+Expert parallelism (the ``expert`` axis: the token dispatch's all-to-all bytes, the model state,
+gathered block and gathers with ``X``) is :mod:`zshard.expert_formulas`, re-exported here.
 """
 
 from __future__ import annotations
@@ -33,9 +36,15 @@ from zshard.optim.optim import optimizer_grad_specs, optimizer_program
 from zshard.wire.quant import feedback_bytes, moved_bytes, wire_bytes
 from zshard.mesh.strategy import Strategy
 from zshard.inspection.hlo import _axis_name, parse_collectives
+from zshard.expert_formulas import (  # noqa: F401  (expert parallelism in closed form, re-exported: zshard.formulas.X)
+    A2A_PER_MOE_LAYER, all_to_all_bytes, dropless_capacity, expert_all_to_all_per_step, expert_gather_bytes,
+    expert_gather_ratio, expert_state_bytes, gathered_block_bytes, padded_all_to_all_bytes,
+)
 
 __all__ = [
     "PARAM_CONTEXT", "activation_bytes", "context_formula", "expected_peak", "memory_formula", "moment_bytes", "optimizer_report",
+    "A2A_PER_MOE_LAYER", "all_to_all_bytes", "dropless_capacity", "expert_all_to_all_per_step", "expert_gather_bytes",
+    "expert_gather_ratio", "expert_state_bytes", "gathered_block_bytes", "padded_all_to_all_bytes",
 ]
 
 def _formula_comm(plan, k: int = 1, hpz: bool = False) -> dict[str, float]:
