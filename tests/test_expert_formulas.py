@@ -5,6 +5,8 @@ all-to-all formula. Cheap: the formulas are arithmetic, the program two collecti
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -125,3 +127,35 @@ def test_gather_over_shard_and_expert_is_named(expert_program):
     assert [c.axis for c in gathers] == ["shard+expert"], colls
     assert gathers[0].group_size == S * X
     assert gathers[0].sent_bytes == pytest.approx(gathers[0].buffer_bytes * (S * X - 1) / (S * X))
+
+
+def test_dispatch_formula_reads_the_expert_all_to_alls(expert_program):
+    _, colls = expert_program
+    call = SimpleNamespace(groups=X, local_experts=4, capacity=CAP, d_model=D, dtype="float32")  # a MoECall's fields
+    got = formulas.dispatch_formula([(None, 3, call)], colls, grad_accum=2, remat=False)
+    per = formulas.padded_all_to_all_bytes(CAP, D, 4, X)  # 768
+    assert got["measured"] == 2 * per  # the program's two all-to-alls, once each
+    assert got["collectives"] == [{"buffer_bytes": X * CAP * D * 4, "count": 2}]
+    # 3 layers x 2 micro-batches x (4 padded all-to-alls + the slot counts [X, E/X] int32 once): by hand
+    assert got["formula"] == 2 * 3 * (4 * 768 + (X - 1) * 4 * 4) and got["layers"] == 3 and got["calls"] == 1
+    assert formulas.dispatch_formula(None, colls)["formula"] is None  # nothing recorded: no formula
+
+
+def test_moe_plan_terms_by_hand():
+    from train.scale import MOE_SHAPES, moe_plan
+
+    q = MOE_SHAPES["qwen3-30b-a3b"]
+    psi_d, psi_x = q.params()
+    assert psi_x == 48 * 128 * 3 * 2048 * 768  # 128 experts of 3 D F per layer
+    assert abs((psi_d + psi_x) / 30.5e9 - 1) < 0.01  # the published 30.5 B
+    d, x = MOE_SHAPES["deepseek-v3"].params()
+    assert abs((d + x) / 671e9 - 1) < 0.01  # the published 671 B (without the multi-token-prediction module)
+    r8, r1 = moe_plan(q, 8, 8), moe_plan(q, 8, 1)
+    blk_d, blk_x = q.block()
+    assert r8["block"] == (2 + 4) * (blk_d + blk_x / 8)  # bf16 gathered + fp32 gradient, E/X experts
+    assert r1["block"] == (2 + 4) * (blk_d + blk_x)
+    assert r8["state"] + r8["grad_shard"] == r1["state"] + r1["grad_shard"] == 16 * (psi_d + psi_x) / 8
+    assert r8["state"] == pytest.approx(formulas.expert_state_bytes(psi_d, psi_x, 8, 8)["total"])  # fp32 params + Adam
+    assert r8["gathers"]["expert"] == 0.0  # X = N: each device holds its experts whole, gathers none
+    assert r8["a2a"] == 48 * 6 * 4096 * 8 * 2048 * 2 * 7 / 8
+    assert r8["a2a_padded"] == 48 * 6 * 4096 * 8 * 2048 * 2 * 7  # cap = n min(k, E/X) = 8n: X times exact

@@ -29,8 +29,10 @@ import math
 
 __all__ = [
     "A2A_PER_MOE_LAYER", "all_to_all_bytes", "dropless_capacity", "expert_all_to_all_per_step", "expert_gather_bytes",
-    "expert_gather_ratio", "expert_state_bytes", "gathered_block_bytes", "padded_all_to_all_bytes",
+    "expert_gather_ratio", "expert_state_bytes", "dispatch_formula", "gathered_block_bytes", "padded_all_to_all_bytes",
 ]
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 A2A_PER_MOE_LAYER = {False: 4, True: 6}
 """All-to-alls per MoE layer per micro-batch: forward dispatch and combine, and their transposes in
@@ -61,11 +63,12 @@ def all_to_all_bytes(tokens: float, top_k: int, d_model: int, itemsize: int, exp
     return float(tokens * top_k * d_model * itemsize * (expert - 1) / expert)
 
 
-def dropless_capacity(tokens: int, top_k: int) -> int:
-    """Rows per destination group of the padded dropless dispatch: the worst case ``n * k``, every
-    token-slot of this device routed into one expert group (so no slot is ever dropped)."""
-    _check(tokens=tokens, top_k=top_k)
-    return int(tokens * top_k)
+def dropless_capacity(tokens: int, top_k: int, experts: int | None = None, expert: int = 1) -> int:
+    """Rows per destination device of the padded dropless dispatch (``zshard.moe``'s ``cap``): the worst
+    case ``n * min(k, E/X)``, every token's experts on one device (a token's ``k`` experts are distinct,
+    at most ``E/X`` of them live on one device), so no slot is ever dropped; ``n * k`` without ``experts``."""
+    _check(tokens=tokens, top_k=top_k, expert=expert)
+    return int(tokens * (top_k if experts is None else min(top_k, experts // expert)))
 
 
 def padded_all_to_all_bytes(capacity: int, d_model: int, itemsize: int, expert: int) -> float:
@@ -76,8 +79,8 @@ def padded_all_to_all_bytes(capacity: int, d_model: int, itemsize: int, expert: 
 
         cap * D * e * (X - 1)            (bytes)
 
-    Dropless (:func:`dropless_capacity`): ``cap = n k``, ``X`` times the exact
-    :func:`all_to_all_bytes` whatever the routing. With a capacity factor ``c`` (Switch
+    Dropless (:func:`dropless_capacity`): ``cap = n min(k, E/X)``; with ``k <= E/X``, ``X`` times the
+    exact :func:`all_to_all_bytes` whatever the routing. With a capacity factor ``c`` (Switch
     Transformer, arXiv 2101.03961 section 2.2, per expert ``c n k / E``): ``cap = c n k / X`` per
     group of ``E/X`` experts, ``c`` times the exact bytes.
 
@@ -179,3 +182,41 @@ def expert_gather_ratio(shards: int, expert: int) -> float:
     with_ep = expert_gather_bytes(0, 1, shards, expert, 1, 1)["expert"]
     without = expert_gather_bytes(0, 1, shards, 1, 1, 1)["expert"]
     return with_ep / without if without else math.nan
+
+
+def dispatch_formula(calls, colls, grad_accum: int = 1, remat: bool = True) -> dict:
+    """The token dispatch over ``expert`` of one compiled step: measured against the padded formula.
+
+    ``calls``: the traced ``zshard.moe`` calls, each a record with ``groups`` X, ``local_experts``
+    E/X, ``capacity`` cap, ``d_model`` D and ``dtype`` (``zshard.moe``'s ``MoECall``), or a ``(unit,
+    layers, record)`` triple (a scanned stack's one trace runs ``layers`` times); ``None``: not
+    recorded (formula ``None``). Per call and micro-batch: :data:`A2A_PER_MOE_LAYER` padded
+    all-to-alls of ``[X, cap, D]`` (:func:`padded_all_to_all_bytes`) and, once per forward pass (2
+    with ``remat``), the slot counts ``[X, E/X]`` int32, ``(X-1) (E/X) 4`` bytes.
+    ``colls``: :func:`zshard.report.parse_collectives` of the compiled program; the measured bytes
+    are its all-to-alls over ``expert`` (``sent_bytes x trips``).
+
+    Returns:
+      ``{"measured", "formula", "calls", "layers", "collectives": [{"buffer_bytes", "count"}]}``
+      (bytes per device per step; ``formula`` ``None`` without ``calls``).
+    """
+    ours = [c for c in colls if c.kind == "all-to-all" and c.axis == "expert"]
+    counts: dict[int, int] = {}
+    for c in ours:
+        counts[c.buffer_bytes] = counts.get(c.buffer_bytes, 0) + c.trips
+    out = {"measured": float(sum(c.sent_bytes * c.trips for c in ours)), "formula": None, "calls": 0, "layers": 0,
+           "collectives": [{"buffer_bytes": b, "count": n} for b, n in sorted(counts.items())]}
+    if calls is None:
+        return out
+    calls = list(calls)
+    formula, layers = 0.0, 0
+    passes = A2A_PER_MOE_LAYER[bool(remat)]
+    for entry in calls:
+        n, call = (entry[1] or 1, entry[2]) if isinstance(entry, tuple) else (1, entry)
+        X = call.groups
+        per = passes * padded_all_to_all_bytes(call.capacity, call.d_model, _ITEMSIZE[str(call.dtype)], X)
+        per += (2 if remat else 1) * (X - 1) * call.local_experts * 4  # the slot counts, forward only
+        formula += grad_accum * n * per
+        layers += n
+    out.update(formula=formula, calls=len(calls), layers=layers)
+    return out

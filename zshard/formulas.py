@@ -37,13 +37,13 @@ from zshard.wire.quant import feedback_bytes, moved_bytes, wire_bytes
 from zshard.mesh.strategy import Strategy
 from zshard.inspection.hlo import _axis_name, parse_collectives
 from zshard.expert_formulas import (  # noqa: F401  (expert parallelism in closed form, re-exported: zshard.formulas.X)
-    A2A_PER_MOE_LAYER, all_to_all_bytes, dropless_capacity, expert_all_to_all_per_step, expert_gather_bytes,
+    A2A_PER_MOE_LAYER, all_to_all_bytes, dispatch_formula, dropless_capacity, expert_all_to_all_per_step, expert_gather_bytes,
     expert_gather_ratio, expert_state_bytes, gathered_block_bytes, padded_all_to_all_bytes,
 )
 
 __all__ = [
     "PARAM_CONTEXT", "activation_bytes", "context_formula", "expected_peak", "memory_formula", "moment_bytes", "optimizer_report",
-    "A2A_PER_MOE_LAYER", "all_to_all_bytes", "dropless_capacity", "expert_all_to_all_per_step", "expert_gather_bytes",
+    "A2A_PER_MOE_LAYER", "all_to_all_bytes", "dispatch_formula", "dropless_capacity", "expert_all_to_all_per_step", "expert_gather_bytes",
     "expert_gather_ratio", "expert_state_bytes", "gathered_block_bytes", "padded_all_to_all_bytes",
 ]
 

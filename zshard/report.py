@@ -37,7 +37,10 @@ from zshard.formulas import (
     PARAM_CONTEXT, _formula_comm, _moves, _param_axis, _policy_name, _state_formula,
     _tensor_formula, context_formula, optimizer_report,
 )
+from zshard.expert_formulas import dispatch_formula
 from zshard.inspection.hlo import Collective, parse_collectives, parse_overlap, parse_replica_groups
+
+EXPERT = "expert"  # the expert-parallel mesh axis (zshard.moe's token dispatch runs over it)
 
 __all__ = ["Collective", "Report", "attention_calls", "optimizer_report", "parse_collectives", "parse_overlap",
            "parse_replica_groups", "report"]
@@ -69,6 +72,12 @@ class Report:
         e`` of one call), ``forward_passes`` (1, or 2 with the block recomputed), ``calls``,
         ``collectives`` (``kind``, ``buffer_bytes`` ``X``, ``count`` per step); also the row
         ``comm_bytes_per_step["context"]``. ``None`` without one.
+      expert: with an ``expert`` axis, ``zshard.moe``'s token dispatch over it
+        (:func:`zshard.expert_formulas.dispatch_formula`): ``measured`` (the all-to-alls over
+        ``expert``) and ``formula`` bytes per step (padded ``[X, cap, D]`` buffers, 4 per MoE layer
+        and micro-batch, 6 with the block recomputed, plus the slot counts; ``None`` when the trace
+        recorded no call), ``calls``, ``layers``, ``collectives`` (``buffer_bytes``, ``count``); also
+        the row ``comm_bytes_per_step["expert"]``. ``None`` without one.
       offload: with ``zshard.init(..., offload=...)``, :func:`zshard.offload.offload_report`:
         ``mode``; model-state bytes per device in ``device`` and ``host`` memory, ``measured``
         (from each leaf's shard shape and memory kind) and ``formula``; ``transfer``: host <->
@@ -109,6 +118,7 @@ class Report:
     optimizer: dict | None = None
     tensor: dict | None = None
     context: dict | None = None
+    expert: dict | None = None
     offload: dict | None = None
     moves: dict = dataclasses.field(default_factory=dict)
     quantized: dict | None = None
@@ -174,6 +184,12 @@ class Report:
                 f"{mib(x['formula'])} MiB = {x['calls']} attention calls x ({x['forward_passes']} forward + 1 backward) x "
                 f"(C-1)/C x {x['kv_bytes']:,} bytes (2 b s n_kv d e){' + segment ids' if x['segment_bytes'] else ''}",
             ]
+        if self.expert is not None:
+            x = self.expert
+            n = sum(c["count"] for c in x["collectives"])
+            lines += ["", f"expert axis: {mib(x['measured'])} MiB of token dispatch ({n} all-to-alls per step) against "
+                      + (f"{mib(x['formula'])} MiB = {x['layers']} MoE layer calls x padded [X, cap, D] all-to-alls"
+                         if x["formula"] is not None else "no formula (no zshard.moe call recorded)")]
         if self.offload is not None:
             o = self.offload
             t = o["transfer"]
@@ -255,6 +271,12 @@ def report(step, state, batch) -> Report:
         context["measured"] = by_axis.get(CONTEXT, 0.0)
         ops = Counter((c.kind, c.buffer_bytes) for c in colls if c.phase == "context" for _ in range(c.trips))
         context["collectives"] = [{"kind": k, "buffer_bytes": x, "count": n} for (k, x), n in sorted(ops.items())]
+    expert = None
+    if plan.mesh.shape.get(EXPERT, 1) > 1:
+        _, info = step.trace(state, batch)  # the zshard.moe calls the trace recorded (MoECall records)
+        expert = dispatch_formula(getattr(info, "moe_calls", None), colls, step.config.grad_accum,
+                                  _policy_name(step.config.remat) == "block")
+        formula_comm[EXPERT] = expert["formula"] or 0.0
     opt = optimizer_report(state)
     if opt["formula"]:  # the global-view optimizer's collectives run over the optimizer axes
         opt_axis = _param_axis(plan.mesh, plan.opt_axes)
@@ -283,6 +305,7 @@ def report(step, state, batch) -> Report:
         optimizer=opt,
         tensor=tensor,
         context=context,
+        expert=expert,
         offload=offload_report(step, state, batch, {**formula, **split}) if plan.offload else None,
         moves=_moves(plan, step.config.hpz),
         quantized=coverage(plan) if plan.mp.quantized else None,
