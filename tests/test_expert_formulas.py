@@ -41,7 +41,8 @@ def test_padded_all_to_all_bytes_by_hand():
 
 
 def test_all_to_all_per_step_counts_four_or_six_per_layer():
-    per = formulas.all_to_all_bytes(6, 2, 16, 4, 2)  # 384
+    per = formulas.all_to_all_bytes(6, 2, 16, 4, 2)
+    assert per == 384.0
     assert formulas.expert_all_to_all_per_step(3, 6, 2, 16, 4, 2, remat=False) == 3 * 4 * 384
     assert formulas.expert_all_to_all_per_step(3, 6, 2, 16, 4, 2, remat=True) == 3 * 6 * 384
     assert formulas.expert_all_to_all_per_step(3, 6, 2, 16, 4, 2, grad_accum=2, remat=False) == 2 * 3 * 4 * 384
