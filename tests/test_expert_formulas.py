@@ -5,6 +5,7 @@ all-to-all formula. Cheap: the formulas are arithmetic, the program two collecti
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import jax
@@ -160,3 +161,19 @@ def test_moe_plan_terms_by_hand():
     assert r8["gathers"]["expert"] == 0.0  # X = N: each device holds its experts whole, gathers none
     assert r8["a2a"] == 48 * 6 * 4096 * 8 * 2048 * 2 * 7 / 8
     assert r8["a2a_padded"] == 48 * 6 * 4096 * 8 * 2048 * 2 * 7  # cap = n min(k, E/X) = 8n: X times exact
+
+
+def test_docs_moe_plan_table():
+    """docs/expert-parallel.md's plan table is what ``python -m train.scale --moe`` prints."""
+    from conftest import ROOT
+    from train.scale import MOE_PLANS, MOE_SHAPES, moe_plan, moe_plan_table
+
+    table = moe_plan_table([moe_plan(MOE_SHAPES[m], n, x) for m, n, xs in MOE_PLANS for x in xs])
+    page = (ROOT / "docs" / "expert-parallel.md").read_text()
+    assert table in page
+    reading = page[page.index("How to read it:"):page.index("## The benchmark")]
+    quoted = re.findall(r"(\d+(?:\.\d+)?)\s+(?:GB/step|GB)\b", reading)
+    assert len(quoted) >= 5
+    cells = {c.strip() for c in table.split("|")}
+    for q in quoted:  # every figure quoted under the table is one of its cells
+        assert q in cells, q
