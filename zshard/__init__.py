@@ -15,7 +15,8 @@ compiled program's HLO, by mesh axis), ``parse_mesh`` (``"RxS"`` or a preset nam
 ``zshard.formulas`` (the memory and communication formulas, also in closed form for
 ``python -m train.scale``). For long sequences
 (docs/long-sequences.md): ``attention`` (exact on a sequence split over the ``context`` axis)
-and ``positions`` (each local token's global position). For the GPU program on any machine:
+and ``positions`` (each local token's global position). For mixtures of experts: ``moe`` (routed
+experts as grouped matmuls, dispatched by all-to-all when split over the ``expert`` axis). For the GPU program on any machine:
 ``gpu_devices`` (a compile-only topology of H100 / H200 / A100 from XLA's target specs), the
 submodule ``zshard.gpu`` (``GPU_COMPILER_OPTIONS``, ``TARGETS``, ``platform`` of a mesh) and
 ``parse_overlap`` (each collective of a compiled program: async or not, compute between start and done).
@@ -23,6 +24,7 @@ submodule ``zshard.gpu`` (``GPU_COMPILER_OPTIONS``, ``TARGETS``, ``platform`` of
 
 from zshard import distributed, formulas, gpu
 from zshard.attention import attention
+from zshard.moe import moe
 from zshard.checkpoint import Checkpointer, export, load_params, restore, save
 from zshard.programs.evaluate import EvalStep, make_eval_step, make_forward
 from zshard.gpu import gpu_devices
@@ -63,6 +65,7 @@ __all__ = [
     "make_forward",
     "make_mesh",
     "make_train_step",
+    "moe",
     "parse_collectives",
     "parse_mesh",
     "parse_overlap",

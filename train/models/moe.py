@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import zshard
+
 from train.models.core import ACTIVATIONS, Attention
 from train.models.loss import chunked_token_nll
 from train.models.llama import Llama, LlamaConfig
@@ -79,25 +81,12 @@ class MoE(nnx.Module):
         self.w_down = nnx.Param(init(rngs.params(), (E, F, C), jnp.float32))  # [E, F, C]
 
     def __call__(self, x):
-        B, T, C = x.shape
-        N, E, k = B * T, self.n_experts, self.top_k
-        xf = x.reshape(N, C)  # (B, T, C) -> (N, C)
-        probs = jax.nn.softmax(self.router(xf).astype(jnp.float32), axis=-1)  # (N, E)
-        top_p, top_e = jax.lax.top_k(probs, k)  # (N, k) each
-        if self.norm_topk_prob:
-            top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-        top_p = top_p.astype(x.dtype)
-        flat_e = top_e.reshape(N * k)  # slot s = token * k + j
-        order = jnp.argsort(flat_e, stable=True)  # (N*k,) slots grouped by expert
-        token = order // k  # (N*k,) the token of each sorted slot
-        sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)  # (E,) slots per expert
-        h = jax.lax.ragged_dot(xf[token], self.w_gate_up[...], sizes)  # (N*k, C) x [E, C, 2F] -> (N*k, 2F)
-        gate, up = jnp.split(h, 2, axis=-1)  # 2 x (N*k, F)
-        y = jax.lax.ragged_dot(ACTIVATIONS[self.act](gate) * up, self.w_down[...], sizes)  # (N*k, F) x [E, F, C] -> (N*k, C)
-        y = y * top_p.reshape(N * k)[order][:, None]
-        out = jnp.zeros((N, C), y.dtype).at[token].add(y)  # (N*k, C) summed into (N, C)
-        counts = jax.nn.one_hot(top_e, E, dtype=jnp.float32).sum(axis=1).reshape(B, T, E).sum(axis=1)  # (B, E)
-        return out.reshape(B, T, C), (counts, probs.reshape(B, T, E).sum(axis=1))
+        # zshard.moe: router in float32, top-k, grouped matmuls (all-to-all over `expert` when the
+        # expert weights hold E/X experts); dropless, so the numbers do not depend on the mesh
+        y, stats = zshard.moe(x, self.router.kernel[...], self.w_gate_up[...], self.w_down[...], top_k=self.top_k,
+                              norm_topk_prob=self.norm_topk_prob, act=ACTIVATIONS[self.act])
+        counts = jax.nn.one_hot(stats.top_e, self.n_experts, dtype=jnp.float32).sum(axis=(1, 2))  # (B, T, k, E) -> (B, E)
+        return y, (counts, stats.probs.sum(axis=1))  # (B, T, C), ((B, E), (B, T, E) -> (B, E))
 
 
 class MoEBlock(nnx.Module):
