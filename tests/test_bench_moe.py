@@ -1,7 +1,8 @@
 """The benchmark's MoE section (train/bench/moe.py): expert parallelism (1x4x2) against plain FSDP (1x8).
 
 The byte target is asserted from the compiled HLO (no timing): EP gathers at most half of the expert
-weights' bytes, exactly the formula's ``3/7`` (zshard.formulas.expert_gather_ratio). The reading of
+weights' bytes, exactly the formula's ``3/7`` (zshard.formulas.expert_gather_ratio); the EP step's
+``zshard.report`` rows (``shard``, ``shard+expert``, ``expert``) equal their formulas. The reading of
 the expert gathers and the not-runnable report are checked on hand-made inputs (no compile)."""
 
 from __future__ import annotations
@@ -36,14 +37,18 @@ def test_the_section_reports_when_it_cannot_run(monkeypatch):
     assert t["value"] is None and not t["ok"] and "not runnable" in t["note"]
 
 
-@pytest.mark.skipif(moe.ep_missing() is not None, reason=f"the expert axis is not in this build: {moe.ep_missing()}")
-def test_ep_gathers_at_most_half_the_expert_bytes():
+@pytest.fixture(scope="module")
+def variants():
+    """The section's two compiled steps: EP 1x4x2 (with ``zshard.report``) and no EP 1x8 (HLO only)."""
     import numpy as np
 
     cfg = MoEConfig(**moe.MOE_BENCH)
     tok = np.zeros((moe.BATCH, cfg.seq_len), np.int32)
-    ep = moe.moe_variant(2, (tok, tok), with_report=False)
-    base = moe.moe_variant(1, (tok, tok), with_report=False)
+    return moe.moe_variant(2, (tok, tok)), moe.moe_variant(1, (tok, tok), with_report=False)
+
+
+def test_ep_gathers_at_most_half_the_expert_bytes(variants):
+    ep, base = variants
     assert ep["expert_gathers"]["axes"] == ["shard"]  # the local experts gathered over shard only
     assert base["expert_gathers"]["axes"] == ["shard"]  # (1x8: shard is every device)
     assert ep["expert_gathers"]["count"] == base["expert_gathers"]["count"] > 0  # the same gathers, smaller
@@ -51,3 +56,20 @@ def test_ep_gathers_at_most_half_the_expert_bytes():
     assert ratio <= 0.5
     assert ratio == pytest.approx(formulas.expert_gather_ratio(8, 2), rel=1e-6)  # 3/7
     assert ep["a2a_bytes"] > 0 and base["a2a_bytes"] == 0  # the tokens travel instead
+
+
+def test_report_rows_of_an_expert_mesh_equal_the_formulas(variants):
+    rep = variants[0]["report"]
+    comm = rep.comm_bytes_per_step
+    # dense parameters over shard x expert, the local experts over shard only, the tokens over expert
+    for axis in ("shard", "shard+expert", "expert"):
+        assert comm[axis]["measured"] > 0 and comm[axis]["ratio"] == pytest.approx(1.0, rel=1e-9), (axis, comm)
+    x = rep.expert
+    cfg = MoEConfig(**moe.MOE_BENCH)
+    n = moe.BATCH // 8 * cfg.seq_len  # tokens per device
+    cap = n * min(cfg.top_k, cfg.n_experts // 2)  # dropless: n min(k, E/X)
+    buf = 2 * cap * cfg.d_model * 4  # [X, cap, D] fp32
+    # remat="block": 6 padded all-to-alls per MoE layer (forward twice, backward once), the slot counts twice
+    assert {c["buffer_bytes"]: c["count"] for c in x["collectives"]} == {buf: 6 * cfg.n_layers, 2 * 4 * 4: 2 * cfg.n_layers}
+    assert x["layers"] == cfg.n_layers and x["formula"] == x["measured"]
+    assert "expert axis:" in rep.table()

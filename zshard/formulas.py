@@ -48,7 +48,21 @@ __all__ = [
 ]
 
 def _formula_comm(plan, k: int = 1, hpz: bool = False) -> dict[str, float]:
-    """Bytes one device sends per step, docs/design.md section 3 (ring algorithm).
+    """Bytes one device sends per step, docs/design.md section 3 (ring algorithm): :func:`_comm_of`
+    of the dense parameters over the shard axes and, on a mesh with an ``expert`` axis of ``X``
+    devices, of the expert parameters (``E/X`` experts each) over the shard axes without ``expert``
+    (``N/X`` devices; docs/expert-parallel.md, :func:`zshard.expert_formulas.expert_gather_bytes`)."""
+    if not any(getattr(s.param, "expert", False) for u in plan.units for f in u.flats for s in f.slots):
+        return _comm_of(plan, k, hpz)
+    out = _comm_of(plan, k, hpz, experts=False)
+    for axis, b in _comm_of(plan, k, False, experts=True).items():
+        out[axis] = out.get(axis, 0.0) + b
+    return out
+
+
+def _comm_of(plan, k: int = 1, hpz: bool = False, experts: bool | None = None) -> dict[str, float]:
+    """Bytes one device sends per step for the parameters ``experts`` selects (``None``: all; ``True``
+    / ``False``: the expert / dense ones), docs/design.md section 3 (ring algorithm).
 
     ``Psi * b`` is counted per collective in the dtype it moves: gathers in the mixed
     precision ``param_dtype``, gradient reductions in ``reduce_dtype``, SHARD_OPT's gather of
@@ -65,6 +79,10 @@ def _formula_comm(plan, k: int = 1, hpz: bool = False) -> dict[str, float]:
     """
     mesh = plan.mesh
     size = lambda axes: int(np.prod([mesh.shape[a] for a in axes]))  # noqa: E731
+    shard_axes, N = plan.shard_axes, plan.num_shards  # S (x C, x X on an expert mesh) for the hybrids
+    if experts:  # the local experts: over the shard axes inside one expert group
+        shard_axes = tuple(a for a in shard_axes if a != "expert")
+        N //= mesh.shape["expert"]
 
     def total(role, units, trainable_only=False):  # sum over parameters of size * itemsize (a tensor piece if split)
         return sum(
@@ -73,6 +91,7 @@ def _formula_comm(plan, k: int = 1, hpz: bool = False) -> dict[str, float]:
             for f in u.flats
             if f.trainable or not trainable_only
             for s in f.slots
+            if experts is None or bool(getattr(s.param, "expert", False)) == experts
         )
 
     master = total("master", plan.units, trainable_only=True)  # SHARD_OPT gathers updated parameters
@@ -101,8 +120,7 @@ def _formula_comm(plan, k: int = 1, hpz: bool = False) -> dict[str, float]:
         ag_stacked = total("gather", [u for u in plan.units if u.layers])
         gathers = ag - ag_stacked + k * ag_stacked
     per_step = gathers + k * rs
-    N = plan.num_shards  # S (x C on a context mesh) for the hybrids
-    shard = {name(plan.shard_axes): per_step * ring(N)}
+    shard = {name(shard_axes): per_step * ring(N)}
     if st in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD):
         return shard
     R = size(plan.replica_axes)

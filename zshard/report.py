@@ -273,8 +273,7 @@ def report(step, state, batch) -> Report:
         context["collectives"] = [{"kind": k, "buffer_bytes": x, "count": n} for (k, x), n in sorted(ops.items())]
     expert = None
     if plan.mesh.shape.get(EXPERT, 1) > 1:
-        _, info = step.trace(state, batch)  # the zshard.moe calls the trace recorded (MoECall records)
-        expert = dispatch_formula(getattr(info, "moe_calls", None), colls, step.config.grad_accum,
+        expert = dispatch_formula(_moe_calls(step, state, batch), colls, step.config.grad_accum,
                                   _policy_name(step.config.remat) == "block")
         formula_comm[EXPERT] = expert["formula"] or 0.0
     opt = optimizer_report(state)
@@ -313,6 +312,22 @@ def report(step, state, batch) -> Report:
         attention=attention_calls(text),
         prefetch=step.config.resolved_prefetch(plan.mesh),
     )
+
+
+def _moe_calls(step, state, batch) -> list | None:
+    """``[(None, MoE layers per step, MoECall)]`` for :func:`dispatch_formula`: the ``zshard.moe`` call
+    the step's trace records (``zshard.moe.recording``), once per block unit holding expert parameters
+    (its layers: a scanned stack traces its body once). ``None`` when the trace recorded no call (a
+    trace jax had cached) or calls of different shapes."""
+    from zshard.moe import recording  # noqa: PLC0415  (the op's module; report reads its record)
+
+    with recording() as calls:
+        step.trace(state, batch)
+    if len(set(calls)) != 1:
+        return None
+    plan = state.plan
+    layers = sum(u.layers or 1 for u in plan.units if any(getattr(s.param, "expert", False) for f in u.flats for s in f.slots))
+    return [(None, layers, calls[0])]
 
 
 def attention_calls(hlo: str) -> dict:
