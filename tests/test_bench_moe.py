@@ -73,3 +73,24 @@ def test_report_rows_of_an_expert_mesh_equal_the_formulas(variants):
     assert {c["buffer_bytes"]: c["count"] for c in x["collectives"]} == {buf: 6 * cfg.n_layers, 2 * 4 * 4: 2 * cfg.n_layers}
     assert x["layers"] == cfg.n_layers and x["formula"] == x["measured"]
     assert "expert axis:" in rep.table()
+
+
+def test_state_and_gathered_block_equal_the_formulas_with_x(variants):
+    import math
+
+    state, rep = variants[0]["state"], variants[0]["report"]
+    plan = state.plan
+    size = lambda rec: math.prod(rec.shape) * (rec.layers or 1)  # noqa: E731
+    psi_x = sum(size(r) for r in plan.layouts.values() if r.expert)
+    psi_d = sum(size(r) for r in plan.layouts.values() if not r.expert)
+    assert psi_x > psi_d > 0
+    # fp32 parameters + Adam's two moments: dense over the 8 devices, E/X experts over S = 4
+    assert rep.model_state_bytes["formula"]["total"] == pytest.approx(formulas.expert_state_bytes(psi_d, psi_x, 8, 2)["total"],
+                                                                      rel=1e-4)  # (Adam's step counts: a few bytes)
+    assert rep.model_state_bytes["ratio"] == pytest.approx(1.0, abs=1e-4)  # measured shards (padding: a few elements)
+    block = next(u for u in plan.units if u.layers)
+    slots = [s.param for f in block.flats for s in f.slots]
+    gathered = sum(p.piece_padded * p.dtype.itemsize for p in slots)  # what one block call gathers
+    layer = lambda rec: math.prod(rec.shape)  # noqa: E731
+    assert gathered == formulas.gathered_block_bytes(sum(layer(p) for p in slots if not p.expert),
+                                                     sum(layer(p) for p in slots if p.expert), 2, 4)
