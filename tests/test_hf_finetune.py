@@ -54,9 +54,12 @@ def test_init_from_fine_tunes(name, tokens, tmp_path):
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in steps if "loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0], losses
-    if name == "qwen3_moe":
-        assert all(r["router_aux_loss"] > 0 for r in steps if "loss" in r)
     summary = json.loads((out / "summary.json").read_text())
+    if name == "qwen3_moe":  # the router's losses, each expert's share of the routed slots, none dropped
+        assert all(r["router_aux_loss"] > 0 and r["router_z_loss"] > 0 for r in steps if "loss" in r)
+        assert all(len(r["expert_load"]) == 4 and abs(sum(r["expert_load"]) - 1) < 1e-6 and r["dropped_fraction"] == 0
+                   for r in steps if "loss" in r)
+        assert summary["moe"]["max_expert_load"] >= 1 and summary["moe"]["dropped_fraction"] == 0
     assert summary["init_from"] == str(FIXTURES / name)
     if sample != "0":
         assert "=== step 4: 4 tokens after a 3-token prompt" in (out / "samples.txt").read_text()

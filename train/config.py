@@ -164,26 +164,33 @@ class Config:
             at_least("mesh.tensor", me.tensor, 1)
         if me.context is not None:
             at_least("mesh.context", me.context, 1)
+        if me.expert is not None:
+            at_least("mesh.expert", me.expert, 1)
         self.strategy()  # a known name / stage, and not two that disagree
         replica, shard, tensor = self.mesh_shape(n, processes)
-        context = self.context()
-        if replica * shard * context * tensor != n:
-            inner = context * tensor  # devices of one (replica, shard) position
+        context, expert = self.context(), self.expert()
+        if replica * shard * expert * context * tensor != n:
+            inner = expert * context * tensor  # devices of one (replica, shard) position
             shapes = ", ".join(f"{r}x{n // (r * inner)}" + (f"x{tensor}" if tensor > 1 else "")
                                for r in range(1, n + 1) if n % (r * inner) == 0)
-            ctx = f" x context {context}" if context > 1 else ""
+            ctx = (f" x expert {expert}" if expert > 1 else "") + (f" x context {context}" if context > 1 else "")
             if shapes:
                 fix = f"use a mesh of {n} devices ({shapes}{ctx})"
+            elif expert > 1:  # expert x context x tensor does not divide the devices
+                experts = [x for x in range(1, n + 1) if n % (x * context * tensor) == 0]
+                fix = f"expert {expert} x context {context} x tensor {tensor} = {inner} does not divide {n}: use --expert " \
+                      f"{_alternatives(experts)}"
             else:  # context x tensor does not divide the devices: no RxS fits, the inner axes must change
                 contexts = [c for c in range(1, n + 1) if n % (c * tensor) == 0]
                 fix = (f"context {context} x tensor {tensor} = {inner} does not divide {n}: use --context {_alternatives(contexts)}"
                        if contexts else f"tensor {tensor} does not divide {n}: use a tensor size of "
                        f"{_alternatives([t for t in range(1, n + 1) if n % t == 0])}")
             raise ConfigError(
-                key_of("mesh.shape" if me.shape is not None else "mesh.context" if context > 1 else "mesh.tensor"),
+                key_of("mesh.shape" if me.shape is not None else "mesh.expert" if expert > 1 else "mesh.context" if context > 1
+                       else "mesh.tensor"),
                 f"{me.shape or f'tensor = {tensor}'!r} is {replica}x{shard}{f'x{tensor}' if tensor > 1 else ''}{ctx} = "
-                f"{replica * shard * context * tensor} devices, but there are {n} (mesh.devices = {me.devices}); {fix}"
-                + (f"; or --devices {replica * shard * context * tensor}" if n == me.devices else ""),
+                f"{replica * shard * inner} devices, but there are {n} (mesh.devices = {me.devices}); {fix}"
+                + (f"; or --devices {replica * shard * inner}" if n == me.devices else ""),
             )
         if context > 1:
             if m.seq_len % (2 * context):
@@ -228,7 +235,7 @@ class Config:
         at_least("training.seed", t.seed, 0)
         at_least("training.eval_every", t.eval_every, 0)
         at_least("training.watchdog", t.watchdog, 0)
-        data = n // (tensor * context)  # the rows are split over replica x shard, not over tensor (nor context: sequences)
+        data = n // (tensor * context)  # the rows are split over replica x shard (x expert), not over tensor (nor context: sequences)
         unit = data * t.grad_accum  # the global batch splits over data devices x micro-batches
         if t.batch_size % unit:
             lo = max(unit, t.batch_size // unit * unit)
@@ -315,10 +322,14 @@ class Config:
         """``mesh.context`` (1 when unset): devices each sequence is split over."""
         return self.mesh.context or 1
 
+    def expert(self) -> int:
+        """``mesh.expert`` (1 when unset): devices each MoE layer's experts are split over."""
+        return self.mesh.expert or 1
+
     def mesh_shape(self, n_devices: int | None = None, processes: int = 1) -> tuple[int, int, int]:
         """``(replica, shard, tensor)``: ``mesh.shape`` parsed (``RxS`` takes ``mesh.tensor``), or
-        ``(processes, n_devices / (processes * context * tensor), tensor)`` when unset (the context
-        axis: :meth:`context`).
+        ``(processes, n_devices / (processes * expert * context * tensor), tensor)`` when unset (the
+        expert and context axes: :meth:`expert`, :meth:`context`).
 
         Raises:
           ConfigError: an unknown shape, or ``RxSxT`` disagreeing with ``mesh.tensor``.
@@ -326,7 +337,7 @@ class Config:
         n = self.mesh.devices if n_devices is None else n_devices
         tensor = self.mesh.tensor or 1
         if self.mesh.shape is None:
-            return processes, max(n // (processes * self.context() * tensor), 1), tensor
+            return processes, max(n // (processes * self.expert() * self.context() * tensor), 1), tensor
         try:
             shape = zshard.parse_mesh(self.mesh.shape)
         except ValueError as e:
@@ -355,6 +366,7 @@ class Config:
         r.mesh.devices, r.mesh.shape = n // processes, f"{replica}x{shard}" + (f"x{tensor}" if tensor > 1 else "")  # devices: per process
         r.mesh.tensor = tensor if tensor > 1 else None
         r.mesh.context = self.context() if self.context() > 1 else None
+        r.mesh.expert = self.expert() if self.expert() > 1 else None
         r.mesh.strategy, r.mesh.zero_stage = self.strategy(), None
         if r.model.scan is None:
             r.model.scan = MODEL_PRESETS[r.model.preset].scan

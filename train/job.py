@@ -28,7 +28,7 @@ from train import config
 from train.config import ConfigError
 from train.flags import key_of
 from train.hf.files import Tensor
-from train.model import GPT, MODEL_PRESETS, GPTConfig, from_hf, tensor_plan
+from train.model import GPT, MODEL_PRESETS, GPTConfig, expert_plan, from_hf, tensor_plan
 from train.output import choose_out
 
 __all__ = ["Setup", "is_run_folder", "make_optimizer", "validate"]
@@ -48,8 +48,8 @@ class Setup:
       devices: the devices of the mesh.
       replica: size of the mesh's ``replica`` axis.
       shard: size of the mesh's ``shard`` axis.
-      mesh: ``jax.sharding.Mesh`` of shape ``(replica, shard)``, with ``context`` (``mesh.context >
-        1``) and ``tensor`` (``mesh.tensor > 1``) axes after them.
+      mesh: ``jax.sharding.Mesh`` of shape ``(replica, shard)``, with ``expert`` (``mesh.expert > 1``),
+        ``context`` (``mesh.context > 1``) and ``tensor`` (``mesh.tensor > 1``) axes after them.
       out: the output directory (not created yet).
       link: ``runs/latest``, to point at ``out`` once it is written (``None``: no link).
       strategy: the strategy's name (``zshard.Strategy`` value).
@@ -130,14 +130,19 @@ def validate(run) -> Setup:
     except ValueError as e:
         key = key_of("mesh.shape" if run.mesh.shape is not None else "mesh.tensor")
         fail(f"{key} {run.mesh.shape if run.mesh.shape is not None else tensor!r}: {e}")
+    expert = run.expert()
+    try:  # the experts over the expert axis: a dense model, or X not dividing the experts, refused here
+        expert_plan(cfg, expert)
+    except ValueError as e:
+        fail(f"{key_of('mesh.expert')} {expert}: {e}")
     try:
         # no mesh.shape with several processes: one row per process (jax's hybrid-mesh helper)
-        if procs > 1 and run.mesh.shape is None and tensor == 1:
+        if procs > 1 and run.mesh.shape is None and tensor == 1 and expert == 1:
             mesh = zshard.make_mesh()
-        else:
+        else:  # the expert axis only when there is one (zshard.make_mesh(expert=X): X > 1)
             mesh = zshard.make_mesh(None if procs > 1 and run.mesh.shape is None else replica,
                                     None if procs > 1 and run.mesh.shape is None else shard, tensor, context=run.context(),
-                                    devices=devices)
+                                    devices=devices, **({"expert": expert} if expert > 1 else {}))
     except ValueError as e:
         fail(f"mesh.shape (--mesh) {run.mesh.shape!r}: {e}")
     if run.mesh.offload is not None:

@@ -3,7 +3,9 @@
 ``OUT/metrics.jsonl``: one JSON object per step (``loss``, ``grad_norm`` (nats per token, its
 gradient's global L2 norm), ``lr``, ``step_time_s`` (s, between the reads of consecutive
 steps' metrics), ``tokens_per_s`` (over the last :data:`THROUGHPUT_WINDOW` steps),
-``eval_loss`` at evaluations), appended and flushed as each step's metrics are read:
+``eval_loss`` at evaluations; an MoE's ``router_aux_loss``, ``router_z_loss``, ``cross_entropy``,
+``expert_load`` (a list: each expert's share of the routed slots) and ``dropped_fraction``:
+:func:`train.models.moe_loss`), appended and flushed as each step's metrics are read:
 ``tail -f`` follows it, and a crash loses at most the step in flight. (``--resume`` first
 replaces it, once, with the records of the checkpoint it continues from.) TensorBoard events
 go to ``OUT/tb``. Only rank 0 writes (``train.output.WRITES_FILES``).
@@ -22,9 +24,23 @@ from tensorboardX import SummaryWriter
 from train import output
 from train.output import PROG, write_atomic
 
-__all__ = ["THROUGHPUT_WINDOW", "Metrics", "MetricsLog", "TensorBoard"]
+__all__ = ["THROUGHPUT_WINDOW", "Metrics", "MetricsLog", "TensorBoard", "aux_record"]
 
 THROUGHPUT_WINDOW = 10  # steps: metrics' tokens_per_s is measured over this many steps
+
+
+def aux_record(aux: dict) -> dict:
+    """A step's ``metrics["aux"]`` as JSON values: scalars as floats, arrays (an MoE's
+    ``expert_load`` ``[E]``) as lists of floats, plus ``max_expert_load`` = ``E * max(expert_load)``
+    (1: every expert as loaded as the mean; the most loaded expert's excess otherwise)."""
+    rec = {}
+    for k, v in aux.items():
+        a = np.asarray(v, np.float64)
+        rec[k] = float(a) if a.ndim == 0 else a.tolist()
+    if "expert_load" in rec:
+        load = np.asarray(rec["expert_load"])
+        rec["max_expert_load"] = float(load.max() * load.size)
+    return rec
 
 
 class MetricsLog:
@@ -60,7 +76,8 @@ class TensorBoard:
     """Scalars to TensorBoard event files in ``OUT/tb`` (``tensorboardX.SummaryWriter``), or nothing.
 
     Tags: ``train/loss``, ``train/grad_norm``, ``train/lr``, ``eval/loss`` (nats per byte,
-    per step), ``perf/tokens_per_s``, ``perf/step_time_s``, and ``train/nonfinite`` (1 at a
+    per step), ``perf/tokens_per_s``, ``perf/step_time_s``, an MoE's ``moe/router_aux_loss``,
+    ``moe/router_z_loss``, ``moe/max_expert_load``, ``moe/dropped_fraction``, and ``train/nonfinite`` (1 at a
     step whose loss or gradient norm was NaN or infinite: those values are left out, charts
     cannot draw them). View with ``tensorboard --logdir OUT/tb``.
 
@@ -72,7 +89,8 @@ class TensorBoard:
     """
 
     TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "eval_loss": "eval/loss",
-            "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s"}
+            "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "router_aux_loss": "moe/router_aux_loss",
+            "router_z_loss": "moe/router_z_loss", "max_expert_load": "moe/max_expert_load", "dropped_fraction": "moe/dropped_fraction"}
 
     def __init__(self, logdir: Path | None, purge_step: int | None = None):
         self.writer = None
@@ -153,7 +171,7 @@ class Metrics:
         del self.recent[:-THROUGHPUT_WINDOW]
         rec = {"step": i, "loss": loss, "grad_norm": grad_norm, "lr": float(self.lrs[i - 1]),
                "tokens_per_s": self.tokens_per_step * len(self.recent) / sum(self.recent), "step_time_s": now - self.t_last}
-        rec.update({k: float(v) for k, v in metrics.get("aux", {}).items()})  # e.g. an MoE's router_aux_loss
+        rec.update(aux_record(metrics.get("aux", {})))  # an MoE's router losses, expert load, dropped fraction
         t_cfg = self.run.training
         nonfinite = int(metrics["nonfinite"])  # the same on every device (reduced over the mesh)
         if nonfinite:

@@ -13,6 +13,12 @@ A mesh ``RxSxT`` (or ``--tensor T``) adds the tensor axis: the preset declares i
 projections row-parallel, the vocabulary split when ``T`` divides it), the batch splits over
 the ``R*S`` data devices and the ``T`` devices of a tensor group share their sequences.
 
+With ``--expert X`` (an MoE preset: ``qwen3-30b-a3b``, ``deepseek-v3``) the mesh gains the expert
+axis (``zshard.make_mesh(R, S, expert=X)``, R*S*X emulated devices): each MoE layer's experts are
+split over it (:func:`train.models.expert_plan`), the batch over ``R x S x X``.
+
+    python -m train.plan --model qwen3-30b-a3b --mesh 1x4 --expert 2 --batch-size 8 --seq-len 4096
+
 With ``--context C`` the mesh is ``R x S x C (x T)`` (``zshard.make_mesh(R, S, T, context=C)``,
 R*S*C*T emulated devices): each sequence is split over ``context`` in the head-tail order
 (``make_train_step(..., sequence_axis=1)``, docs/long-sequences.md) and the batch over ``R x S``.
@@ -35,7 +41,8 @@ and prints the two side by side (docs/performance.md):
     python -m train.plan --model llama-3-8b --mesh 1x8 --seq-len 8192 --target h100 --peer --json plan.json
 
 The model presets (``train/model.py``, ``PLAN_PRESETS``) are GPT-2 and Llama shapes from
-their papers. The planner lives with the application (zshard does not import ``train``).
+their papers, and two mixtures of experts (Qwen3-30B-A3B; DeepSeek-V3, approximated as its
+docstring says). The planner lives with the application (zshard does not import ``train``).
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ from flax import nnx
 
 import zshard
 from train.devices import emulate_devices
-from train.model import PLAN_PRESETS, build_model, cross_entropy_loss, tensor_plan, units_with_ends
+from train.model import PLAN_PRESETS, build_model, expert_plan, loss_for, tensor_plan, units_with_ends
 from train.plan_gpu import (TARGET_MEMORY_GB, TARGETS, compile_peer, cuda_plugin, program_summary, side_by_side,
                             target_devices, write_json)
 
@@ -80,6 +87,10 @@ def _parse(argv):
     p.add_argument("--model", required=True, help="preset: " + ", ".join(PLAN_PRESETS))
     p.add_argument("--mesh", required=True, metavar="RxS[xT]", help="mesh shape, e.g. 8x8 (R*S emulated devices) or 1x8x8 (R*S*T, tensor axis T)")
     p.add_argument("--tensor", type=int, default=None, metavar="T", help="tensor-parallel size (the same as a mesh RxSxT)")
+    p.add_argument("--expert", type=int, default=1, metavar="X",
+                   help="expert parallelism: each MoE layer's experts split over X devices (R*S*X emulated devices, the batch "
+                   "over all of them, tokens sent to their experts by all-to-all; an MoE preset whose expert count X "
+                   "divides: qwen3-30b-a3b, deepseek-v3; default 1: none)")
     p.add_argument("--context", type=int, default=1, metavar="C",
                    help="context parallelism: each sequence split over C devices (R*S*C emulated devices; the sequence "
                    "length must divide by 2C; default 1: none)")
@@ -139,10 +150,13 @@ def main(argv=None) -> int:
         tensor = args.tensor
     if args.context < 1:
         parser.error(f"--context {args.context}: must be a positive number of devices")
-    context = args.context
-    data = replica * shard  # the batch's rows split over replica x shard; each sequence over context, shared by tensor
+    if args.expert < 1:
+        parser.error(f"--expert {args.expert}: must be a positive number of devices (1: no expert parallelism)")
+    context, expert = args.context, args.expert
+    data = replica * shard * expert  # the batch's rows split over replica x shard x expert; each sequence over context, shared by tensor
     world = data * context * tensor
-    mesh_name = f"{replica}x{shard}" + (f"x{tensor}" if tensor > 1 else "") + (f", context {context}" if context > 1 else "")
+    mesh_name = (f"{replica}x{shard}" + (f"x{tensor}" if tensor > 1 else "") + (f", expert {expert}" if expert > 1 else "")
+                 + (f", context {context}" if context > 1 else ""))
     gpu = args.target != "cpu"
     fallback = gpu and not cuda_plugin()  # no CUDA plugin: plan on emulated CPU devices, say so
     emulate_devices(None if gpu and not fallback else world, cpu_only=True)  # before jax starts its backend
@@ -160,6 +174,10 @@ def main(argv=None) -> int:
         tp_plan = tensor_plan(cfg, tensor)  # {} when tensor == 1
     except ValueError as e:
         parser.error(f"--mesh {mesh_name}: {e}")
+    try:
+        ep_plan = expert_plan(cfg, expert)  # {} when expert == 1; a dense preset or X not dividing the experts: refused
+    except ValueError as e:
+        parser.error(f"--expert {expert} (--model {args.model}): {e}")
     for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size), ("--device-memory-gb", args.device_memory_gb)):
         if value is not None and not value > 0:
             parser.error(f"{flag} {value}: must be positive")
@@ -191,19 +209,21 @@ def main(argv=None) -> int:
         if mp is not None and mp.param_dtype is not None and jnp.dtype(mp.param_dtype) != jnp.dtype(compute):
             parser.error(f"--compute-dtype {compute}: --offload optimizer+master computes in bfloat16")
         mp = zshard.MixedPrecision(param_dtype=compute, reduce_dtype=args.reduce_dtype, **formats)
-    if args.peer and (tensor > 1 or context > 1 or args.offload or any(formats.values())):
-        parser.error("--peer compares with jax.jit over FSDP shardings: a mesh RxS without --tensor / --context, no --offload "
+    if args.peer and (tensor > 1 or context > 1 or expert > 1 or args.offload or any(formats.values())):
+        parser.error("--peer compares with jax.jit over FSDP shardings: a mesh RxS without --tensor / --context / --expert, no --offload "
                      "and no quantized formats")
     if fallback:
         print(f"--target {args.target}: jax's CUDA plugin is not installed (the cuda12 extra): compiling on {world} "
               "emulated CPU devices instead")
     try:
         devices = target_devices(args.target, world) if gpu and not fallback else jax.devices()[:world]
-        step = zshard.make_train_step(cross_entropy_loss, sequence_axis=1 if context > 1 else None, remat=args.remat)
+        loss_fn, has_aux = loss_for(cfg)  # an MoE: cross-entropy + its router losses
+        step = zshard.make_train_step(loss_fn, has_aux=has_aux, sequence_axis=1 if context > 1 else None, remat=args.remat)
     except ValueError as e:
         parser.error(str(e))
     target = "cpu" if fallback else args.target
-    mesh = zshard.make_mesh(replica, shard, tensor=tensor, context=context, devices=devices)
+    mesh = zshard.make_mesh(replica, shard, tensor=tensor, context=context, devices=devices,
+                            **({"expert": expert} if expert > 1 else {}))  # the expert axis only when there is one
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
 
     def build():
@@ -216,7 +236,8 @@ def main(argv=None) -> int:
     def plan_one(strategy):
         unit = units_with_ends if args.unit == "ends" else None
         state = zshard.init(build, optax.adamw(1e-4), mesh, strategy=strategy, abstract=True, unit=unit, offload=args.offload,
-                            mixed_precision=mp, tensor_parallel=tp_plan or None)
+                            mixed_precision=mp, tensor_parallel=tp_plan or None,
+                            **({"expert_parallel": ep_plan} if ep_plan else {}))
         t0 = time.perf_counter()
         rep = zshard.report(step, state, (tokens, tokens))
         seconds = time.perf_counter() - t0

@@ -60,7 +60,7 @@ class DataConfig:
 
 @dataclasses.dataclass
 class MeshConfig:
-    """``[mesh]``: devices, the ``(replica, shard[, context][, tensor])`` mesh and the sharding strategy."""
+    """``[mesh]``: devices, the ``(replica, shard[, expert][, context][, tensor])`` mesh and the sharding strategy."""
 
     devices: int = 8
     """devices per process: N emulated CPU devices; on an accelerator, the first N (at most) of its devices"""
@@ -68,6 +68,8 @@ class MeshConfig:
     """REPLICAxSHARD (e.g. 2x4), REPLICAxSHARDxTENSOR (e.g. 1x4x2) or a preset of meshes/*.toml (e.g. cpu-2x4); unset: 1xN (N devices on shard, or N/tensor), or processes x devices per process"""
     tensor: int | None = None
     """devices of the tensor axis (tensor parallelism, innermost: the model's plan splits its layers over them: column- and row-parallel projections, the vocabulary); unset or 1: none; --mesh RxSxT sets it too"""
+    expert: int | None = None
+    """devices of the expert axis (expert parallelism, after shard: the batch is split over replica x shard x expert, the dense parameters sharded over shard x expert, each MoE layer's experts split over expert, E / expert whole experts per device, tokens sent to their experts by all-to-all; needs a mixture of experts (model.init_from a Qwen3-MoE or Mixtral checkpoint) whose expert count it divides: train.models.expert_plan); unset or 1: none"""
     context: int | None = None
     """devices of the context axis (context parallelism, between shard and tensor: each sequence is split over them in the head-tail order, the rows over replica x shard; model.seq_len must divide by 2 x context; docs/long-sequences.md); unset or 1: none"""
     strategy: str | None = None

@@ -24,7 +24,7 @@ from train import output
 from train.output import PROG, write_atomic
 from train.stops import Stop
 
-__all__ = ["finish", "preempted_line", "summary_line"]
+__all__ = ["finish", "moe_summary", "preempted_line", "summary_line"]
 
 
 def finish(b, p, t_start: float) -> dict:
@@ -94,6 +94,7 @@ def finish(b, p, t_start: float) -> dict:
         "initial_eval_loss": evals[0]["eval_loss"],  # step 0 (of the first run, when resumed)
         "final_eval_loss": evals[-1]["eval_loss"],  # at step final_eval_step
         "final_eval_step": evals[-1]["step"],
+        **({"moe": moe_summary(p.records)} if any("expert_load" in r for r in p.records) else {}),
         "per_device_bytes": b.per_device_bytes,  # from the compiled step's memory_analysis()
         "eval_per_device_bytes": None if eval_mem is None else {  # the sharded eval step's
             k: int(getattr(eval_mem, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp")},
@@ -119,6 +120,18 @@ def finish(b, p, t_start: float) -> dict:
     line = preempted_line(summary, b, p, out) if preempted else summary_line(summary, b, out)
     print(line, file=sys.stderr, flush=True)  # every rank: what it trained and evaluated
     return summary
+
+
+def moe_summary(records: list[dict]) -> dict:
+    """An MoE run's router figures over its steps: ``expert_load`` (each expert's share of the routed
+    slots, mean of the last 10 steps), ``max_expert_load`` (``E * max`` of it: 1 when balanced),
+    ``dropped_fraction`` (mean over the steps: slots dropped for capacity), and the last step's
+    ``router_aux_loss`` and ``router_z_loss``."""
+    steps = [r for r in records if "expert_load" in r]
+    load = np.mean([r["expert_load"] for r in steps[-10:]], axis=0)
+    return {"expert_load": load.tolist(), "max_expert_load": float(load.max() * load.size),
+            "dropped_fraction": float(np.mean([r.get("dropped_fraction", 0.0) for r in steps])),
+            "router_aux_loss": steps[-1].get("router_aux_loss"), "router_z_loss": steps[-1].get("router_z_loss")}
 
 
 def preempted_line(summary: dict, b, p, out: Path) -> str:

@@ -33,7 +33,7 @@ from train.cli import device_count, fail, parse_config
 from train.devices import emulate_devices
 from train.hooks import Checkpoint, Evaluate, Metrics, Sample
 from train.job import Setup, make_optimizer, validate
-from train.model import GPT, loss_for, tensor_plan, units_with_ends
+from train.model import GPT, expert_plan, loss_for, tensor_plan, units_with_ends
 from train.output import PROG, say, write_atomic
 from train.preempt import StopAgreement, discard_half_written, latest_complete, wait_on_thread
 from train.stops import Stop, Stops
@@ -141,17 +141,20 @@ class Trainer:
         unit = units_with_ends if run.mesh.unit == "ends" else None  # None: zshard's default wrap policy (blocks)
         # the model's Megatron plan over the tensor axis (train.models.tensor_plan), {} without one; refused in train.job.validate
         plan = tensor_plan(setup.cfg, dict(setup.mesh.shape).get("tensor", 1))
+        # the experts over the expert axis (train.models.expert_plan; refused in train.job.validate): only with the axis
+        experts = expert_plan(setup.cfg, run.expert())
+        ep = {"expert_parallel": experts} if experts else {}
         if ckpt is not None and ckpt.resuming:  # state, batch position and records of the checkpoint
             try:
                 self.state, self.records = ckpt.restore(make_model, tx, setup.mesh, self.batches, strategy=setup.strategy,
                                                         mixed_precision=mp, unit=unit, tensor_parallel=plan,
-                                                        offload=run.mesh.offload)
+                                                        offload=run.mesh.offload, **ep)
             except checkpointing.ResumeError as e:
                 fail(str(e))
         else:
             self.state = zshard.init(make_model, tx, setup.mesh, strategy=setup.strategy, mixed_precision=mp,
                                      params=setup.weights, unit=unit, tensor_parallel=plan,
-                                     offload=run.mesh.offload)
+                                     offload=run.mesh.offload, **ep)
         self.start = 0 if ckpt is None else ckpt.start
         loss_fn, has_aux = loss_for(setup.cfg)  # an MoE adds its router's load-balancing loss (metrics["aux"])
         # mesh.context > 1: each (inputs, targets) sequence split over context (docs/long-sequences.md)

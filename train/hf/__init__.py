@@ -13,6 +13,7 @@ the inverse, one transformer layer per file. The family comes from ``config.json
 | ``llama``, ``mistral``, ``qwen2``, ``qwen3`` | ``train/hf/llama.py`` | ``Llama`` |
 | ``gemma2``, ``gemma3_text`` | ``train/hf/gemma.py`` | ``Gemma`` |
 | ``qwen3_moe`` | ``train/hf/qwen3_moe.py`` | ``Qwen3Moe`` |
+| ``mixtral`` | ``train/hf/mixtral.py`` | ``Qwen3Moe`` (``family="mixtral"``: no q/k norm) |
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from typing import Callable
 
 import numpy as np
 
-from train.hf import gemma, gpt2, llama, qwen3_moe
+from train.hf import gemma, gpt2, llama, mixtral, qwen3_moe
 from train.hf.files import ConfigReader, Files, Map, Tensor, write_checkpoint
 
 __all__ = ["from_hf", "to_hf", "Tensor", "FAMILIES", "tensor_map"]
 
-FAMILIES = {kind: module for module in (gpt2, llama, gemma, qwen3_moe) for kind in module.MODEL_TYPES}
+FAMILIES = {kind: module for module in (gpt2, llama, gemma, qwen3_moe, mixtral) for kind in module.MODEL_TYPES}
 # buffers some checkpoints hold that are not parameters (causal masks, RoPE tables)
 _BUFFERS = ("attn.bias", "attn.masked_bias", "rotary_emb.inv_freq")
 _REFUSED = {

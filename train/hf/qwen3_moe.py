@@ -68,6 +68,7 @@ def tensors(mc: MoEConfig, names=None) -> dict[str, Map]:
 def hf_config(mc: MoEConfig) -> dict:
     out = decoder_config(mc)
     out.update({
+        "architectures": [MODEL_TYPES["qwen3_moe"]],
         "rope_parameters": hf_rope(mc.rope_theta, mc.rope_scaling), "hidden_act": "silu", "attention_bias": False,
         "use_sliding_window": mc.sliding_window is not None, "sliding_window": mc.sliding_window,
         "num_experts": mc.n_experts, "num_experts_per_tok": mc.top_k, "moe_intermediate_size": mc.d_expert,

@@ -17,15 +17,22 @@ sequence**; the model's value is the mean over the sequences. Per sequence, so i
 same number on any mesh (a per-device batch mean of the batch-pooled form would change with
 the device count); for one sequence it equals Hugging Face's.
 
+The router z-loss (ST-MoE, Zoph et al. 2022, arXiv 2202.08906 eq. 5) is
+``mean over tokens of logsumexp_e(logits)^2``, here over the (layer, token) pairs: it keeps the
+router logits small (float32 round-off in the softmax). Its weight ``router_z_loss_coef`` is 0
+by default (Hugging Face's models have none; ST-MoE uses 1e-3).
+
 ``model(tokens)`` -> logits; ``model(tokens, router_aux=True)`` -> ``(logits, aux_loss)``;
 ``model(tokens, cache=c, pos=p)`` -> ``(logits, new cache)``. :func:`moe_loss` is the
-training loss, ``(cross_entropy + router_aux_coef * aux_loss, aux)``, for
-``zshard.make_train_step(moe_loss, has_aux=True)``.
+training loss, ``(cross_entropy + router_aux_coef * aux_loss + router_z_loss_coef * z_loss,
+aux)``, for ``zshard.make_train_step(moe_loss, has_aux=True)``; ``aux`` also holds each
+expert's share of the routed slots (``expert_load``) and the fraction dropped for capacity.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +44,7 @@ from train.models.core import ACTIVATIONS, Attention
 from train.models.loss import chunked_token_nll
 from train.models.llama import Llama, LlamaConfig
 
-__all__ = ["MoEConfig", "MoE", "MoEBlock", "Qwen3Moe", "moe_loss"]
+__all__ = ["MoEConfig", "MoE", "MoEBlock", "Qwen3Moe", "RouterStats", "moe_loss", "router_z"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +58,8 @@ class MoEConfig(LlamaConfig):
       norm_topk_prob: renormalise the chosen experts' probabilities to sum to 1.
       router_aux_coef: weight of the load-balancing loss in :func:`moe_loss`
         (``router_aux_loss_coef``).
+      router_z_loss_coef: weight of the router z-loss in :func:`moe_loss` (ST-MoE, arXiv
+        2202.08906 eq. 5; 0: off, as in Hugging Face's models; ST-MoE's value is 1e-3).
     """
 
     qk_norm: bool = True
@@ -60,17 +69,42 @@ class MoEConfig(LlamaConfig):
     d_expert: int = 768
     norm_topk_prob: bool = True
     router_aux_coef: float = 0.001
+    router_z_loss_coef: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
+        if self.router_z_loss_coef < 0:
+            raise ValueError(f"MoEConfig: router_z_loss_coef {self.router_z_loss_coef} must be >= 0 (0: no z-loss)")
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"MoEConfig: top_k {self.top_k} must lie in [1, n_experts = {self.n_experts}]")
 
 
+class RouterStats(NamedTuple):
+    """What the router losses and the metrics read of MoE layers, float32, summed over each
+    sequence's tokens (and, after :meth:`Qwen3Moe.trunk_stats`, over the layers).
+
+    Attributes:
+      counts: ``[B, E]`` top-k slots given to each expert.
+      probs: ``[B, E]`` sum of each expert's router probability.
+      z: ``[B]`` sum of ``logsumexp(router logits)^2`` (:func:`router_z`).
+      dropped: ``[]`` slots dropped for capacity (0: dropless).
+    """
+
+    counts: jax.Array  # [B, E] f32
+    probs: jax.Array  # [B, E] f32
+    z: jax.Array  # [B] f32
+    dropped: jax.Array  # [] f32
+
+
+def router_z(logits):
+    """``logsumexp(logits)^2`` per token: float ``[..., E]`` -> float32 ``[...]`` (ST-MoE, arXiv 2202.08906 eq. 5,
+    before the mean over tokens)."""
+    return jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1))
+
+
 class MoE(nnx.Module):
-    """Top-k routed SwiGLU experts: ``x`` (B, T, C) -> ``(y (B, T, C), (counts, probs))``,
-    ``counts`` / ``probs`` (B, E) float32: the top-k slots given to each expert and the sum of
-    its router probabilities over each sequence's tokens (for the load-balancing loss)."""
+    """Top-k routed SwiGLU experts: ``x`` (B, T, C) -> ``(y (B, T, C), RouterStats)`` (per
+    sequence, for the router losses and the metrics)."""
 
     def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs):
         E, C, F = cfg.n_experts, cfg.d_model, cfg.d_expert
@@ -83,15 +117,17 @@ class MoE(nnx.Module):
     def __call__(self, x):
         # zshard.moe: router in float32, top-k, grouped matmuls (all-to-all over `expert` when the
         # expert weights hold E/X experts); dropless, so the numbers do not depend on the mesh
+        B, T, _ = x.shape
         y, stats = zshard.moe(x, self.router.kernel[...], self.w_gate_up[...], self.w_down[...], top_k=self.top_k,
                               norm_topk_prob=self.norm_topk_prob, act=ACTIVATIONS[self.act])
         counts = jax.nn.one_hot(stats.top_e, self.n_experts, dtype=jnp.float32).sum(axis=(1, 2))  # (B, T, k, E) -> (B, E)
-        return y, (counts, stats.probs.sum(axis=1))  # (B, T, C), ((B, E), (B, T, E) -> (B, E))
+        z = router_z(stats.logits).reshape(B, T).sum(axis=1)  # (B, T) -> (B,)
+        return y, RouterStats(counts, stats.probs.sum(axis=1), z, stats.dropped)  # (B, T, C); (B, T, E) -> (B, E)
 
 
 class MoEBlock(nnx.Module):
     """``x + attn(attn_norm(x))``, then ``x + moe(mlp_norm(x))``; ``router_aux=True`` also
-    returns the layer's ``(counts, probs)`` (B, E)."""
+    returns the layer's :class:`RouterStats`."""
 
     def __init__(self, cfg: MoEConfig, *, layer: int = 0, rngs: nnx.Rngs):
         self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs)
@@ -129,31 +165,50 @@ class Qwen3Moe(Llama):
 
     def trunk(self, tokens):
         """(B, T) int -> ``(x (B, T, C) before the final norm, load-balancing loss)``."""
-        cfg = self.cfg
+        x, stats = self.trunk_stats(tokens)
+        return x, load_balancing_loss(stats.counts, stats.probs, self.cfg.n_layers * tokens.shape[1], self.cfg.n_experts)
+
+    def trunk_stats(self, tokens):
+        """(B, T) int -> ``(x (B, T, C) before the final norm, RouterStats summed over the layers)``."""
         x = self.embed_tokens(tokens)  # (B, T, C)
-        if cfg.scan:  # per-layer stats as scan outputs [L, B, E] (no carry to initialise)
+        if self.cfg.scan:  # per-layer stats as scan outputs [L, ...] (no carry to initialise)
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
             def body(x, block):
                 return block(x, router_aux=True)
 
-            x, (counts, probs) = body(x, self.blocks)
-            counts, probs = counts.sum(axis=0), probs.sum(axis=0)  # [L, B, E] -> [B, E]
-        else:
-            stats = []
-            for block in self.blocks:
-                x, s = block(x, router_aux=True)
-                stats.append(s)
-            counts, probs = (sum(parts) for parts in zip(*stats))  # (B, E) each, summed over the layers
-        return x, load_balancing_loss(counts, probs, cfg.n_layers * tokens.shape[1], cfg.n_experts)
+            x, stats = body(x, self.blocks)
+            return x, RouterStats(*(s.sum(axis=0) for s in stats))  # [L, ...] -> [...]
+        per_layer = []
+        for block in self.blocks:
+            x, s = block(x, router_aux=True)
+            per_layer.append(s)
+        return x, RouterStats(*(sum(parts) for parts in zip(*per_layer)))  # each summed over the layers
 
 
 def moe_loss(model: Qwen3Moe, batch):
-    """``(cross_entropy + router_aux_coef * aux_loss, {"router_aux_loss", "cross_entropy"})``
-    for ``zshard.make_train_step(moe_loss, has_aux=True)``; ``batch = (inputs, targets)``.
+    """``(cross_entropy + router_aux_coef * aux_loss + router_z_loss_coef * z_loss, aux)`` for
+    ``zshard.make_train_step(moe_loss, has_aux=True)``; ``batch = (inputs, targets)``.
+
+    ``aux`` (float32; the step averages it over devices and micro-batches, which leaves each
+    value the whole batch's, every device holding as many tokens):
+
+    - ``router_aux_loss``: the load-balancing loss (module docstring), ``cross_entropy``;
+    - ``router_z_loss``: mean over (layer, token) of ``logsumexp(router logits)^2`` (ST-MoE eq. 5);
+    - ``expert_load`` ``[E]``: each expert's share of the top-k slots of all layers (sums to 1;
+      ``1 / E`` each when balanced);
+    - ``dropped_fraction``: of the ``tokens * top_k * layers`` slots, those dropped for
+      capacity (0 when dropless).
 
     The cross-entropy is :func:`~train.models.loss.chunked_token_nll` of the final hidden
     states and the head: no float32 ``[tokens, V]`` logits (as ``cross_entropy_loss``)."""
     inputs, targets = batch
-    x, aux = model.trunk(inputs)
+    cfg = model.cfg
+    x, stats = model.trunk_stats(inputs)
+    pairs = cfg.n_layers * inputs.shape[1]  # (layer, token) pairs of one sequence
+    aux = load_balancing_loss(stats.counts, stats.probs, pairs, cfg.n_experts)
+    z = jnp.sum(stats.z) / (pairs * inputs.shape[0])
     ce = chunked_token_nll(model.norm(x), model.output_head(), targets)
-    return ce + model.cfg.router_aux_coef * aux, {"router_aux_loss": aux, "cross_entropy": ce}
+    slots = jnp.sum(stats.counts, axis=0)  # [E]: top-k slots of every layer and token
+    metrics = {"router_aux_loss": aux, "router_z_loss": z, "cross_entropy": ce, "expert_load": slots / jnp.sum(slots),
+               "dropped_fraction": stats.dropped / (pairs * inputs.shape[0] * cfg.top_k)}
+    return ce + cfg.router_aux_coef * aux + cfg.router_z_loss_coef * z, metrics

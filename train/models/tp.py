@@ -1,5 +1,6 @@
-"""The tensor-parallel plan of the main job's models: which dimension of which parameter is split
-over the ``tensor`` mesh axis (``zshard.init(..., tensor_parallel=tensor_plan(cfg, T))``).
+"""The tensor- and expert-parallel plans of the main job's models: which dimension of which
+parameter is split over the ``tensor`` mesh axis (``zshard.init(..., tensor_parallel=tensor_plan(cfg, T))``)
+and which over the ``expert`` axis (``zshard.init(..., expert_parallel=expert_plan(cfg, X))``).
 
 Megatron-LM's split (Shoeybi et al. 2019, arXiv 1909.08053 section 3): the fused q|k|v
 projection and the MLP's input projection column-parallel (output dimension: heads, MLP
@@ -14,7 +15,7 @@ from __future__ import annotations
 from train.models.gpt import GPTConfig
 from train.models.moe import MoEConfig
 
-__all__ = ["tensor_plan"]
+__all__ = ["expert_plan", "tensor_plan"]
 
 _BLOCKS = "blocks*."  # blocks.0. (an nnx.List) and blocks. (stacked layers run by nnx.scan)
 
@@ -59,3 +60,33 @@ def tensor_plan(cfg, tensor: int) -> dict[str, int]:
         if not cfg.tie_embeddings:
             plan["head.kernel"] = -1  # [C, V]: logits split over the vocabulary
     return plan
+
+
+def expert_plan(cfg, expert: int) -> dict[str, int]:
+    """``{glob on the parameter path: expert dimension}`` of an MoE config (``{}`` for ``X = 1``).
+
+    The experts of every MoE layer (:class:`~train.models.moe.MoE`: ``w_gate_up`` ``[E, C, 2F]``,
+    ``w_down`` ``[E, F, C]``) are split over the ``expert`` axis along ``E`` (dimension 0 within
+    one layer, so the stacked ``[L, E, ...]`` of a scanned model matches too): each device of
+    an expert group holds ``E / X`` whole experts. The router ``[C, E]`` stays a dense
+    parameter (every device routes its tokens to all ``E`` experts). Qwen3-MoE and Mixtral
+    (``from_hf``'s ``builder.config``) and the MoE presets.
+
+    Raises:
+      ValueError: ``X < 1``; a config without experts and ``X > 1`` (a dense model has nothing
+        to split: the fix named); ``X`` not dividing the experts (``n_experts``).
+    """
+    if expert < 1:
+        raise ValueError(f"expert={expert}: the expert axis size must be >= 1 (1: no expert parallelism)")
+    if expert == 1:
+        return {}
+    if not isinstance(cfg, MoEConfig):
+        raise ValueError(f"expert={expert}: {type(cfg).__name__} has no experts (a dense model: nothing to split over the "
+                         "expert axis); use expert=1 (--expert 1), or train a mixture of experts (a Qwen3-MoE or Mixtral "
+                         "checkpoint, an MoE preset)")
+    if cfg.n_experts % expert:
+        fits = [x for x in range(2, cfg.n_experts + 1) if cfg.n_experts % x == 0]
+        raise ValueError(f"expert={expert} does not divide the experts (n_experts = {cfg.n_experts}): each device of an "
+                         f"expert group holds n_experts / expert whole experts; use expert = "
+                         f"{', '.join(map(str, fits[:8]))}{' ...' if len(fits) > 8 else ''} (or 1: none)")
+    return {_BLOCKS + "moe.w_gate_up": 0, _BLOCKS + "moe.w_down": 0}
