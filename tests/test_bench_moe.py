@@ -94,3 +94,23 @@ def test_state_and_gathered_block_equal_the_formulas_with_x(variants):
     layer = lambda rec: math.prod(rec.shape)  # noqa: E731
     assert gathered == formulas.gathered_block_bytes(sum(layer(p) for p in slots if not p.expert),
                                                      sum(layer(p) for p in slots if p.expert), 2, 4)
+
+
+@pytest.mark.exhaustive  # the default run checks the 1x4x2 FULL_SHARD rows (test_report_rows_of_an_expert_mesh_...)
+@pytest.mark.parametrize("mesh,strategy", [((1, 1, 8), "FULL_SHARD"), ((2, 2, 2), "FULL_SHARD"), ((2, 2, 2), "HYBRID_SHARD")])
+def test_report_rows_on_other_expert_meshes(mesh, strategy):
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import zshard
+    from train.model import build_model, moe_loss
+
+    cfg = MoEConfig(**moe.MOE_BENCH)
+    state = zshard.init(lambda: build_model(cfg, nnx.Rngs(0)), optax.adamw(1e-3), zshard.make_mesh(*mesh[:2], expert=mesh[2]),
+                        strategy=strategy, expert_parallel=moe.EP_GLOB)
+    tok = np.zeros((moe.BATCH, cfg.seq_len), np.int32)
+    rep = zshard.report(zshard.make_train_step(moe_loss, has_aux=True, grad_accum=2), state, (tok, tok))
+    for axis, row in rep.comm_bytes_per_step.items():  # S = 1: the dense parameters' row is "expert (parameters)"
+        assert row["ratio"] == pytest.approx(1.0, rel=1e-9), (axis, rep.comm_bytes_per_step)
+    assert rep.expert["formula"] == rep.expert["measured"] > 0

@@ -177,3 +177,13 @@ def test_docs_moe_plan_table():
     cells = {c.strip() for c in table.split("|")}
     for q in quoted:  # every figure quoted under the table is one of its cells
         assert q in cells, q
+
+
+def test_parameter_collectives_over_expert_alone_have_their_own_row():
+    # a 1 x 1 x 8 mesh (S = 1): the dense parameters' gathers span expert alone; "expert" is the tokens' row
+    from zshard.formulas import PARAM_EXPERT, _param_axis
+
+    mesh = jax.make_mesh((1, 1, 8), ("replica", "shard", "expert"), axis_types=(AxisType.Explicit,) * 3)
+    assert _param_axis(mesh, ("shard", "expert")) == PARAM_EXPERT == "expert (parameters)"
+    mesh = jax.make_mesh((1, 4, 2), ("replica", "shard", "expert"), axis_types=(AxisType.Explicit,) * 3)
+    assert _param_axis(mesh, ("shard", "expert")) == "shard+expert" and _param_axis(mesh, ("shard",)) == "shard"

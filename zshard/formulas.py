@@ -42,7 +42,7 @@ from zshard.expert_formulas import (  # noqa: F401  (expert parallelism in close
 )
 
 __all__ = [
-    "PARAM_CONTEXT", "activation_bytes", "context_formula", "expected_peak", "memory_formula", "moment_bytes", "optimizer_report",
+    "PARAM_CONTEXT", "PARAM_EXPERT", "activation_bytes", "context_formula", "expected_peak", "memory_formula", "moment_bytes", "optimizer_report",
     "A2A_PER_MOE_LAYER", "all_to_all_bytes", "dispatch_formula", "dropless_capacity", "expert_all_to_all_per_step", "expert_gather_bytes",
     "expert_gather_ratio", "expert_state_bytes", "gathered_block_bytes", "padded_all_to_all_bytes",
 ]
@@ -134,13 +134,15 @@ def _comm_of(plan, k: int = 1, hpz: bool = False, experts: bool | None = None) -
 
 
 PARAM_CONTEXT = "context (parameters)"  # the key of parameter collectives over a group that is the context axis alone
+PARAM_EXPERT = "expert (parameters)"  # ... over the expert axis alone (S = 1): "expert" is the token dispatch's row
 
 
 def _param_axis(mesh, axes) -> str:
     """:func:`_axis_name` for the parameters' collectives; ``"context"`` (a ``1 x 1 x C`` mesh) is
-    :data:`PARAM_CONTEXT`, the name ``"context"`` being the attention's row."""
+    :data:`PARAM_CONTEXT`, the name ``"context"`` being the attention's row; ``"expert"`` (a ``1 x 1 x X``
+    mesh) is :data:`PARAM_EXPERT`, the name ``"expert"`` being the token dispatch's row."""
     axis = _axis_name(mesh, axes)
-    return PARAM_CONTEXT if axis == CONTEXT else axis
+    return {CONTEXT: PARAM_CONTEXT, "expert": PARAM_EXPERT}.get(axis, axis)
 
 
 def _moves(plan, hpz: bool = False) -> dict:
@@ -155,7 +157,12 @@ def _moves(plan, hpz: bool = False) -> dict:
     replica = mp.replica_format.label if mp.replica_format else dt(mp.grad_dtype(master))
     out = {}
     if plan.shard_axes:
-        out[_axis_name(plan.mesh, plan.shard_axes)] = f"gather {gather}, reduce {reduce}"
+        out[_param_axis(plan.mesh, plan.shard_axes)] = f"gather {gather}, reduce {reduce}"
+    if "expert" in plan.shard_axes:  # the local experts over the shard axes inside an expert group; the tokens over expert
+        inside = tuple(a for a in plan.shard_axes if a != "expert")
+        if inside and _param_axis(plan.mesh, inside) != "none":
+            out[_param_axis(plan.mesh, inside)] = f"gather {gather}, reduce {reduce}"
+        out["expert"] = "token dispatch (padded all-to-all)"
     if plan.replica_axes:
         out[_axis_name(plan.mesh, plan.replica_axes)] = f"reduce {replica}"
     if hpz:

@@ -34,7 +34,7 @@ from zshard.mesh.mesh import CONTEXT, REPLICA, SHARD, TENSOR
 from zshard.optim.offload import _local_bytes, offload_report
 from zshard.wire.quant import coverage
 from zshard.formulas import (
-    PARAM_CONTEXT, _formula_comm, _moves, _param_axis, _policy_name, _state_formula,
+    PARAM_CONTEXT, PARAM_EXPERT, _formula_comm, _moves, _param_axis, _policy_name, _state_formula,
     _tensor_formula, context_formula, optimizer_report,
 )
 from zshard.expert_formulas import dispatch_formula
@@ -255,6 +255,8 @@ def report(step, state, batch) -> Report:
             axis = CONTEXT  # zshard.attention's keys and values: the context row
         else:
             axis = PARAM_CONTEXT if c.axis == CONTEXT else c.axis
+            if c.axis == EXPERT and c.kind != "all-to-all":
+                axis = PARAM_EXPERT  # a parameter collective over expert alone (S = 1); its all-to-alls: the tokens
         by_axis[axis] += c.sent_bytes * c.trips
         table[(c.kind, axis)][0] += c.trips
         table[(c.kind, axis)][1] += c.sent_bytes * c.trips
