@@ -10,7 +10,8 @@ files), with its logits, loss and per-sequence load-balancing losses on ``batch.
    (the model's value: their mean).
 2. ``from_hf`` -> ``to_hf`` reproduces every tensor bit for bit, with the same names, and
    ``config.json`` reads back as the same config.
-3. What Mixtral's architecture lacks in the zoo is refused with the key named.
+3. What Mixtral's architecture lacks in the zoo is refused with the key named; the router
+   z-loss weight goes through ``config.json`` both ways.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from conftest import rel_l2
 from test_hf import FIXTURES, _fixture, _tensors, forward, plain_model
@@ -48,7 +50,7 @@ def test_logits_and_router_loss_match_transformers(loaded):
     _, ids, logits, _ = _fixture("mixtral")
     ours = np.asarray(forward(model, jnp.asarray(ids)))
     assert rel_l2(ours, logits) < 1e-5, rel_l2(ours, logits)
-    aux = float(model(jnp.asarray(ids), router_aux=True)[1])
+    aux = float(nnx.jit(lambda m, x: m(x, router_aux=True)[1])(model, jnp.asarray(ids)))
     rows = json.loads((D / "loss.json").read_text())["aux_loss_rows"]
     assert abs(aux - np.mean(rows)) < 1e-5 * np.mean(rows), (aux, np.mean(rows))
 
@@ -67,9 +69,9 @@ def test_to_hf_round_trip_is_bitwise(loaded, tmp_path):
     assert from_hf(out)[0].config == builder.config
 
 
-def _edited(tmp_path, **changes):
+def _edited(tmp_path, src=D, **changes):
     d = tmp_path / "edited"
-    shutil.copytree(D, d)
+    shutil.copytree(src, d)
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(changes)
     (d / "config.json").write_text(json.dumps(cfg))
@@ -86,3 +88,17 @@ def test_refusals_name_the_key(tmp_path, loaded):
 
     with pytest.raises(ValueError, match="family='qwen3_moe'"):
         mixtral.hf_config(qk)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_router_z_loss_coef_reads_from_and_writes_to_config_json(name, tmp_path):
+    """``router_z_loss_coef`` (not a key of either family; transformers keeps it as an attribute):
+    read from ``config.json`` (default 0), written back only when set."""
+    d = FIXTURES / name
+    assert from_hf(d)[0].config.router_z_loss_coef == 0.0
+    d = _edited(tmp_path, src=d, router_z_loss_coef=1e-3)
+    builder, weights = from_hf(d)
+    assert builder.config.router_z_loss_coef == 1e-3
+    out = to_hf(plain_model(builder, weights), tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["router_z_loss_coef"] == 1e-3
+    assert from_hf(out)[0].config == builder.config

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 import zshard
-from zshard.moe import MoEStats, capacity, recording
+from zshard.moe import MoEStats, a2a_bytes, capacity, recording
 
 D, E, F, K = 8, 8, 6, 2
 
@@ -32,7 +32,7 @@ def _silu(a):
     return a / (1 + np.exp(-a))
 
 
-def dense(x, router, wgu, wd, k, *, score="softmax", norm=True, bias=None, scale=1.0, shared=None):
+def dense(x, router, wgu, wd, k, *, score="softmax", norm=True, bias=None, scale=1.0, shared=None, groups=None):
     """Every expert on every token in float64, masked by the top-k choice: ``[N, D]``."""
     x, router, wgu, wd = (np.asarray(a, np.float64) for a in (x, router, wgu, wd))
     logits = x @ router  # [N, E]
@@ -41,7 +41,15 @@ def dense(x, router, wgu, wd, k, *, score="softmax", norm=True, bias=None, scale
         p = z / z.sum(-1, keepdims=True)
     else:
         p = 1 / (1 + np.exp(-logits))
-    choice = np.argsort(-(p if bias is None else p + np.asarray(bias, np.float64)), axis=-1)[:, :k]  # [N, k]
+    pick = p if bias is None else p + np.asarray(bias, np.float64)  # [N, E]
+    if groups is not None:  # only the experts of the topk_group groups with the best two-expert sums
+        G, top_g = groups
+        best2 = np.sort(pick.reshape(len(pick), G, -1), axis=-1)[..., -2:].sum(-1)  # [N, G]
+        out_groups = np.argsort(-best2, axis=-1)[:, top_g:]  # [N, G - top_g]
+        for n, gs in enumerate(out_groups):
+            for g in gs:
+                pick[n, g * (E // G):(g + 1) * (E // G)] = -np.inf
+    choice = np.argsort(-pick, axis=-1)[:, :k]  # [N, k]
     mask = np.zeros_like(p)
     np.put_along_axis(mask, choice, 1.0, axis=-1)
     w = p * mask
@@ -66,27 +74,31 @@ def _weights(seed=0, n=16):
     return f32(n, D), f32(D, E), f32(E, D, 2 * F) * 0.5, f32(E, F, D) * 0.5, f32(E) * 0.3, (f32(D, 2 * F), f32(F, D), f32(D, 1))
 
 
-CASES = {  # name: (score, norm_topk_prob, bias, routed_scaling_factor, shared, shared_gate)
+CASES = {  # name: (score, norm_topk_prob, bias, routed_scaling_factor, shared, shared_gate[, limit_groups])
     "softmax-norm (Qwen3-MoE, Mixtral)": ("softmax", True, False, 1.0, False, False),
     "softmax-raw (Switch)": ("softmax", False, False, 1.0, False, False),
     "softmax-raw-gated-shared (Qwen2-MoE)": ("softmax", False, False, 1.0, True, True),
     "sigmoid-bias-norm-scaled-shared (DeepSeek-V3)": ("sigmoid", True, True, 2.5, True, False),
     "sigmoid-raw": ("sigmoid", False, False, 1.0, False, False),
+    "sigmoid-bias-groups (DeepSeek-V3 n_group=4, topk_group=2)": ("sigmoid", True, True, 2.5, False, False, (4, 2)),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_device_equals_the_dense_formula(case):
-    score, norm, use_bias, scale, use_shared, use_gate = CASES[case]
+    score, norm, use_bias, scale, use_shared, use_gate, *groups = CASES[case]
+    groups = groups[0] if groups else None
     x, router, wgu, wd, bias, (sg, sd, gate) = _weights()
     shared = (sg, sd, gate if use_gate else None) if use_shared else None
     kw = dict(top_k=K, score=score, norm_topk_prob=norm, router_bias=bias if use_bias else None,
-              routed_scaling_factor=scale)
+              routed_scaling_factor=scale, limit_groups=groups)
     if shared:
         kw.update(shared_gate_up=sg, shared_down=sd, shared_gate=shared[2])
     y, stats = jax.jit(lambda *a: zshard.moe(*a, **kw))(x.reshape(2, 8, D), router, wgu, wd)
     want, logits, p, choice = dense(x, router, wgu, wd, K, score=score, norm=norm, bias=bias if use_bias else None,
-                                    scale=scale, shared=shared)
+                                    scale=scale, shared=shared, groups=groups)
+    if groups:  # the group limit changed some token's choice (else this case tests nothing new)
+        assert not np.array_equal(choice, dense(x, router, wgu, wd, K, score=score, bias=bias, scale=scale)[3])
     assert y.shape == (2, 8, D) and y.dtype == jnp.float32 and isinstance(stats, MoEStats)
     np.testing.assert_array_equal(np.sort(np.asarray(stats.top_e).reshape(-1, K), -1), np.sort(choice, -1))
     np.testing.assert_allclose(np.asarray(y).reshape(-1, D), want, rtol=1e-5, atol=1e-5)
@@ -109,9 +121,13 @@ def test_router_runs_in_float32_under_bfloat16():
     np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=0.05, atol=0.05)
 
 
+def _mesh(X):
+    return Mesh(np.array(jax.devices()[:X]), ("expert",))
+
+
 def _expert_parallel(X, kw, n):
     """``zshard.moe`` in a shard_map over ``("expert",)`` of X devices: ``(x [X*n, D], router, wgu, wd) -> (y, dropped, load)``."""
-    mesh = Mesh(np.array(jax.devices()[:X]), ("expert",))
+    mesh = _mesh(X)
 
     def body(x, router, wgu, wd):
         y, s = zshard.moe(x, router, wgu, wd, **kw)
@@ -131,10 +147,11 @@ def test_expert_parallel_equals_one_device_forward_and_gradients(X):
             y, *aux = f(*a)
             return jnp.sum(y * ct), (y, aux)
 
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, router, wgu, wd)
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)).lower(x, router, wgu, wd).compile()
+        return compiled(x, router, wgu, wd), compiled.as_text()
 
-    (l1, (y1, _)), g1 = run(lambda *a: zshard.moe(*a, top_k=K))
-    (lx, (yx, (dropped, _, load))), gx = run(_expert_parallel(X, dict(top_k=K), 8))
+    ((l1, (y1, _)), g1), _ = run(lambda *a: zshard.moe(*a, top_k=K))
+    ((lx, (yx, (dropped, _, load))), gx), hlo = run(_expert_parallel(X, dict(top_k=K), 8))
     np.testing.assert_allclose(np.asarray(yx), np.asarray(y1), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(lx), float(l1), rtol=1e-5)
     for name, a, b in zip(("x", "router", "w_gate_up", "w_down"), gx, g1):
@@ -142,13 +159,18 @@ def test_expert_parallel_equals_one_device_forward_and_gradients(X):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
     # every device's experts got slots (the all-to-all carried rows), none dropped
     assert float(dropped[0]) == 0.0 and np.asarray(load).reshape(X, -1).sum(1).min() > 0
+    # the program's all-to-alls: the counts [X, E/X] int32 once, and the rows [X, cap, D] (cap = n * min(k, E/X))
+    # dispatched and combined, forward and backward, each sending a2a_bytes off the device
+    sent = sorted(c.sent_bytes for c in zshard.parse_collectives(hlo, _mesh(X)) if c.kind == "all-to-all")
+    assert sent == [(X - 1) * (E // X) * 4] + [a2a_bytes(8, K, X, E, D, 4)] * 4, sent
+    assert a2a_bytes(8, K, X, E, D, 4) == (X - 1) * 8 * min(K, E // X) * D * 4
 
 
 def test_expert_parallel_with_shared_sigmoid_bias():
     """DeepSeek-style routing and shared experts over X = 2: equal to one device."""
     x, router, wgu, wd, bias, (sg, sd, _) = _weights(4, n=16)
     kw = dict(top_k=3, score="sigmoid", router_bias=bias, routed_scaling_factor=2.0, shared_gate_up=sg, shared_down=sd)
-    mesh = Mesh(np.array(jax.devices()[:2]), ("expert",))
+    mesh = _mesh(2)
     ep = jax.shard_map(lambda x, r, a, b: zshard.moe(x, r, a, b, **kw)[0], mesh=mesh,
                        in_specs=(P("expert"), P(), P("expert"), P("expert")), out_specs=P("expert"))
     want, *_ = dense(x, router, wgu, wd, 3, score="sigmoid", bias=bias, scale=2.0, shared=(sg, sd, None))
@@ -193,7 +215,11 @@ def test_capacity_drops_the_slots_past_capacity_over_expert():
     x, router = _routed(logits)
     _, _, wgu, wd, *_ = _weights(7)
     assert capacity(4, 2, 2, E, 1.0) == 4
-    y, total, per_device, load = jax.jit(_expert_parallel(2, dict(top_k=2, capacity_factor=1.0), 4))(x, router, wgu, wd)
+    compiled = jax.jit(_expert_parallel(2, dict(top_k=2, capacity_factor=1.0), 4)).lower(x, router, wgu, wd).compile()
+    y, total, per_device, load = compiled(x, router, wgu, wd)
+    sent = sorted(c.sent_bytes for c in zshard.parse_collectives(compiled.as_text(), _mesh(2)) if c.kind == "all-to-all")
+    assert sent == [(2 - 1) * (E // 2) * 4] + [(2 - 1) * 4 * D * 4] * 2 == [16, 128, 128], sent  # cap = 4 rows
+    assert a2a_bytes(4, 2, 2, E, D, 4, capacity_factor=1.0) == 128
     np.testing.assert_array_equal(np.asarray(per_device), [2.0, 0.0])
     assert float(total[0]) == 2.0
     np.testing.assert_array_equal(np.asarray(load), np.bincount(np.ravel(picks), minlength=E))
@@ -211,9 +237,10 @@ def test_capacity_drops_the_slots_past_capacity_over_expert():
 
 def test_recording_sees_each_call():
     x, router, wgu, wd, *_ = _weights(8)
-    with recording() as calls:
-        jax.jit(lambda *a: zshard.moe(*a, top_k=K))(x, router, wgu, wd)
-        jax.jit(_expert_parallel(2, dict(top_k=K), 8))(x, router, wgu, wd)
+    with recording() as calls:  # traced only (eval_shape): the record is made while tracing
+        jax.eval_shape(lambda *a: zshard.moe(*a, top_k=K), x, router, wgu, wd)
+        jax.eval_shape(_expert_parallel(2, dict(top_k=K), 8), x, router, wgu, wd)
+    jax.eval_shape(lambda *a: zshard.moe(*a, top_k=K), x, router, wgu, wd)  # outside: not recorded
     assert [(c.experts, c.groups, c.local_experts, c.tokens, c.capacity, c.dropless) for c in calls] == [
         (E, 1, E, 16, 16 * K, True), (E, 2, E // 2, 8, 8 * K, True)]
 
@@ -232,5 +259,29 @@ def test_bad_input_is_refused_with_the_argument_and_fix():
         zshard.moe(x, router, wgu[:4], wd[:4], top_k=K)
     with pytest.raises(ValueError, match=r"score = 'tanh'"):
         zshard.moe(x, router, wgu, wd, top_k=K, score="tanh")
+    with pytest.raises(ValueError, match=r"limit_groups = \(3, 1\) \(n_group, topk_group\) must split the E = 8"):
+        zshard.moe(x, router, wgu, wd, top_k=K, limit_groups=(3, 1))
     with pytest.raises(ValueError, match=r"capacity_factor = 0 must be > 0"):
         zshard.moe(x, router, wgu, wd, top_k=K, capacity_factor=0)
+
+
+def test_zoo_moe_layer_over_expert_equals_one_device():
+    """train/models/moe.py's MoE layer, its expert weights split over ``expert`` (X = 2) and the batch
+    too, gives the output and per-sequence (counts, probs) of the whole layer on one device."""
+    from flax import nnx
+
+    from train.model import MoEConfig
+    from train.models.moe import MoE
+
+    cfg = MoEConfig(vocab_size=64, seq_len=8, d_model=D, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=16, n_experts=E,
+                    top_k=K, d_expert=F)
+    graphdef, state = nnx.split(MoE(cfg, rngs=nnx.Rngs(0)))
+    x = jnp.asarray(np.random.default_rng(10).standard_normal((4, 8, D)), jnp.float32)
+    specs = jax.tree.map(lambda v: P("expert") if v.ndim == 3 else P(), state)  # w_gate_up, w_down: [E, ...]
+    run = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=_mesh(2), in_specs=(specs, P("expert")),
+                        out_specs=P("expert"))
+    (y, (counts, probs, *_)), (y1, (counts1, probs1, *_)) = jax.jit(run)(state, x), jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(counts1))
+    np.testing.assert_allclose(np.asarray(probs), np.asarray(probs1), rtol=1e-6, atol=1e-6)
+    assert np.asarray(counts1).sum() == 4 * 8 * K

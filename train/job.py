@@ -144,7 +144,8 @@ def validate(run) -> Setup:
                                     None if procs > 1 and run.mesh.shape is None else shard, tensor, context=run.context(),
                                     devices=devices, **({"expert": expert} if expert > 1 else {}))
     except ValueError as e:
-        fail(f"mesh.shape (--mesh) {run.mesh.shape!r}: {e}")
+        # an expert axis that zshard refuses (with context or tensor, or an expert group across hosts): name --expert
+        fail(f"{key_of('mesh.expert')} {expert}: {e}" if expert > 1 else f"mesh.shape (--mesh) {run.mesh.shape!r}: {e}")
     if run.mesh.offload is not None:
         _check_pinned_host(run.mesh.offload, devices)
     try:

@@ -13,12 +13,16 @@ mixed precision: ``logits = float32(x) @ float32(router)`` ``[N, E]``):
   the experts; ``norm_topk_prob=True`` renormalises those ``k`` weights to sum to 1 (Mixtral's
   ``softmax(top-k logits)``, Qwen3-MoE's ``norm_topk_prob``; False: Qwen2-MoE / Switch's raw
   probabilities).
-- ``score="sigmoid"`` (DeepSeek-V3, arXiv 2412.19437 section 2.1.2, eq. 13-16): ``s = sigmoid(logits)``;
+- ``score="sigmoid"`` (DeepSeek-V3, arXiv 2412.19437 section 2.1.2, "Basics of DeepSeekMoE" and
+  "Auxiliary-Loss-Free Load Balancing"): ``s = sigmoid(logits)``;
   the experts are chosen by ``s + router_bias`` (the auxiliary-loss-free balancing bias ``b_i``,
   used for the selection only), weighted by ``s`` normalised over the chosen ``k`` (``+ 1e-20``),
-  times ``routed_scaling_factor``.
+  times ``routed_scaling_factor``. ``limit_groups=(n_group, topk_group)``: group-limited routing
+  (DeepSeek-V3 section 2.1.2, "Node-Limited Routing", as Hugging Face's ``n_group`` /
+  ``topk_group``): the groups ranked by the sum of their two best scores, the experts outside the
+  best ``topk_group`` excluded (``-inf``, where Hugging Face writes 0).
 
-The router z-loss (ST-MoE, arXiv 2202.08906 section 3.5, ``mean(logsumexp(logits)^2)``) and the
+The router z-loss (ST-MoE, arXiv 2202.08906, ``mean(logsumexp(logits)^2)``) and the
 load-balancing loss are the model's: :class:`MoEStats` carries ``logits``, ``probs``, ``top_e``.
 
 Dispatch. ``X = E // w_gate_up.shape[0]`` expert groups (``router`` names all ``E`` experts, the
@@ -46,16 +50,19 @@ Capacity (``cap``, rows per (source, destination) device pair):
   change it).
 - ``capacity_factor=c``: ``cap = min(ceil(c * N * k / X), N * min(k, E/X))``, Switch Transformer's
   expert capacity (arXiv 2101.03961 section 2.2, eq. 3: ``tokens / experts * capacity factor``;
-  GShard arXiv 2006.16668 section 2.2) summed over the ``E/X`` experts of one device. Each
+  GShard's expert capacity, arXiv 2006.16668) summed over the ``E/X`` experts of one device. Each
   destination takes its slots in token order (slot index ``s``) and drops the rest: a dropped
   slot contributes 0 (the token keeps its other experts, the shared experts and the residual) and
   is counted in ``MoEStats.dropped``. At ``X == 1`` the same rule with one destination.
 
 All-to-all bytes per device of one dispatch or combine (``b`` bytes of ``x``'s dtype, ``(X-1)/X``
 of the buffer leaves the device; four per MoE layer per step: dispatch and combine, forward and
-backward): dropless ``(X - 1) * N * min(k, E/X) * D * b``; capacity ``(X - 1) * cap * D * b``
-(``~ c * N * k * D * b * (X-1)/X``); plus the counts' ``(X - 1) * (E/X) * 4`` bytes once per
-forward. :func:`a2a_bytes` evaluates them.
+backward, six when the block's forward is recomputed): dropless ``(X - 1) * N * min(k, E/X) * D * b``;
+capacity ``(X - 1) * cap * D * b`` (``~ c * N * k * D * b * (X-1)/X``); plus the counts'
+``(X - 1) * (E/X) * 4`` bytes once per forward (int32, no backward). :func:`a2a_bytes` evaluates
+them. The price of exact dropless with static shapes: each buffer holds ``X * N * min(k, E/X)``
+rows (``X`` times the ``N * k`` slots when ``k <= E/X``), and the receiver's grouped matmuls
+run over ``X * cap`` rows, the padding last (``ragged_dot`` gives 0 past the group sizes).
 
 Shared experts (DeepSeek-V3 section 2.1.2, Qwen2-MoE): ``shared_gate_up`` ``[D, 2Fs]`` and
 ``shared_down`` ``[Fs, D]``, a dense gated MLP on every token added to ``y``; Qwen2-MoE's
@@ -79,9 +86,10 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ACTS", "EXPERT", "SCORES", "MoECall", "MoEStats", "a2a_bytes", "capacity", "moe", "recording", "route"]
+__all__ = ["ACTS", "EXPERT", "EXPERT_SCOPE", "SCORES", "MoECall", "MoEStats", "a2a_bytes", "capacity", "moe", "recording", "route"]
 
 EXPERT = "expert"
+EXPERT_SCOPE = "zshard.expert"  # the named scope of the all-to-alls ('zshard.expert.dispatch' / '.combine')
 SCORES = ("softmax", "sigmoid")
 ACTS: dict[str, Callable] = {
     "silu": jax.nn.silu,  # SwiGLU (Shazeer 2020, arXiv 2002.05202)
@@ -150,15 +158,22 @@ def a2a_bytes(tokens: int, top_k: int, groups: int, experts: int, d_model: int, 
 
 
 def route(x, router, top_k: int, *, score: str = "softmax", norm_topk_prob: bool = True, router_bias=None,
-          routed_scaling_factor: float = 1.0):
+          routed_scaling_factor: float = 1.0, limit_groups: tuple[int, int] | None = None):
     """Router of :func:`moe`: ``x`` ``[N, D]``, ``router`` ``[D, E]`` -> ``(logits, probs, top_e, weights)``:
     float32 ``[N, E]``, float32 ``[N, E]``, int32 ``[N, k]``, float32 ``[N, k]`` (module docstring)."""
     logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)  # [N, E]
     probs = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)  # [N, E]
-    if router_bias is None:
+    choice = probs if router_bias is None else probs + router_bias.astype(jnp.float32)  # [N, E] what picks
+    if limit_groups is not None:  # group-limited routing: only the experts of the best topk_group groups compete
+        (G, top_g), (N, E) = limit_groups, choice.shape
+        by_group = choice.reshape(N, G, E // G)  # [N, E] -> [N, G, E/G]
+        group_score = jnp.sum(jax.lax.top_k(by_group, min(2, E // G))[0], axis=-1)  # [N, G]: its best two
+        chosen = jnp.sum(jax.nn.one_hot(jax.lax.top_k(group_score, top_g)[1], G, dtype=jnp.bool_), axis=1)  # [N, G]
+        choice = jnp.where(chosen[:, :, None], by_group, -jnp.inf).reshape(N, E)  # [N, G, E/G] -> [N, E]
+    if router_bias is None and limit_groups is None:
         weights, top_e = jax.lax.top_k(probs, top_k)  # [N, k] each
-    else:  # the bias picks, the unbiased score weighs (DeepSeek-V3 eq. 16)
-        _, top_e = jax.lax.top_k(probs + router_bias.astype(jnp.float32), top_k)  # [N, k]
+    else:  # the bias (and the groups) pick, the unbiased score weighs (DeepSeek-V3 section 2.1.2)
+        _, top_e = jax.lax.top_k(choice, top_k)  # [N, k]
         weights = jnp.take_along_axis(probs, top_e, axis=-1)  # [N, k]
     if norm_topk_prob:
         total = jnp.sum(weights, axis=-1, keepdims=True)
@@ -168,7 +183,7 @@ def route(x, router, top_k: int, *, score: str = "softmax", norm_topk_prob: bool
     return logits, probs, top_e.astype(jnp.int32), weights
 
 
-def _check(x, router, w_gate_up, w_down, top_k, score, capacity_factor, act, router_bias, shared):
+def _check(x, router, w_gate_up, w_down, top_k, score, capacity_factor, act, router_bias, shared, limit_groups):
     """The shapes and options of :func:`moe`, checked before tracing: ``(D, E, El, X, F)``."""
     if x.ndim < 1:
         raise ValueError("zshard.moe: x must be [..., D] tokens; got a scalar")
@@ -200,6 +215,12 @@ def _check(x, router, w_gate_up, w_down, top_k, score, capacity_factor, act, rou
         raise ValueError(f"zshard.moe: act = {act!r}; choose one of {sorted(ACTS)} or pass a function")
     if router_bias is not None and tuple(router_bias.shape) != (E,):
         raise ValueError(f"zshard.moe: router_bias has shape {tuple(router_bias.shape)}; it must be [E] = [{E}]")
+    if limit_groups is not None:
+        G, top_g = limit_groups
+        if not (E % G == 0 and 1 <= top_g <= G and top_k <= top_g * (E // G)):
+            raise ValueError(f"zshard.moe: limit_groups = {tuple(limit_groups)} (n_group, topk_group) must split the "
+                             f"E = {E} experts into n_group equal groups and keep topk_group in [1, n_group] groups "
+                             f"holding at least top_k = {top_k} experts")
     gate_up, down, gate = shared
     if (gate_up is None) != (down is None):
         raise ValueError("zshard.moe: pass both shared_gate_up [D, 2Fs] and shared_down [Fs, D], or neither")
@@ -259,7 +280,7 @@ def _dispatch(xf, flat_e, E: int, X: int, cap: int, keep, w_gate_up, w_down, act
     valid = p[None, :] < per_dest[:, None]  # [X, cap]: buffer row (d, p) holds sorted slot start[d] + p
     src = order[jnp.where(valid, start[:, None] + p[None, :], 0)]  # [X, cap] slot of each buffer row
     buf = jnp.where(valid[..., None], xf[src // k], 0)  # [X, cap, D]
-    with jax.named_scope("zshard/moe/dispatch"):
+    with jax.named_scope(f"{EXPERT_SCOPE}.dispatch"):
         recv = jax.lax.all_to_all(buf, EXPERT, 0, 0)  # [X(dest), cap, D] --all_to_all(expert)--> [X(source), cap, D]
         counts = jax.lax.all_to_all(sent, EXPERT, 0, 0)  # [X(dest), El] --all_to_all(expert)--> [X(source), El]
     # received row (j, p) is for local expert e where cumsum(counts[j])[e-1] <= p < cumsum(counts[j])[e]; El: padding
@@ -268,7 +289,7 @@ def _dispatch(xf, flat_e, E: int, X: int, cap: int, keep, w_gate_up, w_down, act
     r_order = jnp.argsort(local.reshape(X * cap), stable=True)  # [X*cap] rows by local expert, padding last
     h = _experts(recv.reshape(X * cap, D)[r_order], w_gate_up, w_down, counts.sum(axis=0), act)  # [X*cap, D]
     back = jnp.zeros_like(h).at[r_order].set(h, unique_indices=True).reshape(X, cap, D)  # [X(source), cap, D]
-    with jax.named_scope("zshard/moe/combine"):
+    with jax.named_scope(f"{EXPERT_SCOPE}.combine"):
         ret = jax.lax.all_to_all(back, EXPERT, 0, 0)  # [X(source), cap, D] --all_to_all(expert)--> [X(dest), cap, D]
     i = jnp.arange(n_slots, dtype=jnp.int32)
     d = key[order] // El  # [N*k] destination of each sorted slot (X for a dropped one)
@@ -279,7 +300,8 @@ def _dispatch(xf, flat_e, E: int, X: int, cap: int, keep, w_gate_up, w_down, act
 
 def moe(x, router, w_gate_up, w_down, *, top_k: int, score: str = "softmax", norm_topk_prob: bool = True,
         router_bias=None, routed_scaling_factor: float = 1.0, capacity_factor: float | None = None,
-        act: str | Callable = "silu", shared_gate_up=None, shared_down=None, shared_gate=None):
+        act: str | Callable = "silu", shared_gate_up=None, shared_down=None, shared_gate=None,
+        limit_groups: tuple[int, int] | None = None):
     """Top-k routed gated experts over ``x``'s tokens, the experts split over ``expert`` when ``X > 1``.
 
     Args:
@@ -293,6 +315,9 @@ def moe(x, router, w_gate_up, w_down, *, top_k: int, score: str = "softmax", nor
       norm_topk_prob: renormalise the ``k`` chosen weights to sum to 1.
       router_bias: ``[E]`` float, added to the scores for the choice only (DeepSeek-V3).
       routed_scaling_factor: multiplies the routed weights (DeepSeek-V3; 1.0 elsewhere).
+      limit_groups: ``(n_group, topk_group)``: group-limited routing (DeepSeek-V3's ``n_group`` /
+        ``topk_group``): the ``E`` experts in ``n_group`` equal groups, each scored by the sum of its
+        two best choice scores; only the best ``topk_group`` groups' experts can be chosen.
       capacity_factor: None (dropless, exact) or ``c > 0``: ``cap`` rows per destination
         (:func:`capacity`), slots past it dropped and counted.
       act: ``"silu"`` (SwiGLU), ``"gelu"``, ``"gelu_tanh"``, ``"relu"`` or a function.
@@ -309,7 +334,7 @@ def moe(x, router, w_gate_up, w_down, *, top_k: int, score: str = "softmax", nor
       ``X > 1`` without the mesh axis ``"expert"`` of size ``X`` bound.
     """
     D, E, El, X, F = _check(x, router, w_gate_up, w_down, top_k, score, capacity_factor, act, router_bias,
-                            (shared_gate_up, shared_down, shared_gate))
+                            (shared_gate_up, shared_down, shared_gate), limit_groups)
     if X > 1:
         _groups_bound(X, E, El)
     act = act if callable(act) else ACTS[act]
@@ -317,7 +342,8 @@ def moe(x, router, w_gate_up, w_down, *, top_k: int, score: str = "softmax", nor
     xf = x.reshape(-1, D)  # [..., D] -> [N, D]
     N = xf.shape[0]
     logits, probs, top_e, weights = route(xf, router, k, score=score, norm_topk_prob=norm_topk_prob,
-                                          router_bias=router_bias, routed_scaling_factor=routed_scaling_factor)
+                                          router_bias=router_bias, routed_scaling_factor=routed_scaling_factor,
+                                          limit_groups=limit_groups)
     cap = capacity(N, k, X, E, capacity_factor)
     calls = _RECORD.get()
     if calls is not None:

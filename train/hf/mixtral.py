@@ -17,7 +17,8 @@ Tensor map (ours <- Hugging Face, ``model.`` prefix): attention, norms and ends 
 Config (``config.json`` -> :class:`MoEConfig`): ``num_local_experts`` -> ``n_experts``,
 ``num_experts_per_tok`` -> ``top_k``, ``intermediate_size`` -> ``d_expert`` (each expert's
 width; Mixtral has no dense MLP), ``router_aux_loss_coef`` -> ``router_aux_coef``,
-``sliding_window`` (every layer, as Mistral; ``null``: none), ``rope_theta``.
+``sliding_window`` (every layer, as Mistral; ``null``: none), ``rope_theta``; ``router_z_loss_coef``
+(not a Mixtral key; default 0) -> ``router_z_loss_coef``.
 ``router_jitter_noise`` (multiplicative noise on the router input in training) must be 0.
 """
 
@@ -42,7 +43,7 @@ def config(r: ConfigReader) -> MoEConfig:
         **fields, rope_theta=theta, rope_scaling=scaling, tie_embeddings=bool(r.get("tie_word_embeddings", False)),
         qk_norm=False, sliding_window=r.get("sliding_window"), n_experts=int(r.need("num_local_experts")),
         top_k=int(r.need("num_experts_per_tok")), d_expert=int(fields["d_ff"]), norm_topk_prob=True,
-        router_aux_coef=float(r.get("router_aux_loss_coef", 0.001)),
+        router_aux_coef=float(r.get("router_aux_loss_coef", 0.001)), router_z_loss_coef=float(r.get("router_z_loss_coef", 0.0)),
     )
 
 
@@ -80,4 +81,6 @@ def hf_config(mc: MoEConfig) -> dict:
         "sliding_window": mc.sliding_window, "num_local_experts": mc.n_experts, "num_experts_per_tok": mc.top_k,
         "router_aux_loss_coef": mc.router_aux_coef, "router_jitter_noise": 0.0, "output_router_logits": False,
     })
+    if mc.router_z_loss_coef:  # not a Mixtral key (transformers keeps it as an attribute); ours reads it back
+        out["router_z_loss_coef"] = mc.router_z_loss_coef
     return out

@@ -39,7 +39,7 @@ def config(r: ConfigReader) -> MoEConfig:
         **decoder_fields(r), rope_theta=theta, rope_scaling=scaling, tie_embeddings=bool(r.get("tie_word_embeddings", False)),
         sliding_window=window, n_experts=int(experts), top_k=int(r.need("num_experts_per_tok")),
         d_expert=int(r.need("moe_intermediate_size")), norm_topk_prob=bool(r.get("norm_topk_prob", False)),
-        router_aux_coef=float(r.get("router_aux_loss_coef", 0.001)),
+        router_aux_coef=float(r.get("router_aux_loss_coef", 0.001)), router_z_loss_coef=float(r.get("router_z_loss_coef", 0.0)),
     )
 
 
@@ -75,4 +75,6 @@ def hf_config(mc: MoEConfig) -> dict:
         "norm_topk_prob": mc.norm_topk_prob, "router_aux_loss_coef": mc.router_aux_coef, "decoder_sparse_step": 1,
         "mlp_only_layers": [], "output_router_logits": False,
     })
+    if mc.router_z_loss_coef:  # not a Qwen3-MoE key (transformers keeps it as an attribute); ours reads it back
+        out["router_z_loss_coef"] = mc.router_z_loss_coef
     return out

@@ -104,8 +104,8 @@ def build_model(cfg, rngs: nnx.Rngs) -> nnx.Module:
 
 def loss_for(cfg) -> tuple:
     """``(loss_fn, has_aux)`` for training a model of ``cfg`` with ``zshard.make_train_step``:
-    :func:`moe_loss` (cross-entropy + the router's load-balancing loss, ``metrics["aux"]``)
-    for an MoE, else :func:`cross_entropy_loss`."""
+    :func:`moe_loss` (cross-entropy + the router's load-balancing loss and z-loss; the router
+    figures in ``metrics["aux"]``) for an MoE, else :func:`cross_entropy_loss`."""
     return (moe_loss, True) if isinstance(cfg, MoEConfig) else (cross_entropy_loss, False)
 
 

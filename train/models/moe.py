@@ -87,13 +87,14 @@ class RouterStats(NamedTuple):
       counts: ``[B, E]`` top-k slots given to each expert.
       probs: ``[B, E]`` sum of each expert's router probability.
       z: ``[B]`` sum of ``logsumexp(router logits)^2`` (:func:`router_z`).
-      dropped: ``[]`` slots dropped for capacity (0: dropless).
+      dropped: ``[1]`` slots dropped for capacity on this device (0: dropless; a vector, so that
+        it concatenates over the devices of a shard_map like the per-sequence fields).
     """
 
     counts: jax.Array  # [B, E] f32
     probs: jax.Array  # [B, E] f32
     z: jax.Array  # [B] f32
-    dropped: jax.Array  # [] f32
+    dropped: jax.Array  # [1] f32
 
 
 def router_z(logits):
@@ -117,12 +118,12 @@ class MoE(nnx.Module):
     def __call__(self, x):
         # zshard.moe: router in float32, top-k, grouped matmuls (all-to-all over `expert` when the
         # expert weights hold E/X experts); dropless, so the numbers do not depend on the mesh
-        B, T, _ = x.shape
         y, stats = zshard.moe(x, self.router.kernel[...], self.w_gate_up[...], self.w_down[...], top_k=self.top_k,
                               norm_topk_prob=self.norm_topk_prob, act=ACTIVATIONS[self.act])
         counts = jax.nn.one_hot(stats.top_e, self.n_experts, dtype=jnp.float32).sum(axis=(1, 2))  # (B, T, k, E) -> (B, E)
-        z = router_z(stats.logits).reshape(B, T).sum(axis=1)  # (B, T) -> (B,)
-        return y, RouterStats(counts, stats.probs.sum(axis=1), z, stats.dropped)  # (B, T, C); (B, T, E) -> (B, E)
+        z = router_z(stats.logits).sum(axis=1)  # (B, T, E) -> (B, T) -> (B,)
+        dropped = stats.dropped.reshape(1)  # [] -> [1]
+        return y, RouterStats(counts, stats.probs.sum(axis=1), z, dropped)  # (B, T, C); (B, E), (B, E), (B,), (1,)
 
 
 class MoEBlock(nnx.Module):
@@ -210,5 +211,5 @@ def moe_loss(model: Qwen3Moe, batch):
     ce = chunked_token_nll(model.norm(x), model.output_head(), targets)
     slots = jnp.sum(stats.counts, axis=0)  # [E]: top-k slots of every layer and token
     metrics = {"router_aux_loss": aux, "router_z_loss": z, "cross_entropy": ce, "expert_load": slots / jnp.sum(slots),
-               "dropped_fraction": stats.dropped / (pairs * inputs.shape[0] * cfg.top_k)}
+               "dropped_fraction": jnp.sum(stats.dropped) / (pairs * inputs.shape[0] * cfg.top_k)}
     return ce + cfg.router_aux_coef * aux + cfg.router_z_loss_coef * z, metrics

@@ -195,8 +195,10 @@ class Plan:
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
-        """Mesh axes a parameter is split over at rest (``Strategy.shard_axes``, with ``context``
-        after ``shard`` on a mesh with a context axis: :meth:`zshard.axes.MeshAxes.with_context`)."""
+        """Mesh axes a dense parameter is split over at rest (``Strategy.shard_axes``, with ``expert`` or
+        ``context`` after ``shard`` on a mesh with one: :meth:`zshard.axes.MeshAxes.with_context`). An
+        expert parameter lies over ``("expert", *these without expert)`` and is gathered over these
+        without ``expert`` (its :class:`~zshard.wire.ParamWire`)."""
         return self.axes.with_context(self.strategy.shard_axes)
 
     @property
@@ -211,7 +213,7 @@ class Plan:
 
     @property
     def data_axes(self) -> tuple[str, ...]:
-        """The axes the data is split over: ``("replica", "shard"[, "context"])``
+        """The axes the data is split over: ``("replica", "shard"[, "expert"][, "context"])``
         (:attr:`zshard.axes.MeshAxes.data_axes`); the loss and metrics are reduced over them."""
         return self.axes.data_axes
 
@@ -238,7 +240,7 @@ class Plan:
 
     @property
     def world(self) -> int:
-        """Devices of the data axes (``replica x shard x context``): the global batch's rows are
+        """Devices of the data axes (``replica x shard x expert x context``): the global batch's rows are
         split over ``replica x shard`` and its sequences over ``context`` (or its rows over all
         three), never over ``tensor``; every device holds the same number of tokens, so the loss
         scale is ``1 / world`` (the gradient of the global mean loss, docs/long-sequences.md)."""
