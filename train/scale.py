@@ -5,6 +5,7 @@
     python -m train.scale --devices 512 --models llama-70b --tensor 8   # 8x8x8: TP inside each host
     python -m train.scale --devices 64 --models llama-7b --context 4 --seq-len 32768   # 8x2x4: 32k tokens over C = 4
     python -m train.bench                                   # runs this as its section 3
+    python -m train.scale --moe                             # MoE shapes with / without the expert axis, closed form
 
 GPT-2 1.5B, Llama 7B and 70B shapes (``train.model.PLAN_PRESETS``), seq 2048, one sequence per
 device, AdamW, fp32, FULL_SHARD / HYBRID_SHARD / HYBRID_SHARD_OPT on meshes of ``N/8 x 8`` (8
@@ -43,8 +44,9 @@ from train.devices import emulate_devices
 from train.model import PLAN_PRESETS, GPTConfig, build_model, cross_entropy_loss, tensor_plan
 from train.plan import peak_bytes
 from zshard.formulas import activation_bytes, expected_peak, memory_formula, moment_bytes  # noqa: F401  (train.scale's names, as before)
+from zshard.formulas import dropless_capacity, expert_all_to_all_per_step, expert_gather_bytes, gathered_block_bytes
 
-__all__ = ["SCALE_TENSOR", "activation_bytes", "expected_peak", "live_peak", "memory_formula", "moment_bytes", "run_scale", "scale_table", "scale_worker"]
+__all__ = ["MOE_PLANS", "MOE_SHAPES", "MoEShape", "SCALE_TENSOR", "activation_bytes", "expected_peak", "live_peak", "memory_formula", "moe_plan", "moe_plan_table", "moment_bytes", "run_scale", "scale_table", "scale_worker"]
 
 GB = 10**9
 DEVICE_GB = (80, 141)  # H100 80 GB, H200 141 GB
@@ -241,6 +243,112 @@ def scale_table(rows) -> str:
 
 
 # --------------------------------------------------------------------------------------
+# MoE shapes with and without expert parallelism, in closed form (docs/expert-parallel.md)
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+    """A mixture-of-experts model's parameter counts, for planning without building it.
+
+    Attributes:
+      layers: blocks; dense_layers: of them, blocks whose MLP is dense (``d_ff`` wide, no experts).
+      d_model: residual width ``D``; attn: parameters of one block's attention (norms included).
+      experts: routed experts per MoE block ``E``; top_k: experts per token ``k``; d_expert: each
+        expert's SwiGLU width ``F`` (``3 D F`` parameters); shared: shared experts per MoE block (as wide).
+      d_ff: the dense blocks' SwiGLU width; vocab: tokens (untied embedding and head).
+    """
+
+    name: str
+    layers: int
+    dense_layers: int
+    d_model: int
+    attn: int
+    experts: int
+    top_k: int
+    d_expert: int
+    shared: int
+    d_ff: int
+    vocab: int
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers
+
+    def block(self) -> tuple[int, int]:
+        """``(Psi_layer_dense, Psi_layer_expert)`` of one MoE block: attention, norms, router and shared
+        experts dense; the ``E`` routed experts' ``3 D F`` each."""
+        D, F = self.d_model, self.d_expert
+        return self.attn + 2 * D + D * self.experts + self.shared * 3 * D * F, self.experts * 3 * D * F
+
+    def params(self) -> tuple[int, int]:
+        """``(Psi_dense, Psi_expert)`` of the whole model."""
+        dense, expert = self.block()
+        rest = self.dense_layers * (self.attn + 2 * self.d_model + 3 * self.d_model * self.d_ff)
+        return self.moe_layers * dense + rest + 2 * self.vocab * self.d_model + self.d_model, self.moe_layers * expert
+
+
+# The published shapes (Hugging Face config.json of Qwen/Qwen3-30B-A3B and deepseek-ai/DeepSeek-V3). Attention counted
+# as the models compute it: Qwen3's GQA (32 query heads, 4 key/value heads of 128, q/k norms of 128); DeepSeek-V3's
+# MLA (q rank 1536, kv rank 512, 128 heads, 128 + 64 rope query/key dims, 128 value dims, its two low-rank norms).
+MOE_SHAPES = {
+    "qwen3-30b-a3b": MoEShape("qwen3-30b-a3b", layers=48, dense_layers=0, d_model=2048,
+                              attn=2048 * 128 * (32 + 4 + 4) + 32 * 128 * 2048 + 2 * 128, experts=128, top_k=8,
+                              d_expert=768, shared=0, d_ff=0, vocab=151936),
+    "deepseek-v3": MoEShape("deepseek-v3", layers=61, dense_layers=3, d_model=7168,
+                            attn=7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168,
+                            experts=256, top_k=8, d_expert=2048, shared=1, d_ff=18432, vocab=129280),
+}
+MOE_PLANS = (("qwen3-30b-a3b", 8, (1, 8)), ("qwen3-30b-a3b", 16, (1, 8)), ("deepseek-v3", 256, (1, 8)),
+             ("deepseek-v3", 512, (1, 8)))  # (shape, H100s, the expert sizes X): 8 GPUs per node, X inside one node
+
+
+def moe_plan(shape: MoEShape, devices: int, expert: int, seq: int = 4096, batch: int = 1, gather_itemsize: int = 2,
+             master_itemsize: int = 4) -> dict:
+    """Per-device bytes of a FULL_SHARD MoE step on ``devices`` (``N``; expert groups of ``X`` inside one
+    node) in closed form (:mod:`zshard.expert_formulas`): mixed precision (``gather_itemsize`` gathered
+    parameters and activations, ``master_itemsize`` masters, Adam moments and gradients).
+
+    ``state`` + ``grad_shard`` (:func:`memory_formula`), ``block``: one MoE block gathered and its
+    gradient before the reduce-scatter (:func:`gathered_block_bytes` in both dtypes), ``inputs``: the
+    layer inputs kept for the recompute ``L s b D``, ``dispatch``: the padded dropless buffers sent and
+    received by one all-to-all, ``2 X cap D`` with ``cap = s b k``; ``floor`` their sum (no attention
+    or expert activations: a lower estimate; ``python -m train.plan`` compiles the step). Per step:
+    ``gathers`` (:func:`expert_gather_bytes`, forward and backward), ``a2a`` and ``a2a_padded``
+    (:func:`expert_all_to_all_per_step`, 6 per MoE block with the block recomputed).
+    """
+    psi_d, psi_x = shape.params()
+    blk_d, blk_x = shape.block()
+    n = seq * batch  # tokens per device
+    state = memory_formula(psi_d + psi_x, devices, itemsize=master_itemsize)
+    block = gathered_block_bytes(blk_d, blk_x, expert, gather_itemsize) + gathered_block_bytes(blk_d, blk_x, expert, master_itemsize)
+    cap = dropless_capacity(n, shape.top_k)
+    a2a = dict(moe_layers=shape.moe_layers, tokens=n, top_k=shape.top_k, d_model=shape.d_model, itemsize=gather_itemsize,
+               expert=expert)
+    out = {"model": shape.name, "devices": devices, "expert": expert, "params": psi_d + psi_x, "expert_params": psi_x,
+           "state": state["state"], "grad_shard": state["grad_shard"], "block": block,
+           "inputs": float(shape.layers * n * shape.d_model * gather_itemsize),
+           "dispatch": float(2 * expert * cap * shape.d_model * gather_itemsize) if expert > 1 else 0.0,
+           "gathers": expert_gather_bytes(psi_d, psi_x, devices, expert, gather_itemsize),
+           "a2a": expert_all_to_all_per_step(**a2a), "a2a_padded": expert_all_to_all_per_step(**a2a, capacity=cap)}
+    out["floor"] = out["state"] + out["grad_shard"] + block + out["inputs"] + out["dispatch"]
+    return out
+
+
+def moe_plan_table(rows) -> str:
+    """The :func:`moe_plan` rows as a Markdown table, GB (10^9 bytes) per device and per step."""
+    lines = ["| model | params | H100s | X | state + grad GB | block GB | floor GB | 80 GB | expert gathers GB/step "
+             "| dense gathers GB/step | all-to-all GB/step (exact) | padded dropless GB/step |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['params'] / 1e9:.1f} B | {r['devices']} | {r['expert']} | "
+                     f"{(r['state'] + r['grad_shard']) / GB:.1f} | {r['block'] / GB:.2f} | {r['floor'] / GB:.1f} | "
+                     f"{'fits' if r['floor'] <= 80 * GB else 'no'} | {r['gathers']['expert'] / GB:.1f} | "
+                     f"{r['gathers']['dense'] / GB:.1f} | {r['a2a'] / GB:.1f} | {r['a2a_padded'] / GB:.1f} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
 # Command line: the worker (one device count, in its own process) and a standalone run
 # --------------------------------------------------------------------------------------
 
@@ -281,8 +389,13 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=SCALE_SEQ, metavar="T", help="tokens per sequence (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=900.0, metavar="S", help="seconds allowed to each device count's subprocess")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows (every measured and formula term) as JSON")
+    p.add_argument("--moe", action="store_true", help="only the MoE shapes with and without expert parallelism, in closed "
+                   "form (Qwen3-30B-A3B and DeepSeek-V3 on H100 nodes; docs/expert-parallel.md); compiles nothing")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # one device count, in this process
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.moe:
+        print(moe_plan_table([moe_plan(MOE_SHAPES[m], n, x) for m, n, xs in MOE_PLANS for x in xs]))
+        return 0
     models = _csv(args.models, SCALE_MODELS, "--models", p)
     strategies = _csv(args.strategies, SCALE_STRATEGIES, "--strategies", p)
     if args.worker is not None:

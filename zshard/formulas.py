@@ -13,6 +13,9 @@ ZeRO state as :func:`_state_formula`, counted from ``Psi`` for Adam in one dtype
 gradient shards), :func:`moment_bytes` (what a step holds beyond that at each instant that can
 set its peak), :func:`expected_peak` (their sum) and :func:`activation_bytes` (Korthikanti et
 al.'s saved activations). This is the one set: ``train.scale`` re-exports them.
+
+Expert parallelism (the ``expert`` axis: the token dispatch's all-to-all bytes, the model state,
+gathered block and gathers with ``X``) is :mod:`zshard.expert_formulas`, re-exported here.
 """
 
 from __future__ import annotations
@@ -33,13 +36,33 @@ from zshard.optim.optim import optimizer_grad_specs, optimizer_program
 from zshard.wire.quant import feedback_bytes, moved_bytes, wire_bytes
 from zshard.mesh.strategy import Strategy
 from zshard.inspection.hlo import _axis_name, parse_collectives
+from zshard.expert_formulas import (  # noqa: F401  (expert parallelism in closed form, re-exported: zshard.formulas.X)
+    A2A_PER_MOE_LAYER, all_to_all_bytes, dispatch_formula, dropless_capacity, expert_all_to_all_per_step, expert_gather_bytes,
+    expert_gather_ratio, expert_state_bytes, gathered_block_bytes, padded_all_to_all_bytes,
+)
 
 __all__ = [
-    "PARAM_CONTEXT", "activation_bytes", "context_formula", "expected_peak", "memory_formula", "moment_bytes", "optimizer_report",
+    "PARAM_CONTEXT", "PARAM_EXPERT", "activation_bytes", "context_formula", "expected_peak", "memory_formula", "moment_bytes", "optimizer_report",
+    "A2A_PER_MOE_LAYER", "all_to_all_bytes", "dispatch_formula", "dropless_capacity", "expert_all_to_all_per_step", "expert_gather_bytes",
+    "expert_gather_ratio", "expert_state_bytes", "gathered_block_bytes", "padded_all_to_all_bytes",
 ]
 
 def _formula_comm(plan, k: int = 1, hpz: bool = False) -> dict[str, float]:
-    """Bytes one device sends per step, docs/design.md section 3 (ring algorithm).
+    """Bytes one device sends per step, docs/design.md section 3 (ring algorithm): :func:`_comm_of`
+    of the dense parameters over the shard axes and, on a mesh with an ``expert`` axis of ``X``
+    devices, of the expert parameters (``E/X`` experts each) over the shard axes without ``expert``
+    (``N/X`` devices; docs/expert-parallel.md, :func:`zshard.expert_formulas.expert_gather_bytes`)."""
+    if not any(getattr(s.param, "expert", False) for u in plan.units for f in u.flats for s in f.slots):
+        return _comm_of(plan, k, hpz)
+    out = _comm_of(plan, k, hpz, experts=False)
+    for axis, b in _comm_of(plan, k, False, experts=True).items():
+        out[axis] = out.get(axis, 0.0) + b
+    return out
+
+
+def _comm_of(plan, k: int = 1, hpz: bool = False, experts: bool | None = None) -> dict[str, float]:
+    """Bytes one device sends per step for the parameters ``experts`` selects (``None``: all; ``True``
+    / ``False``: the expert / dense ones), docs/design.md section 3 (ring algorithm).
 
     ``Psi * b`` is counted per collective in the dtype it moves: gathers in the mixed
     precision ``param_dtype``, gradient reductions in ``reduce_dtype``, SHARD_OPT's gather of
@@ -56,6 +79,10 @@ def _formula_comm(plan, k: int = 1, hpz: bool = False) -> dict[str, float]:
     """
     mesh = plan.mesh
     size = lambda axes: int(np.prod([mesh.shape[a] for a in axes]))  # noqa: E731
+    shard_axes, N = plan.shard_axes, plan.num_shards  # S (x C, x X on an expert mesh) for the hybrids
+    if experts:  # the local experts: over the shard axes inside one expert group
+        shard_axes = tuple(a for a in shard_axes if a != "expert")
+        N //= mesh.shape["expert"]
 
     def total(role, units, trainable_only=False):  # sum over parameters of size * itemsize (a tensor piece if split)
         return sum(
@@ -64,6 +91,7 @@ def _formula_comm(plan, k: int = 1, hpz: bool = False) -> dict[str, float]:
             for f in u.flats
             if f.trainable or not trainable_only
             for s in f.slots
+            if experts is None or bool(getattr(s.param, "expert", False)) == experts
         )
 
     master = total("master", plan.units, trainable_only=True)  # SHARD_OPT gathers updated parameters
@@ -92,8 +120,7 @@ def _formula_comm(plan, k: int = 1, hpz: bool = False) -> dict[str, float]:
         ag_stacked = total("gather", [u for u in plan.units if u.layers])
         gathers = ag - ag_stacked + k * ag_stacked
     per_step = gathers + k * rs
-    N = plan.num_shards  # S (x C on a context mesh) for the hybrids
-    shard = {name(plan.shard_axes): per_step * ring(N)}
+    shard = {name(shard_axes): per_step * ring(N)}
     if st in (Strategy.SHARD_GRAD_OP, Strategy.FULL_SHARD):
         return shard
     R = size(plan.replica_axes)
@@ -107,13 +134,15 @@ def _formula_comm(plan, k: int = 1, hpz: bool = False) -> dict[str, float]:
 
 
 PARAM_CONTEXT = "context (parameters)"  # the key of parameter collectives over a group that is the context axis alone
+PARAM_EXPERT = "expert (parameters)"  # ... over the expert axis alone (S = 1): "expert" is the token dispatch's row
 
 
 def _param_axis(mesh, axes) -> str:
     """:func:`_axis_name` for the parameters' collectives; ``"context"`` (a ``1 x 1 x C`` mesh) is
-    :data:`PARAM_CONTEXT`, the name ``"context"`` being the attention's row."""
+    :data:`PARAM_CONTEXT`, the name ``"context"`` being the attention's row; ``"expert"`` (a ``1 x 1 x X``
+    mesh) is :data:`PARAM_EXPERT`, the name ``"expert"`` being the token dispatch's row."""
     axis = _axis_name(mesh, axes)
-    return PARAM_CONTEXT if axis == CONTEXT else axis
+    return {CONTEXT: PARAM_CONTEXT, "expert": PARAM_EXPERT}.get(axis, axis)
 
 
 def _moves(plan, hpz: bool = False) -> dict:
@@ -128,7 +157,12 @@ def _moves(plan, hpz: bool = False) -> dict:
     replica = mp.replica_format.label if mp.replica_format else dt(mp.grad_dtype(master))
     out = {}
     if plan.shard_axes:
-        out[_axis_name(plan.mesh, plan.shard_axes)] = f"gather {gather}, reduce {reduce}"
+        out[_param_axis(plan.mesh, plan.shard_axes)] = f"gather {gather}, reduce {reduce}"
+    if "expert" in plan.shard_axes:  # the local experts over the shard axes inside an expert group; the tokens over expert
+        inside = tuple(a for a in plan.shard_axes if a != "expert")
+        if inside and _param_axis(plan.mesh, inside) != "none":
+            out[_param_axis(plan.mesh, inside)] = f"gather {gather}, reduce {reduce}"
+        out["expert"] = "token dispatch (padded all-to-all)"
     if plan.replica_axes:
         out[_axis_name(plan.mesh, plan.replica_axes)] = f"reduce {replica}"
     if hpz:

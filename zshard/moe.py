@@ -132,13 +132,18 @@ _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("zshard_mo
 
 @contextlib.contextmanager
 def recording():
-    """Inside: every :func:`moe` call traced is appended (a :class:`MoECall`) to the yielded list."""
+    """Inside: every :func:`moe` call traced is appended (a :class:`MoECall`) to the yielded list; an
+    enclosing recording receives them too on leaving (``zshard.report`` records around a program body
+    that records its own)."""
+    outer = _RECORD.get()
     calls: list[MoECall] = []
     token = _RECORD.set(calls)
     try:
         yield calls
     finally:
         _RECORD.reset(token)
+        if outer is not None:
+            outer.extend(calls)
 
 
 def capacity(tokens: int, top_k: int, groups: int, experts: int, capacity_factor: float | None = None) -> int:

@@ -34,10 +34,13 @@ from zshard.mesh.mesh import CONTEXT, REPLICA, SHARD, TENSOR
 from zshard.optim.offload import _local_bytes, offload_report
 from zshard.wire.quant import coverage
 from zshard.formulas import (
-    PARAM_CONTEXT, _formula_comm, _moves, _param_axis, _policy_name, _state_formula,
+    PARAM_CONTEXT, PARAM_EXPERT, _formula_comm, _moves, _param_axis, _policy_name, _state_formula,
     _tensor_formula, context_formula, optimizer_report,
 )
+from zshard.expert_formulas import dispatch_formula
 from zshard.inspection.hlo import Collective, parse_collectives, parse_overlap, parse_replica_groups
+
+EXPERT = "expert"  # the expert-parallel mesh axis (zshard.moe's token dispatch runs over it)
 
 __all__ = ["Collective", "Report", "attention_calls", "optimizer_report", "parse_collectives", "parse_overlap",
            "parse_replica_groups", "report"]
@@ -69,6 +72,12 @@ class Report:
         e`` of one call), ``forward_passes`` (1, or 2 with the block recomputed), ``calls``,
         ``collectives`` (``kind``, ``buffer_bytes`` ``X``, ``count`` per step); also the row
         ``comm_bytes_per_step["context"]``. ``None`` without one.
+      expert: with an ``expert`` axis, ``zshard.moe``'s token dispatch over it
+        (:func:`zshard.expert_formulas.dispatch_formula`): ``measured`` (the all-to-alls over
+        ``expert``) and ``formula`` bytes per step (padded ``[X, cap, D]`` buffers, 4 per MoE layer
+        and micro-batch, 6 with the block recomputed, plus the slot counts; ``None`` when the trace
+        recorded no call), ``calls``, ``layers``, ``collectives`` (``buffer_bytes``, ``count``); also
+        the row ``comm_bytes_per_step["expert"]``. ``None`` without one.
       offload: with ``zshard.init(..., offload=...)``, :func:`zshard.offload.offload_report`:
         ``mode``; model-state bytes per device in ``device`` and ``host`` memory, ``measured``
         (from each leaf's shard shape and memory kind) and ``formula``; ``transfer``: host <->
@@ -109,6 +118,7 @@ class Report:
     optimizer: dict | None = None
     tensor: dict | None = None
     context: dict | None = None
+    expert: dict | None = None
     offload: dict | None = None
     moves: dict = dataclasses.field(default_factory=dict)
     quantized: dict | None = None
@@ -174,6 +184,12 @@ class Report:
                 f"{mib(x['formula'])} MiB = {x['calls']} attention calls x ({x['forward_passes']} forward + 1 backward) x "
                 f"(C-1)/C x {x['kv_bytes']:,} bytes (2 b s n_kv d e){' + segment ids' if x['segment_bytes'] else ''}",
             ]
+        if self.expert is not None:
+            x = self.expert
+            n = sum(c["count"] for c in x["collectives"])
+            lines += ["", f"expert axis: {mib(x['measured'])} MiB of token dispatch ({n} all-to-alls per step) against "
+                      + (f"{mib(x['formula'])} MiB = {x['layers']} MoE layer calls x padded [X, cap, D] all-to-alls"
+                         if x["formula"] is not None else "no formula (no zshard.moe call recorded)")]
         if self.offload is not None:
             o = self.offload
             t = o["transfer"]
@@ -239,6 +255,8 @@ def report(step, state, batch) -> Report:
             axis = CONTEXT  # zshard.attention's keys and values: the context row
         else:
             axis = PARAM_CONTEXT if c.axis == CONTEXT else c.axis
+            if c.axis == EXPERT and c.kind != "all-to-all":
+                axis = PARAM_EXPERT  # a parameter collective over expert alone (S = 1); its all-to-alls: the tokens
         by_axis[axis] += c.sent_bytes * c.trips
         table[(c.kind, axis)][0] += c.trips
         table[(c.kind, axis)][1] += c.sent_bytes * c.trips
@@ -255,6 +273,11 @@ def report(step, state, batch) -> Report:
         context["measured"] = by_axis.get(CONTEXT, 0.0)
         ops = Counter((c.kind, c.buffer_bytes) for c in colls if c.phase == "context" for _ in range(c.trips))
         context["collectives"] = [{"kind": k, "buffer_bytes": x, "count": n} for (k, x), n in sorted(ops.items())]
+    expert = None
+    if plan.mesh.shape.get(EXPERT, 1) > 1:
+        expert = dispatch_formula(_moe_calls(step, state, batch), colls, step.config.grad_accum,
+                                  _policy_name(step.config.remat) == "block")
+        formula_comm[EXPERT] = expert["formula"] or 0.0
     opt = optimizer_report(state)
     if opt["formula"]:  # the global-view optimizer's collectives run over the optimizer axes
         opt_axis = _param_axis(plan.mesh, plan.opt_axes)
@@ -283,6 +306,7 @@ def report(step, state, batch) -> Report:
         optimizer=opt,
         tensor=tensor,
         context=context,
+        expert=expert,
         offload=offload_report(step, state, batch, {**formula, **split}) if plan.offload else None,
         moves=_moves(plan, step.config.hpz),
         quantized=coverage(plan) if plan.mp.quantized else None,
@@ -290,6 +314,22 @@ def report(step, state, batch) -> Report:
         attention=attention_calls(text),
         prefetch=step.config.resolved_prefetch(plan.mesh),
     )
+
+
+def _moe_calls(step, state, batch) -> list | None:
+    """``[(None, MoE layers per step, MoECall)]`` for :func:`dispatch_formula`: the ``zshard.moe`` call
+    the step's trace records (``zshard.moe.recording``), once per block unit holding expert parameters
+    (its layers: a scanned stack traces its body once). ``None`` when the trace recorded no call (a
+    trace jax had cached) or calls of different shapes."""
+    from zshard.moe import recording  # noqa: PLC0415  (the op's module; report reads its record)
+
+    with recording() as calls:
+        step.trace(state, batch)
+    if len(set(calls)) != 1:
+        return None
+    plan = state.plan
+    layers = sum(u.layers or 1 for u in plan.units if any(getattr(s.param, "expert", False) for f in u.flats for s in f.slots))
+    return [(None, layers, calls[0])]
 
 
 def attention_calls(hlo: str) -> dict:

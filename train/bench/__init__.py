@@ -9,7 +9,7 @@ Writes ``OUT/bench.json``, ``OUT/bench.md`` (the printed tables) and PNG plots i
 
 The package: ``peers`` (the compiled steps compared), ``sections`` (what each section
 measures), ``tables`` (the Markdown tables, the targets, the plots), ``run`` (the program),
-``quantized`` (section 5), ``gpu`` (section 4), ``offload`` (``--offload``: host offload on one GPU, docs/offload.md); the scale section and the
+``quantized`` (section 5), ``moe`` (section 6), ``gpu`` (section 4), ``offload`` (``--offload``: host offload on one GPU, docs/offload.md); the scale section and the
 memory formulas are ``train/scale.py``.
 
 Sections
@@ -53,6 +53,10 @@ Sections
 5. **Quantized collectives** (``train/bench/quantized.py``; ``--no-quantized`` skips it): the
    reference GPT for ``--quant-steps`` (300) steps with ``python -m train``, exact and with int8
    weights, int8 and int4 gradients, fp8 tensorwise weights: held-out loss gaps beside the bytes.
+6. **Expert parallelism** (``train/bench/moe.py``; ``--no-moe`` skips it, ``--moe-only`` runs it alone): a
+   small Qwen3-MoE with its experts split over ``expert`` (1x4x2) against plain FSDP (1x8) on the same
+   8 devices: gathered bytes (the expert weights' among them), all-to-all bytes and step time as ratios;
+   the target: EP gathers at most half of the expert bytes (docs/expert-parallel.md).
 
 The targets of issues 8 and 17 are printed at the end (``### Targets``).
 """

@@ -18,6 +18,8 @@ from pathlib import Path
 import jax
 
 from train.bench.gpu import gpu_rows
+from train.bench.moe import VARIANTS as MOE_VARIANTS
+from train.bench.moe import moe_section, moe_table
 from train.bench.offload import offload_main
 from train.bench.quantized import VARIANTS, quantized_section, quantized_table
 from train.bench.sections import (CONFIGS, DEPTHS, NUM_DEVICES, QUICK, STRATEGIES, TENSOR_CONFIGS, TENSOR_SIZES,
@@ -40,6 +42,8 @@ def _parse(argv):
     p.add_argument("--configs", default="S,P", help="section 1 configurations, comma-separated (S, P)")
     p.add_argument("--no-depth", action="store_true", help="skip the depth sweep")
     p.add_argument("--no-scale", action="store_true", help="skip scale by simulation")
+    p.add_argument("--no-moe", action="store_true", help="skip the MoE section (expert parallelism against plain FSDP)")
+    p.add_argument("--moe-only", action="store_true", help="only the MoE section (expert parallelism against plain FSDP)")
     p.add_argument("--no-quantized", action="store_true", help="skip the quantized collectives (six python -m train runs)")
     p.add_argument("--quant-steps", type=int, default=300, metavar="N", help="steps of each quantized-collectives run (default 300)")
     p.add_argument("--quant-only", default=None, metavar="WORDS",
@@ -79,12 +83,15 @@ def main(argv=None) -> int:
     strategies = ("NO_SHARD", "FULL_SHARD", "HYBRID_SHARD") if args.quick else STRATEGIES
     do_depth, do_scale = not (args.quick or args.no_depth), not (args.quick or args.no_scale)
     do_quant = not (args.quick or args.no_quantized)
+    do_moe = not (args.quick or args.no_moe)
+    if args.moe_only:
+        configs, do_depth, do_scale, do_quant, do_moe = {}, False, False, False, True
     scale_strats = SCALE_STRATEGIES
     tp_peers = lambda c: sum(c.n_heads % t == 0 for t in TENSOR_SIZES) if c.name in TENSOR_CONFIGS else 0  # noqa: E731
     total = sum(4 + len(strategies) + (2 + tp_peers(c)) * ("FULL_SHARD" in strategies) + (args.repeats or c.repeats)
                 for c in configs.values()) + (2 * len(DEPTHS) if do_depth else 0) + \
         ((len(SCALE_DEVICES) * len(SCALE_MODELS) + len(SCALE_TENSOR)) * len(scale_strats) if do_scale else 0) + \
-        (len(VARIANTS) if do_quant else 0)
+        (len(VARIANTS) if do_quant else 0) + ((len(MOE_VARIANTS) + (args.repeats or 10)) if do_moe else 0)
     results = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
                f"{platform.system()} {platform.release()}", "jax": jax.__version__, "backend": jax.default_backend(),
                "command": " ".join([PROG] + (sys.argv[1:] if argv is None else list(argv))), "configs": {}}
@@ -112,6 +119,9 @@ def main(argv=None) -> int:
             only = [w for w in (args.quant_only or "").split(",") if w]
             results["quantized"] = quantized_section(out / "quantized", args.quant_steps, progress, only=only)
             report(quantized_table(results["quantized"]) + "\n", progress)
+        if do_moe:  # section 6 (train/bench/moe.py): EP 1x4x2 against no EP 1x8
+            results["moe"] = moe_section(args.repeats or 10, progress)
+            report(moe_table(results["moe"]) + "\n", progress)
     if jax.default_backend() == "gpu":
         results["gpu"] = gpu_rows(["toy"], args.repeats or 10)  # train/bench/gpu.py; scripts/gpu_checks.sh adds llama-3.2-1b
         g = results["gpu"]["rows"]["toy"]

@@ -113,6 +113,10 @@ def targets(results: dict) -> list[dict]:
         if r["target"] is not None:
             add(f"quantized {r['name']}: abs(eval loss / exact - 1), {r['bytes_ratio']:.3f} of the shard bytes", abs(r["gap"]),
                 r["target"])
+    if "moe" in results:  # issue 49 item 8: EP gathers at most half of the expert bytes (1x4x2 against 1x8)
+        m = results["moe"]
+        add("MoE EP (1x4x2) / no EP (1x8): expert weights' gather bytes", m.get("expert_gather_ratio"), 0.5,
+            f"step time ratio {m['step_ratio']:.3f}" if m.get("runnable") else f"not runnable: {m.get('why')}")
     return out
 
 

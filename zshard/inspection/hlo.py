@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from zshard.mesh.mesh import REPLICA, SHARD, data_axes
+from zshard.mesh.mesh import REPLICA, SHARD, TENSOR
 from zshard.inspection.jaxprs import CONTEXT_SCOPE, OPTIMIZER_SCOPE, unit_of
 
 __all__ = ["COMPUTE_OPS", "Collective", "parse_collectives", "parse_overlap", "parse_replica_groups"]
@@ -47,7 +47,8 @@ class Collective:
       kind: ``"all-gather"``, ``"reduce-scatter"``, ``"all-reduce"``, ``"all-to-all"`` (the quantized
         gradient reduction), ``"permute"`` (a collective-permute: each device sends its buffer to one
         other) or ``"other"``.
-      axis: mesh axis the groups span: ``"shard"``, ``"replica"``, ``"context"``, ``"tensor"``,
+      axis: mesh axis the groups span: ``"shard"``, ``"replica"``, ``"context"``, ``"expert"`` (the token
+        dispatch's all-to-alls), ``"tensor"``,
         ``"world"`` (every data axis, ``replica`` and ``shard`` among them), several joined with
         ``+`` (``"shard+context"``), or ``"none"`` (groups of one device).
       group_size: ``n``, devices per replica group.
@@ -133,13 +134,16 @@ def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list
 
 def _axis_name(mesh, axes) -> str:
     """The mesh axes a collective spans (size-1 axes ignored) -> ``shard`` / ``replica`` /
-    ``context`` / ``tensor`` / ``world`` (every data axis, ``replica`` and ``shard`` among them) /
+    ``context`` / ``expert`` / ``tensor`` / ``world`` (every data axis, ``replica`` and ``shard`` among them) /
     ``none``; other combinations joined with ``+`` (``shard+context``, ``shard+tensor``: a
     collective over data and tensor devices at once)."""
     axes = {a for a in axes if mesh.shape[a] > 1}
     if not axes:
         return "none"
-    if {REPLICA, SHARD} <= axes and axes == {a for a in data_axes(mesh) if mesh.shape[a] > 1}:
+    # the data axes: every axis but tensor (replica, shard, context, expert), read off the mesh itself so that
+    # any mesh's collectives can be named (a hand-made shard_map mesh too)
+    data = {a for a in mesh.axis_names if a != TENSOR and mesh.shape[a] > 1}
+    if {REPLICA, SHARD} <= axes and axes == data:
         return "world"
     return "+".join(a for a in mesh.axis_names if a in axes)
 
