@@ -1,4 +1,4 @@
-"""Hardware -> the ``("replica", "shard"[, "context"][, "tensor"])`` device mesh, and the topology presets.
+"""Hardware -> the ``("replica", "shard"[, "expert" | "context"][, "tensor"])`` device mesh, and the topology presets.
 
 The presets are the repository's top-level ``meshes/*.toml``, installed as the package data
 ``zshard.meshes`` (``pyproject.toml`` maps the package onto that folder).
@@ -14,6 +14,12 @@ dimension over it, and the compiler moves the activations (an ``Auto`` axis, whi
 each sequence is split over it, parameters are FSDP-sharded over ``shard x context`` (its devices
 are data-parallel for the parameters), and ``zshard.attention`` gathers keys and values over it.
 It is ``Explicit`` and manual inside zshard's ``shard_map``, as the data axes are.
+``expert`` (expert parallelism, docs/expert-parallel.md) sits right after ``shard``: a data axis
+(the batch rows are split over ``replica x shard x expert``, dense parameters FSDP-sharded over
+``shard x expert``), over which each expert parameter's expert dimension is split (``E/X`` whole
+experts per device) and tokens travel by all-to-all (``zshard.moe``). One expert group stays
+inside one host. ``Explicit`` and manual inside zshard's ``shard_map``. Not combined with
+``context`` or ``tensor`` (refused, with the fix).
 """
 
 from __future__ import annotations
@@ -32,11 +38,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
-    "AXES", "CONTEXT", "REPLICA", "SHARD", "TENSOR", "MeshAxes", "MeshPreset", "context_size", "data_axes", "make_mesh", "manual_axes",
+    "AXES", "CONTEXT", "EXPERT", "REPLICA", "SHARD", "TENSOR", "MeshAxes", "MeshPreset", "context_size", "data_axes", "make_mesh", "manual_axes",
     "manual_specs", "mesh_preset", "mesh_presets", "parse_mesh", "sharded_map", "tensor_size", "tensor_specs",
 ]  # fmt: skip
 
-from zshard.mesh.axes import AXES, CONTEXT, REPLICA, SHARD, TENSOR, MeshAxes  # noqa: F401  (the names, re-exported)
+from zshard.mesh.axes import AXES, CONTEXT, EXPERT, REPLICA, SHARD, TENSOR, MeshAxes  # noqa: F401  (the names, re-exported)
 
 
 def preset_dir() -> Traversable:
@@ -75,7 +81,7 @@ def _hybrid_grid(devices: list) -> np.ndarray:
 
 
 def make_mesh(
-    replica: int | None = None, shard: int | None = None, tensor: int = 1, *, context: int = 1, devices=None
+    replica: int | None = None, shard: int | None = None, tensor: int = 1, *, context: int = 1, expert: int = 1, devices=None
 ) -> Mesh:
     """Build the ``(replica, shard)`` mesh with explicit axis types (``(replica, shard[, context][,
     tensor])`` with ``context > 1`` / ``tensor > 1``).
@@ -96,6 +102,11 @@ def make_mesh(
         mesh is exactly the 2D one). Innermost: each group of ``tensor`` consecutive devices
         of one process is a tensor group, so tensor-parallel all-reduces stay inside a host.
         Its axis type is ``AxisType.Auto``: the compiler places activations over it.
+      expert: size of the ``expert`` axis (expert parallelism, docs/expert-parallel.md; default 1: no
+        such axis). Right after ``shard``: each group of ``expert`` consecutive devices (one process's)
+        holds one ``(replica, shard)`` position, so the all-to-all of the tokens stays inside a host.
+        A data axis (``AxisType.Explicit``, manual inside zshard's ``shard_map``): the batch rows are
+        split over ``replica x shard x expert``. Not combined with ``context`` or ``tensor``.
       devices: the devices to lay out (default ``jax.devices()``), ordered by
         ``(process_index, id)`` so that one host's devices are adjacent on ``shard``.
 
@@ -104,18 +115,28 @@ def make_mesh(
       axis types ``(AxisType.Explicit, AxisType.Explicit)``; with ``tensor > 1`` of shape
       ``(replica, shard, tensor)``, axis names ``("replica", "shard", "tensor")``, types
       ``(Explicit, Explicit, Auto)``; with ``context > 1`` the axis ``"context"`` (Explicit) comes
-      after ``"shard"``: ``("replica", "shard", "context"[, "tensor"])``.
+      after ``"shard"``: ``("replica", "shard", "context"[, "tensor"])``; with ``expert > 1``
+      ``("replica", "shard", "expert")``, all Explicit.
 
     Raises:
       ValueError: a size is not positive, or ``replica * shard * context * tensor`` is not the device
         count (the message lists every factorization of the device count), or (no sizes, many
-        processes) the processes hold different numbers of devices, or a tensor group would
-        span two processes.
+        processes) the processes hold different numbers of devices, or a tensor or expert group
+        would span two processes, or ``expert > 1`` with ``context > 1`` or ``tensor > 1``.
     """
     devices = _ordered_devices(jax.devices() if devices is None else list(devices))
-    for name, size in ((REPLICA, replica), (SHARD, shard), (CONTEXT, context), (TENSOR, tensor)):
+    for name, size in ((REPLICA, replica), (SHARD, shard), (CONTEXT, context), (TENSOR, tensor), (EXPERT, expert)):
         if size is not None and (isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1):
             raise ValueError(f"make_mesh: {name}={size!r} must be a positive integer")
+    if expert > 1 and (context > 1 or tensor > 1):
+        other = f"context={context}" if context > 1 else f"tensor={tensor}"
+        raise ValueError(
+            f"make_mesh: expert={expert} with {other} is not supported: expert parallelism composes with replica and "
+            f"shard only (the expert axis is carved out of data parallelism); drop {other.split('=')[0]}= or expert= "
+            "(docs/expert-parallel.md)"
+        )
+    if expert > 1:
+        return _inner_mesh(devices, replica, shard, int(expert), 1, inner_axis=EXPERT)
     if tensor > 1 or context > 1:
         return _inner_mesh(devices, replica, shard, int(context), int(tensor))
     n = len(devices)
@@ -145,13 +166,16 @@ def make_mesh(
     return Mesh(grid, AXES, axis_types=(AxisType.Explicit, AxisType.Explicit))
 
 
-def _inner_mesh(devices: list, replica, shard, context: int, tensor: int) -> Mesh:
+def _inner_mesh(devices: list, replica, shard, context: int, tensor: int, inner_axis: str = CONTEXT) -> Mesh:
     """The ``(replica, shard[, context][, tensor])`` mesh: ``context * tensor`` consecutive devices
-    per ``(replica, shard)`` position, ``tensor`` consecutive ones (one process's) per tensor group."""
+    per ``(replica, shard)`` position, ``tensor`` consecutive ones (one process's) per tensor group.
+    ``inner_axis="expert"``: the ``(replica, shard, expert)`` mesh, ``context`` read as the expert
+    size, each expert group inside one process."""
     n, inner = len(devices), context * tensor
+    CONTEXT = inner_axis  # noqa: N806  (the axis between shard and tensor: context, or expert)
     named = " x ".join(f"{a}={v}" for a, v in ((CONTEXT, context), (TENSOR, tensor)) if v > 1)
     if n % inner:
-        what = f"tensor={tensor}" if context == 1 else f"context={context} x tensor={tensor}" if tensor > 1 else f"context={context}"
+        what = f"tensor={tensor}" if context == 1 else f"{CONTEXT}={context} x tensor={tensor}" if tensor > 1 else f"{CONTEXT}={context}"
         raise ValueError(f"make_mesh: {what} does not divide the {n} devices; valid {'tensor' if context == 1 else 'inner'} sizes: "
                          f"{', '.join(str(t) for t in range(1, n + 1) if n % t == 0)}")
     groups = n // inner
@@ -174,6 +198,14 @@ def _inner_mesh(devices: list, replica, shard, context: int, tensor: int) -> Mes
     axes = AXES + ((CONTEXT,) if context > 1 else ()) + ((TENSOR,) if tensor > 1 else ())
     sizes = (replica, shard) + ((context,) if context > 1 else ()) + ((tensor,) if tensor > 1 else ())
     grid = np.asarray(devices, dtype=object).reshape(replica, shard, context, tensor)
+    for r, s in np.ndindex(replica, shard):
+        group = {d.process_index for d in grid[r, s].reshape(-1)}
+        if inner_axis == EXPERT and len(group) > 1:  # the all-to-all of the tokens must stay on a host's links
+            raise ValueError(
+                f"make_mesh: the expert group at replica={r}, shard={s} spans processes {sorted(group)}; an expert group "
+                f"(its all-to-all of the tokens) must stay inside one host: use an expert size that divides the devices "
+                f"per process ({sum(d.process_index == devices[0].process_index for d in devices)})"
+            )
     for r, s, c in np.ndindex(replica, shard, context):
         if tensor > 1 and len({d.process_index for d in grid[r, s, c]}) > 1:
             raise ValueError(

@@ -14,9 +14,10 @@ __all__ = ["ReplicaReduce", "Strategy", "with_context"]
 
 
 def with_context(axes: tuple[str, ...], mesh) -> tuple[str, ...]:
-    """``axes`` on ``mesh``: ``context`` inserted right after ``shard`` where the mesh has a
-    ``context`` axis (context devices are data-parallel for the parameters: FSDP over ``shard x
-    context``, torchtitan's ``dp_shard_cp``); unchanged otherwise (docs/long-sequences.md)."""
+    """``axes`` on ``mesh``: ``expert`` / ``context`` inserted right after ``shard`` where the mesh has
+    one (their devices are data-parallel for the dense parameters: FSDP over ``shard x expert`` or
+    ``shard x context``, torchtitan's ``dp_shard`` / ``dp_shard_cp``); unchanged otherwise
+    (docs/long-sequences.md, docs/expert-parallel.md)."""
     return MeshAxes.of(mesh).with_context(axes)
 
 
@@ -26,7 +27,9 @@ class Strategy(enum.Enum):
     "World" is both mesh axes, ``R*S`` devices. PyTorch FSDP names; ZeRO stages in brackets.
     The axes named here are those of a mesh without ``context``; on a mesh with one, every axis
     tuple that holds ``shard`` holds ``context`` right after it (:func:`with_context`: the
-    parameters are split, and their gradients reduced, over ``shard x context``).
+    parameters are split, and their gradients reduced, over ``shard x context``); likewise
+    ``expert`` for the dense parameters, while an expert parameter is split over ``expert`` and
+    FSDP-sharded over these axes without it (docs/expert-parallel.md).
 
     - ``NO_SHARD`` (ZeRO-0, DDP): everything replicated; gradients all-reduced over world.
     - ``SHARD_OPT`` (ZeRO-1): parameters replicated, optimizer state sharded over world;

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zshard.mesh.mesh import TENSOR
+from zshard.mesh.mesh import EXPERT, TENSOR
 
 __all__ = ["FlatParameter", "ParamLayout", "ParamSlot", "padded_size"]
 
@@ -62,8 +62,18 @@ class ParamLayout:
     ``PartitionSpec("tensor", shard_axes)``, ``n_pad`` the padded size of one piece. Piece
     ``t`` holds ``x[..., t*s/T:(t+1)*s/T, ...]`` (``s = shape[tp_dim]``), the slice that device
     ``t`` of a tensor group computes with (Megatron-LM's column / row split, arXiv 1909.08053
-    section 3). :meth:`to_storage` / :meth:`from_storage` are the only code that orders the
-    pieces: every module that turns a parameter (or a parameter-shaped gradient, optimizer
+    section 3).
+
+    An expert parameter (``ep_dim`` set, ``X = ep`` devices of the ``expert`` axis; never also
+    split over ``tensor``) is cut along its expert dimension into ``X`` groups of ``E/X`` whole
+    experts (:attr:`piece_shape`: ``shape`` with ``shape[ep_dim] / X``); each group is flattened
+    and padded to ``n_pad/X`` on its own, and the groups lie side by side: stored ``[X * n_pad/X]``
+    (stacked ``[L, X * n_pad/X]``) with ``PartitionSpec(("expert", *shard_axes))``, so device
+    ``(e, r)`` holds row ``r`` of expert group ``e``: the step sees a flat ``[n_pad/N]`` shard as
+    for any parameter, gathers it over ``shard_axes`` only into its group ``[n_pad/X]`` and gets
+    ``[E/X, ...]`` (:meth:`piece_from_storage`; docs/expert-parallel.md).
+    :meth:`to_storage` / :meth:`from_storage` are the only code that orders the
+    pieces and groups: every module that turns a parameter (or a parameter-shaped gradient, optimizer
     leaf or checkpoint array) into its stored form or back calls them.
 
     Attributes:
@@ -79,6 +89,9 @@ class ParamLayout:
       unit: name of the unit that gathers it (``"blocks.0"``, ``"root"``).
       tp_dim: the dimension of ``shape`` split over the ``tensor`` axis, or ``None``.
       tp: ``T``, devices of the ``tensor`` axis (1 when not split).
+      ep_dim: the dimension of ``shape`` split over the ``expert`` axis (the expert dimension), or ``None``.
+      ep: ``X``, devices of the ``expert`` axis (1 when not an expert parameter); ``padded``
+        then counts all ``X`` groups (``X`` times one group's padded size, :attr:`piece_padded`).
     """
 
     path: tuple
@@ -91,18 +104,37 @@ class ParamLayout:
     unit: str = ""
     tp_dim: int | None = None
     tp: int = 1
+    ep_dim: int | None = None
+    ep: int = 1
 
     @classmethod
     def build(cls, path, shape, dtype, pad_multiple: int, layers=None, axes: tuple[str, ...] = (), trainable=True, unit="",
-              tp_dim: int | None = None, tp: int = 1):
+              tp_dim: int | None = None, tp: int = 1, ep_dim: int | None = None, ep: int = 1):
         """The record of a parameter whose layer has logical ``shape``, padded to a multiple of
         ``pad_multiple``, split over the mesh ``axes`` at rest (and, with ``tp_dim``, over the
-        ``tensor`` axis of ``tp`` devices first).
+        ``tensor`` axis of ``tp`` devices first; with ``ep_dim``, into ``ep`` expert groups, each
+        padded to a multiple of ``pad_multiple / ep``, laid side by side over ``("expert", *axes)``).
 
         Raises:
-          ValueError: ``tp`` does not divide ``shape[tp_dim]``.
+          ValueError: ``tp`` does not divide ``shape[tp_dim]``, ``ep`` does not divide
+            ``shape[ep_dim]`` or ``pad_multiple``, or both splits on one parameter.
         """
         shape = tuple(int(d) for d in shape)
+        if ep_dim is not None and (ep <= 1 or not shape):
+            ep_dim, ep = None, 1
+        if ep_dim is not None:
+            name = ".".join(map(str, path))
+            if tp_dim is not None and tp > 1:
+                raise ValueError(f"parameter {name} {list(shape)} is split over both expert and tensor; split it over one")
+            ep_dim = ep_dim % len(shape)
+            if shape[ep_dim] % ep or pad_multiple % ep:
+                raise ValueError(f"parameter {name} {list(shape)}: dimension {ep_dim} ({shape[ep_dim]}) does not divide by "
+                                 f"expert={ep}; use an expert size that divides the number of experts")
+            group = shape[:ep_dim] + (shape[ep_dim] // ep,) + shape[ep_dim + 1 :]
+            size = int(np.prod(group, dtype=np.int64))
+            spec = P(*(() if layers is None else (None,)), (EXPERT,) + tuple(a for a in axes if a != EXPERT))
+            padded = ep * padded_size(size, pad_multiple // ep)  # X groups of n_pad/X side by side
+            return cls(tuple(path), shape, np.dtype(dtype), padded, layers, spec, trainable, unit, None, 1, ep_dim, ep)
         if tp_dim is not None and (tp <= 1 or not shape):
             tp_dim, tp = None, 1
         if tp_dim is not None:
@@ -125,17 +157,32 @@ class ParamLayout:
         return self.tp_dim is not None
 
     @property
+    def expert(self) -> bool:
+        """The parameter is split over the ``expert`` axis (``E/X`` whole experts per device)."""
+        return self.ep_dim is not None
+
+    @property
+    def piece_padded(self) -> int:
+        """Stored elements of one piece: ``n_pad`` (one expert group's ``n_pad/X`` for an expert
+        parameter): the gathered buffer the step sees."""
+        return self.padded // self.ep
+
+    @property
     def size(self) -> int:
         """``n = prod(shape)``: logical elements of one layer."""
         return int(np.prod(self.shape, dtype=np.int64))
 
     @property
     def piece_shape(self) -> tuple[int, ...]:
-        """One tensor piece of one layer: ``shape`` with ``shape[tp_dim] / T`` (``shape`` unsplit)."""
-        if not self.split:
+        """One tensor piece of one layer: ``shape`` with ``shape[tp_dim] / T``; one expert group:
+        ``shape`` with ``shape[ep_dim] / X`` (``[E/X, ...]``); ``shape`` unsplit."""
+        if self.expert:
+            d, parts = self.ep_dim, self.ep
+        elif self.split:
+            d, parts = self.tp_dim, self.tp
+        else:
             return self.shape
-        d = self.tp_dim
-        return self.shape[:d] + (self.shape[d] // self.tp,) + self.shape[d + 1 :]
+        return self.shape[:d] + (self.shape[d] // parts,) + self.shape[d + 1 :]
 
     @property
     def piece_size(self) -> int:
@@ -170,15 +217,16 @@ class ParamLayout:
         return self.lead + self.pieces + (self.padded // parts,)
 
     def piece_to_storage(self, x):
-        """One tensor piece ``[..., *piece_shape]`` -> ``[..., n_pad]``, zero padding (numpy or jax)."""
+        """One tensor piece or expert group ``[..., *piece_shape]`` -> ``[..., n_pad]`` (``n_pad/X``
+        for an expert group: :attr:`piece_padded`), zero padding (numpy or jax)."""
         xp = np if isinstance(x, np.ndarray) else jnp
         lead = tuple(np.shape(x)[: np.ndim(x) - len(self.shape)])
         flat = xp.reshape(x, lead + (self.piece_size,))  # [..., *piece] -> [..., n]
-        pad = self.padded - self.piece_size
+        pad = self.piece_padded - self.piece_size
         return xp.pad(flat, [(0, 0)] * len(lead) + [(0, pad)]) if pad else flat  # [..., n] -> [..., n_pad]
 
     def piece_from_storage(self, x):
-        """``[..., n_pad]`` -> one tensor piece ``[..., *piece_shape]``; padding dropped."""
+        """``[..., n_pad]`` -> one tensor piece or expert group ``[..., *piece_shape]``; padding dropped."""
         return x[..., : self.piece_size].reshape(tuple(np.shape(x)[:-1]) + self.piece_shape)
 
     def to_storage(self, x):
@@ -188,7 +236,11 @@ class ParamLayout:
         (all layers of a stacked one). numpy in, numpy out; jax in, jax out. The dtype is kept.
         Split over ``tensor``: ``[..., s_0, .., s_d, ..]`` -> ``[..., s_0, .., T, s_d/T, ..]``
         (piece ``t`` is the ``t``-th contiguous block of dimension ``d``) -> ``[..., T, *piece]``.
+        Expert: ``[..., E, ..]`` -> ``[..., X, *piece]`` (group ``e``: experts ``e E/X .. (e+1) E/X - 1``)
+        -> ``[..., X, n_pad/X]`` -> ``[..., X * n_pad/X]``.
         """
+        if self.expert:
+            return self._groups_to_storage(x)
         if not self.split:
             return self.piece_to_storage(x)
         xp = np if isinstance(x, np.ndarray) else jnp
@@ -204,6 +256,8 @@ class ParamLayout:
         ``...`` as in :meth:`to_storage`. numpy or jax. (An optimizer view ``[.., 1, n_pad]``
         is reshaped to :attr:`storage_shape` first.)
         """
+        if self.expert:
+            return self._groups_from_storage(x)
         if not self.split:
             return self.piece_from_storage(x)  # [..., n_pad] -> [..., n] -> [..., *shape]
         xp = np if isinstance(x, np.ndarray) else jnp
@@ -211,6 +265,24 @@ class ParamLayout:
         nl, d = np.ndim(x) - 2, self.tp_dim
         blocks = xp.moveaxis(pieces, nl, nl + d)  # [..., s_0, .., T, s_d/T, ..]
         return xp.reshape(blocks, tuple(np.shape(x)[:nl]) + self.shape)
+
+    def _groups_to_storage(self, x):
+        """Expert parameter: ``[..., *shape]`` -> ``[..., X * n_pad/X]`` (:meth:`to_storage`)."""
+        xp = np if isinstance(x, np.ndarray) else jnp
+        nl, d, X = np.ndim(x) - len(self.shape), self.ep_dim, self.ep  # noqa: N806
+        lead = tuple(np.shape(x)[:nl])
+        blocks = xp.reshape(x, lead + self.shape[:d] + (X, self.shape[d] // X) + self.shape[d + 1 :])  # [..., s_0, .., X, E/X, ..]
+        groups = self.piece_to_storage(xp.moveaxis(blocks, nl + d, nl))  # [..., X, *piece] -> [..., X, n_pad/X]
+        return xp.reshape(groups, lead + (self.padded,))  # [..., X, n_pad/X] -> [..., X * n_pad/X]
+
+    def _groups_from_storage(self, x):
+        """Expert parameter: ``[..., X * n_pad/X]`` -> ``[..., *shape]`` (:meth:`from_storage`)."""
+        xp = np if isinstance(x, np.ndarray) else jnp
+        nl, d, X = np.ndim(x) - 1, self.ep_dim, self.ep  # noqa: N806
+        lead = tuple(np.shape(x)[:nl])
+        groups = self.piece_from_storage(xp.reshape(x, lead + (X, self.piece_padded)))  # [..., X, *piece]
+        blocks = xp.moveaxis(groups, nl, nl + d)  # [..., s_0, .., X, E/X, ..]
+        return xp.reshape(blocks, lead + self.shape)
 
     def tp_spec(self, lead: int = 0) -> P:
         """PartitionSpec of the logical value ``[<lead dims>, *shape]`` split over ``tensor``
@@ -249,12 +321,15 @@ class ParamLayout:
         split over ``axes``; split parameters also over ``tensor``)."""
         if self.split:
             return P(*([None] * len(self.lead)), TENSOR, axes if axes else None)
+        if self.expert:  # the groups side by side, as the parameter lies (:meth:`build`)
+            axes = (EXPERT,) + tuple(a for a in axes if a != EXPERT)
         return P(*([None] * (len(self.lead) + self.view_ndim - 1)), axes) if axes else P()
 
     def format_key(self) -> "ParamLayout":
         """This record without its identity (path, spec, trainable, unit): equal for every
         parameter stored alike, the static argument of a program compiled once per format."""
-        return ParamLayout((), self.shape, self.dtype, self.padded, self.layers, tp_dim=self.tp_dim, tp=self.tp)
+        return ParamLayout((), self.shape, self.dtype, self.padded, self.layers, tp_dim=self.tp_dim, tp=self.tp,
+                           ep_dim=self.ep_dim, ep=self.ep)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,10 @@
-"""The tensor-parallel plan: which dimension of which parameter is split over the ``tensor`` axis.
+"""The split plans: which dimension of which parameter is split over the ``tensor`` or ``expert`` axis.
+
+The same three sources name both axes (``tensor_parallel=`` / ``expert_parallel=``, annotations
+naming ``"tensor"`` / ``"expert"``, ``logical_rules`` mapping to either): :func:`split_dims` reads
+them for one axis; :func:`tensor_dims` and :func:`expert_dims` are its two uses. The expert
+dimension of an expert parameter is split over ``expert`` into ``E/X`` whole experts per device
+(docs/expert-parallel.md). Below, the tensor axis's sources:
 
 Three sources, as torchtitan's ``parallelize_module`` plans, MaxText's logical axis rules and
 flax's ``nnx.with_partitioning`` annotations give them:
@@ -32,10 +38,10 @@ from typing import Mapping
 
 from zshard.params.units import path_str
 
-__all__ = ["MESH_AXES", "HeadSplitWarning", "activation_annotation_error", "check_logical_rules", "tensor_dims",
+__all__ = ["MESH_AXES", "HeadSplitWarning", "activation_annotation_error", "check_logical_rules", "expert_dims", "split_dims", "tensor_dims",
            "warn_head_splits"]
 
-MESH_AXES = ("replica", "shard", "context", "tensor")  # every axis name a zshard mesh may have
+MESH_AXES = ("replica", "shard", "expert", "context", "tensor")  # every axis name a zshard mesh may have
 _META_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 
@@ -68,30 +74,42 @@ def _annotation(var) -> tuple | None:
     return None
 
 
-def _names_tensor(entry, rules: dict) -> bool:
+def _names_axis(entry, rules: dict, axis: str) -> bool:
     entries = entry if isinstance(entry, (tuple, list)) else (entry,)
-    return any(e == "tensor" or (e is not None and rules.get(e) == "tensor") for e in entries)
+    return any(e == axis or (e is not None and rules.get(e) == axis) for e in entries)
 
 
-def tensor_dims(template, layers: Mapping, tensor_parallel, rules: dict, tensor: int) -> dict:
-    """``{parameter path: dimension of one layer's shape}`` for every parameter split over ``tensor``.
+# What each split axis asks of a divided dimension (the fix of its error).
+_FIX = {
+    "tensor": "use a tensor size that divides it (heads, kv heads, vocabulary and MLP width must all divide by T), or pad the model",
+    "expert": "use an expert size that divides the number of experts (each device holds E/X whole experts), or give "
+              "expert_parallel the expert dimension",
+}
+
+
+def split_dims(template, layers: Mapping, plan, rules: dict, size: int, axis: str = "tensor", option: str = "tensor_parallel") -> dict:
+    """``{parameter path: dimension of one layer's shape}`` for every parameter split over the mesh
+    axis ``axis`` (``"tensor"`` or ``"expert"``), from the ``option`` globs (``plan``), the model's
+    annotations naming ``axis`` and the logical ``rules`` mapping names to it.
 
     Args:
       template: ``(path, Variable)`` pairs of the parameters (abstract values).
       layers: ``path -> L`` of stacked parameters (``None`` otherwise): an annotation of a
-        stacked parameter may name its layer axis first (``nnx.vmap``'s ``transform_metadata``).
-      tensor_parallel: ``{glob: dim}`` or ``None``.
+        stacked parameter may name its layer axis first (``nnx.vmap``'s ``transform_metadata``),
+        and a glob's dimension counts within one layer, so scanned stacks match too.
+      plan: ``{glob: dim}`` or ``None`` (``tensor_parallel`` / ``expert_parallel``).
       rules: checked ``logical_rules``.
-      tensor: ``T``; with 1 the plan is only validated (nothing is split).
+      size: the axis's devices; with 1 the plan is only validated (nothing is split).
+      axis, option: the mesh axis and the ``zshard.init`` argument named in the errors.
 
     Raises:
       ValueError (before anything is placed): a glob that matches no parameter; a dimension out
         of range; two globs giving one parameter different dimensions; an annotation naming
-        ``tensor`` on two dimensions; ``T`` not dividing a split dimension (the parameter, its
-        dimension and ``T`` named).
+        ``axis`` on two dimensions; ``size`` not dividing a split dimension (the parameter, its
+        shape, its dimension and the axis size named).
     """
-    if tensor_parallel is not None and not isinstance(tensor_parallel, Mapping):
-        raise ValueError(f"tensor_parallel={tensor_parallel!r}: give a mapping {{glob on the dotted path: dimension}}")
+    if plan is not None and not isinstance(plan, Mapping):
+        raise ValueError(f"{option}={plan!r}: give a mapping {{glob on the dotted path: dimension}}")
     names = {path_str(p): (p, v) for p, v in template}
     dims: dict = {}
     for path, var in template:  # the model's annotations
@@ -101,41 +119,64 @@ def tensor_dims(template, layers: Mapping, tensor_parallel, rules: dict, tensor:
         shape = var.get_value().shape
         if layers.get(path) is not None and len(ann) == len(shape):
             ann = ann[1:]  # the stacked layer axis
-        hits = [i for i, e in enumerate(ann) if _names_tensor(e, rules)]
+        hits = [i for i, e in enumerate(ann) if _names_axis(e, rules, axis)]
         if len(hits) > 1:
-            raise ValueError(f"parameter {path_str(path)!r}: its annotation {ann} splits dimensions {hits} over 'tensor'; "
+            raise ValueError(f"parameter {path_str(path)!r}: its annotation {ann} splits dimensions {hits} over {axis!r}; "
                              "split one dimension only")
         if hits:
             dims[path] = hits[0]
     chosen: dict = {}
-    for glob, dim in (tensor_parallel or {}).items():
+    for glob, dim in (plan or {}).items():
         matched = [n for n in names if fnmatch.fnmatchcase(n, glob)]
         if not matched:
             raise ValueError(
-                f"tensor_parallel[{glob!r}] matches no parameter; parameter paths look like "
+                f"{option}[{glob!r}] matches no parameter; parameter paths look like "
                 f"{', '.join(list(names)[:4])}{', ...' if len(names) > 4 else ''}"
             )
         for n in matched:
             path, var = names[n]
             rank = len(var.get_value().shape) - (1 if layers.get(path) is not None else 0)
             if isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
-                raise ValueError(f"tensor_parallel[{glob!r}] = {dim!r}: parameter {n!r} has {rank} dimension(s) per layer; "
+                raise ValueError(f"{option}[{glob!r}] = {dim!r}: parameter {n!r} has {rank} dimension(s) per layer; "
                                  f"give a dimension in [{-rank}, {rank})")
             d = dim % rank
             if n in chosen and chosen[n][1] != d:
-                raise ValueError(f"parameter {n!r}: tensor_parallel globs {chosen[n][0]!r} and {glob!r} split dimensions "
+                raise ValueError(f"parameter {n!r}: {option} globs {chosen[n][0]!r} and {glob!r} split dimensions "
                                  f"{chosen[n][1]} and {d}; make them agree")
             chosen[n] = (glob, d)
             dims[path] = d
     for path, d in dims.items():
         shape = names[path_str(path)][1].get_value().shape[(1 if layers.get(path) is not None else 0):]
-        if shape[d] % tensor:
+        if shape[d] % size:
             raise ValueError(
-                f"parameter {path_str(path)!r} {list(shape)}: dimension {d} ({shape[d]}) is split over the tensor axis but "
-                f"does not divide by tensor={tensor}; use a tensor size that divides it (heads, kv heads, vocabulary and "
-                f"MLP width must all divide by T), or pad the model"
+                f"parameter {path_str(path)!r} {list(shape)}: dimension {d} ({shape[d]}) is split over the {axis} axis but "
+                f"does not divide by {axis}={size}; {_FIX.get(axis, 'use a size that divides it')}"
             )
-    return dims if tensor > 1 else {}
+    return dims if size > 1 else {}
+
+
+def tensor_dims(template, layers: Mapping, tensor_parallel, rules: dict, tensor: int) -> dict:
+    """:func:`split_dims` over the ``tensor`` axis (``tensor_parallel=``, annotations and rules naming ``tensor``)."""
+    return split_dims(template, layers, tensor_parallel, rules, tensor, "tensor", "tensor_parallel")
+
+
+def expert_dims(template, layers: Mapping, expert_parallel, rules: dict, expert: int) -> dict:
+    """:func:`split_dims` over the ``expert`` axis: ``{path: the expert dimension of one layer}``
+    (``expert_parallel=``, annotations and ``logical_rules`` naming ``expert``).
+
+    Raises:
+      ValueError: as :func:`split_dims`; and on a mesh with an expert axis (``expert > 1``), no
+        parameter split over it (expert parallelism with nothing to split), with the fix.
+    """
+    dims = split_dims(template, layers, expert_parallel, rules, expert, "expert", "expert_parallel")
+    if expert > 1 and not dims:
+        raise ValueError(
+            f"the mesh has an expert axis (expert={expert}) but no parameter is split over it: name the experts' weights "
+            "with zshard.init(..., expert_parallel={'blocks*.moe.w_*': 0}) (glob -> the expert dimension of one layer), "
+            "an nnx.with_partitioning annotation naming 'expert', or logical_rules={'<name>': 'expert'}; or build the "
+            "mesh without expert= (docs/expert-parallel.md)"
+        )
+    return dims
 
 
 _AUTO_OR_MANUAL = re.compile(r"PartitionSpec passed to (\w+) cannot contain axis names that are of type Auto or Manual\. "

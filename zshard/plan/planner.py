@@ -31,7 +31,7 @@ from zshard.optim.optim_global import build_view
 from zshard.wire.precision import FULL_PRECISION, MixedPrecision
 from zshard.wire.quant import check_plan, pad_multiple
 from zshard.mesh.strategy import Strategy
-from zshard.params.tp import tensor_dims, warn_head_splits
+from zshard.params.tp import expert_dims, tensor_dims, warn_head_splits
 from zshard.params.units import find_units, path_str, stacked_layers
 from zshard.wire.wire import ParamWire, resolve_wires
 
@@ -153,6 +153,16 @@ class Plan:
         """``T``: devices of the mesh's ``tensor`` axis (1 without one)."""
         return self.axes.tensor
 
+    @property
+    def expert(self) -> int:
+        """``X``: devices of the mesh's ``expert`` axis (1 without one)."""
+        return self.axes.expert
+
+    @functools.cached_property
+    def expert_split(self) -> frozenset:
+        """Paths of the expert parameters (split over the ``expert`` axis: ``E/X`` whole experts per device)."""
+        return frozenset(p for p, rec in self.layouts.items() if rec.expert)
+
     @functools.cached_property
     def tensor_split(self) -> frozenset:
         """Paths of the parameters split over the ``tensor`` axis."""
@@ -185,8 +195,10 @@ class Plan:
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
-        """Mesh axes a parameter is split over at rest (``Strategy.shard_axes``, with ``context``
-        after ``shard`` on a mesh with a context axis: :meth:`zshard.axes.MeshAxes.with_context`)."""
+        """Mesh axes a dense parameter is split over at rest (``Strategy.shard_axes``, with ``expert`` or
+        ``context`` after ``shard`` on a mesh with one: :meth:`zshard.axes.MeshAxes.with_context`). An
+        expert parameter lies over ``("expert", *these without expert)`` and is gathered over these
+        without ``expert`` (its :class:`~zshard.wire.ParamWire`)."""
         return self.axes.with_context(self.strategy.shard_axes)
 
     @property
@@ -201,7 +213,7 @@ class Plan:
 
     @property
     def data_axes(self) -> tuple[str, ...]:
-        """The axes the data is split over: ``("replica", "shard"[, "context"])``
+        """The axes the data is split over: ``("replica", "shard"[, "expert"][, "context"])``
         (:attr:`zshard.axes.MeshAxes.data_axes`); the loss and metrics are reduced over them."""
         return self.axes.data_axes
 
@@ -228,7 +240,7 @@ class Plan:
 
     @property
     def world(self) -> int:
-        """Devices of the data axes (``replica x shard x context``): the global batch's rows are
+        """Devices of the data axes (``replica x shard x expert x context``): the global batch's rows are
         split over ``replica x shard`` and its sequences over ``context`` (or its rows over all
         three), never over ``tensor``; every device holds the same number of tokens, so the loss
         scale is ``1 / world`` (the gradient of the global mean loss, docs/long-sequences.md)."""
@@ -268,10 +280,11 @@ def _shared_reads(model, unit_paths) -> dict[tuple, list]:
 
 def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int, opt_shards: int, unit, trainable,
                             tp: tuple = (None, {}, 1), mesh=None, mp: MixedPrecision = FULL_PRECISION,
-                            world: int = 1) -> tuple[Unit, ...]:
+                            world: int = 1, ep: tuple = (None, {}, 1)) -> tuple[Unit, ...]:
     """The units, each with its parameters' records laid out in FlatParameters (one per
     dtype, trainability and tensor split) over the shard axes, and over the optimizer's axes.
-    ``tp``: ``(tensor_parallel, logical rules, T)`` (:func:`zshard.tp.tensor_dims`). A parameter
+    ``tp``: ``(tensor_parallel, logical rules, T)`` (:func:`zshard.tp.tensor_dims`); ``ep``:
+    ``(expert_parallel, logical rules, X)`` (:func:`zshard.tp.expert_dims`). A parameter
     that a quantized format of ``mp`` applies to is padded so that no block straddles two
     shards (:func:`zshard.quant.pad_multiple`; ``world``: the data devices)."""
     unit_paths = find_units(abstract_model, unit)
@@ -287,6 +300,7 @@ def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int,
     stacked = {upath: stacked_layers(_submodule(abstract_model, upath)) if upath else None for upath in [()] + unit_paths}
     layers_of = {path: stacked[u] for u, params in members.items() for path, _ in params}
     tp_dims = tensor_dims(flat_state, layers_of, tp[0], tp[1], tp[2])
+    ep_dims = expert_dims(flat_state, layers_of, ep[0], ep[1], ep[2])
     warn_head_splits(abstract_model, flat_state, tp_dims, layers_of, tp[2])  # a split that cuts heads: warned
     shard_axes = strategy.shard_axes if mesh is None else MeshAxes.of(mesh).with_context(strategy.shard_axes)
     units = []
@@ -308,7 +322,7 @@ def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int,
             value = var.get_value()
             build = lambda multiple: ParamLayout.build(  # noqa: E731
                 path, value.shape[drop:], value.dtype, multiple, layers, shard_axes, path in trainable, name,
-                tp_dims.get(path), tp[2],
+                tp_dims.get(path), tp[2], ep_dims.get(path), ep[2],
             )
             rec = build(opt_shards)
             if mp.quantized:  # pad to a multiple of N * block where a format quantizes it
@@ -369,18 +383,21 @@ def make_plan(
     trainable: Any = nnx.Param,
     tensor_parallel=None,
     logical_rules: dict | None = None,
+    expert_parallel=None,
 ) -> Plan:
     """The :class:`Plan` of a model (shapes and dtypes only are read).
 
     Args:
       abstract_model: the model, built or from ``nnx.eval_shape``.
-      tx, mesh, strategy, unit, mixed_precision, trainable, tensor_parallel, logical_rules: as
-        :func:`zshard.init` takes them, already checked (``strategy`` parsed, rules checked).
+      tx, mesh, strategy, unit, mixed_precision, trainable, tensor_parallel, logical_rules,
+        expert_parallel: as :func:`zshard.init` takes them, already checked (``strategy`` parsed,
+        rules checked).
 
     Raises:
       ValueError: a sow-ed intermediate in the model; a ``trainable`` filter that selects a
         non-parameter or nothing; a ``unit`` class not in the model; a tied weight inside a
-        stacked unit (each named by path).
+        stacked unit (each named by path); expert parameters under an option expert
+        parallelism does not support (:func:`_check_experts`).
     """
     graphdef, state = nnx.split(abstract_model)
     all_state = list(nnx.to_flat_state(state))
@@ -408,8 +425,40 @@ def make_plan(
     tp = (tensor_parallel, logical_rules or {}, axes.tensor)
     mp = mixed_precision or FULL_PRECISION
     world = axes.world
-    units = _plan_units(abstract_model, template, strategy, num_shards, opt_shards, unit, train_paths, tp, mesh, mp, world)
+    ep = (expert_parallel, logical_rules or {}, axes.expert)
+    if axes.expert > 1:
+        _check_experts(strategy, mp, axes.expert)
+    units = _plan_units(abstract_model, template, strategy, num_shards, opt_shards, unit, train_paths, tp, mesh, mp, world, ep)
     plan = Plan(mesh, strategy, tx, graphdef, template, units, mp=mp, var_template=var_template)
     check_plan(plan)  # a quantized format that applies to nothing, refused before compiling
     opt_specs, opt_view = _optimizer_specs(tx, plan.layouts, plan.opt_axes, opt_shards)
+    if plan.expert_split and opt_view is not None:
+        raise ValueError(
+            f"zshard.init: expert parallelism (expert parameters such as {path_str(sorted(plan.expert_split, key=str)[0])!r}) "
+            "is not supported with an optimizer that needs the global view of the parameters (not elementwise): use an "
+            "elementwise Optax chain (adam, adamw, sgd, lion; clipping is the step's clip_norm=), or build the mesh without "
+            "expert= (docs/expert-parallel.md)"
+        )
     return dataclasses.replace(plan, opt_specs=opt_specs, opt_view=opt_view)
+
+
+def _check_experts(strategy: Strategy, mp: MixedPrecision, expert: int) -> None:
+    """Refuse, before anything is placed, what a mesh with an expert axis does not support
+    (docs/expert-parallel.md). Supported: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD,
+    HYBRID_SHARD_ZERO2 (the expert parameters sharded over the strategy's shard axes inside each
+    expert group, never reduced over ``expert``), unquantized collectives; an elementwise Optax
+    chain (checked in :func:`make_plan`).
+
+    Raises:
+      ValueError: NO_SHARD / SHARD_OPT / HYBRID_SHARD_OPT, or a quantized format, with the fix.
+    """
+    what = None
+    if strategy.name not in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+        what = (f"strategy {strategy.name}", "use FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or HYBRID_SHARD_ZERO2")
+    elif mp.quantized:
+        what = ("quantized collectives (MixedPrecision gather/reduce/replica formats)", "drop the formats")
+    if what is not None:
+        raise ValueError(
+            f"zshard.init: expert parallelism (the mesh's expert={expert}) is not supported with {what[0]}: {what[1]}, "
+            "or build the mesh without expert= (docs/expert-parallel.md)"
+        )

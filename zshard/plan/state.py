@@ -21,7 +21,8 @@ from flax import nnx, traverse_util
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zshard.mesh.mesh import AXES, CONTEXT, TENSOR, sharded_map
+from zshard.mesh.axes import ALLOWED
+from zshard.mesh.mesh import sharded_map
 from zshard.optim.offload import (
     check_backend, check_masters, device_param_specs, opt_shardings, parse_offload, state_shardings, with_device_params,
 )
@@ -100,12 +101,11 @@ class ShardedState:
 
 def _check_arguments(model, tx, mesh, mixed_precision):
     """``(abstract model, concrete)`` after the checks of :func:`init`'s arguments."""
-    allowed = (AXES, AXES + (TENSOR,), AXES + (CONTEXT,), AXES + (CONTEXT, TENSOR))
-    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) not in allowed:
+    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) not in ALLOWED:
         names = getattr(mesh, "axis_names", None)
         raise ValueError(
-            f"mesh must be a jax.sharding.Mesh with axes {AXES}, {AXES + (TENSOR,)}, {AXES + (CONTEXT,)} or "
-            f"{AXES + (CONTEXT, TENSOR)} (use zshard.make_mesh); got axes {names}"
+            f"mesh must be a jax.sharding.Mesh with axes {', '.join(map(str, ALLOWED[:-1]))} or {ALLOWED[-1]} "
+            f"(use zshard.make_mesh); got axes {names}"
         )
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         raise TypeError(f"zshard.init: tx must be an optax.GradientTransformation (e.g. optax.adamw(3e-4)), got {type(tx).__name__}")
@@ -215,6 +215,7 @@ def init(
     tensor_parallel: dict | None = None,
     logical_rules: dict | None = None,
     offload: str | None = None,
+    expert_parallel: dict | None = None,
 ) -> ShardedState:
     """Shard a model and initialise the optimizer on the shards.
 
@@ -262,7 +263,16 @@ def init(
         flattened, padded and sharded over the data axes (:class:`zshard.flat.ParamLayout`).
         docs/tensor-parallel.md.
       logical_rules: ``{logical axis name: mesh axis}`` for the model's annotations
-        (MaxText's logical axis rules, ``{"mlp": "tensor", "heads": "tensor", "vocab": "tensor"}``).
+        (MaxText's logical axis rules, ``{"mlp": "tensor", "heads": "tensor", "vocab": "tensor"}``,
+        ``{"ep": "expert"}``).
+      expert_parallel: on a mesh with an ``expert`` axis (``make_mesh(..., expert=X)``), the expert
+        dimension of each expert parameter: ``{glob on the dotted path: dim}`` (``{"blocks*.moe.w_*":
+        0}``; the dimension counts within one layer, so scanned stacks match too). Annotations
+        naming ``"expert"`` count too. Each expert parameter is cut into ``X`` groups of ``E/X``
+        whole experts, stored ``[X * n_pad/X]`` with ``PartitionSpec(("expert", *shard_axes))``,
+        gathered over the shard axes only (the unit sees ``[E/X, ...]``), its gradient never
+        reduced over ``expert``; dense parameters are FSDP-sharded over ``shard x expert``. Without
+        an expert axis it is checked and ignored (as ``tensor_parallel``). docs/expert-parallel.md.
       offload: host offload (ZeRO-Offload, arXiv 2101.06840; :mod:`zshard.offload`, docs/offload.md):
         ``None`` (default: everything in device memory); ``"optimizer"``: every Optax state leaf
         with a dimension in ``pinned_host`` memory (``8 Psi / N`` bytes per device for Adam in
@@ -285,6 +295,9 @@ def init(
         shapes, before anything is placed.
       ValueError (tensor parallelism): a glob that matches no parameter, a dimension that ``T``
         does not divide, a rule naming a mesh axis that does not exist (each named).
+      ValueError (expert parallelism): a glob that matches no parameter, an expert dimension that
+        ``X`` does not divide (path, shape and ``X`` named), an expert axis with no expert
+        parameter, a strategy or option it does not support (the fix named).
       ValueError (offload): an unknown mode; a device without ``pinned_host`` memory;
         ``"optimizer+master"`` without a ``param_dtype`` lower than the trainable parameters'.
     """
@@ -294,7 +307,7 @@ def init(
         check_backend(mesh, offload)
     strategy = Strategy.parse(strategy if strategy is not None or zero_stage is not None else "FULL_SHARD", zero_stage=zero_stage)
     rules = check_logical_rules(logical_rules)
-    plan = make_plan(abstract_model, tx, mesh, strategy, unit, mixed_precision, trainable, tensor_parallel, rules)
+    plan = make_plan(abstract_model, tx, mesh, strategy, unit, mixed_precision, trainable, tensor_parallel, rules, expert_parallel)
     if offload is not None:
         plan = dataclasses.replace(plan, offload=offload)
         check_masters(plan)

@@ -33,8 +33,8 @@ from zshard.wire.collectives import gather_params
 from zshard.programs.intercept import materialize
 from zshard.inspection.jaxprs import LOSS_SCOPE
 from zshard.optim.offload import gather_source
-from zshard.programs.program import ShardedProgram, TraceInfo, run_sharded
-from zshard.context.sequence import check_split, tracing
+from zshard.programs.program import ShardedProgram, TraceInfo, body_tracing, run_sharded
+from zshard.context.sequence import check_split
 from zshard.plan.state import ShardedState
 from zshard.programs.step import TokenMean
 from zshard.programs.step_config import StepConfig
@@ -85,7 +85,7 @@ def _forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *
         with jax.named_scope(LOSS_SCOPE):  # where zshard.checks judges uses of raw shards
             return fn(model, *args)
 
-    with tracing(split, plan.data_axes) as record:
+    with body_tracing(plan, split) as record:
         out, _ = jax.vjp(run, floats)
     check_split(split, record)  # split sequences and no zshard.attention: refused
     return out, TraceInfo.of(record)
@@ -234,7 +234,7 @@ class Forward(ShardedProgram):
 
         def local(params, variables, args):
             if gather_once:
-                with tracing(None, plan.data_axes) as record:
+                with body_tracing(plan, None) as record:
                     model = _gathered_model(plan, params, variables, config.comm(plan, differentiated=False))
                     model.eval()
                     with jax.named_scope(LOSS_SCOPE):

@@ -28,6 +28,7 @@ state must satisfy (``_check_state``): :class:`zshard.TrainStep` (zshard/program
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -38,10 +39,12 @@ from zshard.inspection.checks import check_traced, traced
 from zshard.gpu import compiler_options, export_checks, mesh_jit
 from zshard.mesh.mesh import sharded_map
 from zshard.optim.offload import traced_naming_host_leaf
-from zshard.context.sequence import SequenceSplit, SequenceTrace
+from zshard.context.sequence import SequenceSplit, SequenceTrace, tracing
+from zshard.moe import recording
+from zshard.params.units import path_str
 from zshard.programs.step_config import StepConfig
 
-__all__ = ["ShardedProgram", "TraceInfo", "run_sharded", "trace_key"]
+__all__ = ["ShardedProgram", "TraceInfo", "body_tracing", "check_expert_calls", "run_sharded", "trace_key"]
 
 
 @jax.tree_util.register_static
@@ -68,6 +71,41 @@ class TraceInfo:
         if record is None:
             return cls()
         return cls(record.split, tuple(record.calls), bool(record.asked))
+
+
+@contextlib.contextmanager
+def body_tracing(plan, split: SequenceSplit | None):
+    """What every program body traces under: the sequence split's record
+    (:func:`zshard.context.sequence.tracing`, yielded) and the :func:`zshard.moe.recording` of the
+    ``zshard.moe`` calls, checked on leaving (:func:`check_expert_calls`), before any compile."""
+    with tracing(split, plan.data_axes) as record, recording() as calls:
+        yield record
+    check_expert_calls(plan, calls)
+
+
+def check_expert_calls(plan, calls) -> None:
+    """Refuse a program whose expert parameters were not computed through ``zshard.moe``.
+
+    Inside the step a unit sees only its device's ``E/X`` experts (``[E/X, ...]``); a model that
+    computes its experts its own way (a dense formula over all ``E``, a loop over experts) would
+    compute with the wrong experts or none of the other devices' tokens. ``zshard.moe`` records each
+    traced call (:class:`zshard.moe.MoECall`, ``groups`` = ``X``); a plan with expert parameters and
+    no call over ``X`` groups is refused while tracing, before compiling.
+
+    Raises:
+      ValueError: naming an expert parameter, ``X`` and the two fixes.
+    """
+    if not plan.expert_split or any(c.groups == plan.expert for c in calls):
+        return
+    first = path_str(sorted(plan.expert_split, key=str)[0])
+    raise ValueError(
+        f"zshard: the model's expert parameters (e.g. {first!r}, split over expert={plan.expert}: each device holds E/X of "
+        "the experts, [E/X, ...]) were not computed through zshard.moe in this program: a model that computes its "
+        "experts its own way would see only its device's experts and train wrong. Fix: compute each MoE layer with "
+        "zshard.moe(x, router, w_gate_up, w_down, top_k=...) (it sends the tokens to their experts over the expert "
+        "axis), or drop expert_parallel / the annotations naming 'expert' and build the mesh without expert= "
+        "(docs/expert-parallel.md)"
+    )
 
 
 def run_sharded(plan, local, operands: tuple, in_specs: tuple, out_specs):

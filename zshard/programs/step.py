@@ -42,8 +42,8 @@ from zshard.inspection.jaxprs import LOSS_SCOPE
 from zshard.mesh.mesh import context_size
 from zshard.optim.offload import check_placement, compute_params, update_offloaded
 from zshard.optim.optim import apply_optimizer, global_norm
-from zshard.programs.program import ShardedProgram, TraceInfo, run_sharded
-from zshard.context.sequence import SequenceSplit, check_split, tracing
+from zshard.programs.program import ShardedProgram, TraceInfo, body_tracing, run_sharded
+from zshard.context.sequence import SequenceSplit, check_split
 from zshard.plan.state import Plan, ShardedState
 from zshard.programs.step_config import StepConfig, default_prefetch
 from zshard.mesh.strategy import ReplicaReduce
@@ -207,7 +207,7 @@ def _local_step(plan: Plan, config: StepConfig, state: ShardedState, batch, spli
     (:mod:`zshard.sequence`), for ``zshard.positions`` and ``zshard.attention`` while the whole body
     (backward and recomputes included) traces; the :class:`~zshard.programs.program.TraceInfo` says what
     that trace found (the attention calls per unit)."""
-    with tracing(split, plan.data_axes) as record:
+    with body_tracing(plan, split) as record:  # zshard.moe's calls checked too: expert parameters through it
         out = _step_body(plan, config, state, batch)
     check_split(split, record, context_size(plan.mesh), config.sequence_axis is not None)  # a context axis nothing reads: refused
     return out, TraceInfo.of(record)

@@ -188,8 +188,9 @@ def gather_params(slots, shards, comm: UnitComm, ready=None) -> list[jax.Array]:
     fulls = [_gather_one(rec, b, comm) for rec, b in zip(recs, shards)]
     if ready is not None:
         fulls = after(fulls, ready)  # [n_pad] + 0: the views below wait for ``ready``
-    # [..., n_pad] -> [..., :n] -> shape (a split parameter comes out of its gather logical already)
-    return [full if rec.split else rec.from_storage(full) for rec, full in zip(recs, fulls)]
+    # [..., n_pad] -> [..., :n] -> shape (a split parameter comes out of its gather logical already);
+    # an expert parameter's [..., n_pad/X] -> its group [..., E/X, ...]
+    return [full if rec.split else rec.piece_from_storage(full) for rec, full in zip(recs, fulls)]
 
 
 # --- a unit's FlatParameters -------------------------------------------------------------------------

@@ -146,8 +146,9 @@ def reduce_grads(slots, grads, comm, exit_dtypes=None, residuals=None):
         if w.pieces:  # [..., *shape] split over tensor --per piece: reduce_scatter(shard_axes)--> [..., T, n_pad/N]
             shards.append(_scatter_pieces(rec, w, vary(g, w.vary_axes)))
             continue
-        # [..., *shape] -> [..., n_pad] (zero padding), varying over every axis it is summed over
-        full = vary(rec.to_storage(g), w.vary_axes)
+        # [..., *shape] -> [..., n_pad] (zero padding), varying over every axis it is summed over;
+        # an expert parameter's group [..., E/X, ...] -> [..., n_pad/X], summed over its wire's axes only (never expert)
+        full = vary(rec.piece_to_storage(g), w.vary_axes)
         if fmt is not None:  # [..., n_pad] --quantize, all_to_all(shard_axes), dequantize, sum in fp32--> [..., n_pad/N]
             shards.append(quant.reduce_scatter(full, w.shard_axes, fmt).astype(w.reduce_dtype))
             continue

@@ -147,6 +147,11 @@ def check_hpz(plan) -> None:
             f"hpz=True (ZeRO++ hierarchical partitioning) with strategy {st.value}: {st.value} {why}. hpZ applies to "
             "FULL_SHARD only: use strategy='FULL_SHARD' with hpz=True, or drop hpz=True"
         )
+    if getattr(plan, "expert_split", None):
+        raise ValueError(
+            f"hpz=True (ZeRO++ hierarchical partitioning) with expert parallelism (the mesh's expert={plan.axes.expert}) is "
+            "not supported: drop hpz=True, or build the mesh without expert= (docs/expert-parallel.md)"
+        )
     if plan.axes.replica == 1:
         raise ValueError(
             f"hpz=True (ZeRO++ hierarchical partitioning) on the mesh {dict(plan.mesh.shape)} with replica=1: the world "

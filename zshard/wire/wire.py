@@ -27,6 +27,7 @@ import numpy as np
 from zshard.wire.grad_exit import GradExit
 from zshard.wire.precision import FULL_PRECISION, MixedPrecision
 from zshard.wire.quant import Quant, quantizes
+from zshard.mesh.axes import MeshAxes
 from zshard.mesh.strategy import ReplicaReduce
 
 __all__ = ["ParamWire", "UnitComm", "resolve_wire", "resolve_wires"]
@@ -39,7 +40,7 @@ class ParamWire:
     Attributes:
       path: the parameter's path.
       shard_axes: mesh axes its shard is all-gathered and its gradient reduce-scattered over
-        (``Plan.shard_axes``; ``()``: replicated).
+        (``Plan.shard_axes``, without ``expert`` for an expert parameter; ``()``: replicated).
       replica_axes: mesh axes it is replicated over: its gathered value is marked varying over
         them and its gradient is summed over them as the gradient exit says.
       gather_dtype: the dtype it is all-gathered and computed in (``param_dtype`` for floats).
@@ -75,7 +76,13 @@ def resolve_wire(rec, mp: MixedPrecision, shard_axes: tuple[str, ...], replica_a
 
     ``num_shards``: ``N``, the devices of ``shard_axes`` (the gather and the shard-axis reduction
     split the buffer ``N`` ways); ``world``: the data devices (the replica reduction's all-to-all
-    splits the shard ``[n_pad/N]`` ``R`` ways, the buffer ``world`` ways)."""
+    splits the shard ``[n_pad/N]`` ``R`` ways, the buffer ``world`` ways).
+
+    An expert parameter (``rec.expert``) is gathered and reduce-scattered over ``shard_axes``
+    without ``expert`` (``N/X`` devices: its expert group's FSDP split) and never reduced over
+    ``expert``: each expert lives in one expert group (docs/expert-parallel.md)."""
+    if rec.expert:
+        shard_axes, num_shards = MeshAxes.without_expert(shard_axes), num_shards // rec.ep
     on = lambda fmt, parts, axes: fmt if axes and quantizes(fmt, rec, parts) else None  # noqa: E731
     reduce_format = on(mp.reduce_format, num_shards, shard_axes)
     return ParamWire(
