@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The newest end of the supported range: a Python 3.12 virtual environment with the newest
-# jax / flax / optax / orbax-checkpoint that pip finds, the project installed into it, and
-# the test suite run there (the oldest end, jax 0.10 on Python 3.11, is what .ci/run tests).
+# jax / flax / optax / orbax-checkpoint that pip finds within pyproject.toml's ranges (nothing
+# pinned here), the project installed into it, and the test suite run there. The oldest end,
+# jax 0.10 on Python 3.11, is what .ci/run tests: it pins nothing either, but jax 0.11 and
+# later require Python >= 3.12, so pip on Python 3.11 resolves jax 0.10.
 #
 #   scripts/compat.sh                 # venv in .venv-compat, then pytest (all tests)
 #   scripts/compat.sh tests/test_step.py -x   # arguments go to pytest

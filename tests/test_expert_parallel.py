@@ -251,7 +251,7 @@ class Stacked(nnx.Module):
 
     def __init__(self, rngs: nnx.Rngs):
         self.inp = nnx.Linear(D_IN, D, rngs=rngs)
-        self.blocks = nnx.vmap(lambda r: MoEBlock(r), in_axes=0, out_axes=0)(nnx.Rngs(0).fork(split=2))
+        self.blocks = nnx.vmap(lambda r: MoEBlock(r), in_axes=0, out_axes=0)(nnx.Rngs(0).split(2))
         self.head = nnx.Linear(D, D_OUT, rngs=rngs)
 
     def __call__(self, x):

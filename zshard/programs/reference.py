@@ -23,7 +23,7 @@ def reference_step(loss_fn: Callable) -> Callable:
     Returns:
       ``step(model, opt, batch) -> (loss, grad_norm, rms)``, updating ``model`` and ``opt`` in
       place: the scalar mean loss (``loss_fn``'s, a ``TokenMean`` divided out), the gradient's
-      global L2 norm (``optax.global_norm``) and, per parameter path (a tuple), its gradient's RMS
+      global L2 norm (``optax.tree.norm``) and, per parameter path (a tuple), its gradient's RMS
       per element over the whole gradient's (fp32; :data:`zshard.verify.NO_SIGNAL`).
     """
     loss_of = mean_loss(loss_fn)
@@ -35,7 +35,7 @@ def reference_step(loss_fn: Callable) -> Callable:
         flat = traverse_util.flatten_dict(nnx.to_pure_dict(grads))
         sq = {p: jnp.sum(jnp.square(g.astype(jnp.float32))) for p, g in flat.items()}
         total = jnp.sqrt(sum(sq.values()) / sum(g.size for g in flat.values()))  # whole gradient, RMS per element
-        return loss, optax.global_norm(grads), {p: jnp.sqrt(s / flat[p].size) / total for p, s in sq.items()}
+        return loss, optax.tree.norm(grads), {p: jnp.sqrt(s / flat[p].size) / total for p, s in sq.items()}
 
     return step
 
