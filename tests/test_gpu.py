@@ -261,7 +261,7 @@ def test_embed_returns_the_tables_dtype_so_the_residual_stream_is_the_compute_dt
 
 
 def test_gradients_leave_the_scanned_units_in_the_reduce_dtype():
-    # [Note: reduce-dtype cotangents] (zshard/grad_exit.py): with a bf16 gradient reduction the backward scan
+    # [Note: reduce-dtype cotangents] (zshard/wire/grad_exit.py): with a bf16 gradient reduction the backward scan
     # over the layers stacks bf16 [L, n_pad/N] cotangents, not fp32 upcasts (the GPU temp, docs/performance.md);
     # the step casts them to the fp32 masters' dtype afterwards (the values: tests/test_precision.py)
     mesh = zshard.make_mesh(1, 8)

@@ -13,7 +13,7 @@ sequence axis, plain JAX) it is ``jax.nn.dot_product_attention`` (the mask passe
 bias, GQA's keys and values repeated to the query heads: the same numbers, less memory in a
 scanned block; :func:`_bias`). Inside one (docs/long-sequences.md),
 each context device holds its queries, keys and values of ``2c = L / C`` tokens in the head-tail
-order (:mod:`zshard.sequence`), and every query must meet every key of the sequence:
+order (:mod:`zshard.context.sequence`), and every query must meet every key of the sequence:
 
 - ``impl="allgather"`` (default): the keys and values (and segment ids) are all-gathered over
   ``context`` once, ``[B, 2c, n_kv, D] --all_gather(context)--> [B, L, n_kv, D]``; the backward pass
@@ -38,7 +38,7 @@ buffers live at once), so the temporaries fall as ``1/C`` but for the gathered k
 (docs/long-sequences.md, "Memory"). Numbers equal ``jax.nn.dot_product_attention`` on one
 device (fp32 within 1e-6, tests/test_attention.py).
 
-The collectives run under the named scope :data:`zshard.jaxprs.CONTEXT_SCOPE`, so
+The collectives run under the named scope :data:`zshard.inspection.jaxprs.CONTEXT_SCOPE`, so
 ``zshard.report`` finds them in the compiled program (its ``context`` row).
 """
 
@@ -217,7 +217,7 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, sliding_window:
 
     Args:
       q: queries ``[B, L, H, D]`` (this device's tokens; inside a split step ``L = L_global / C``
-        in the head-tail order of :mod:`zshard.sequence`).
+        in the head-tail order of :mod:`zshard.context.sequence`).
       k, v: keys and values ``[B, L, n_kv, D]``; ``n_kv < H`` is grouped-query attention (query
         head ``h`` reads key/value head ``h // (H / n_kv)``, as ``jax.nn.dot_product_attention``).
       causal: each query sees only keys at global positions ``<=`` its own.

@@ -68,12 +68,12 @@ def _comm_of(plan, k: int = 1, hpz: bool = False, experts: bool | None = None) -
     precision ``param_dtype``, gradient reductions in ``reduce_dtype``, SHARD_OPT's gather of
     updated parameters in the master dtype; a parameter a quantized format applies to in its
     payload and scales, ``Psi (bits/8 + 4/B)`` (ZeRO++, arXiv 2306.10209 section 3;
-    :func:`zshard.quant.moved_bytes`; its all-to-all counts as a reduce-scatter of those bytes). With ``k`` micro-batches (gradient
+    :func:`zshard.wire.quant.moved_bytes`; its all-to-all counts as a reduce-scatter of those bytes). With ``k`` micro-batches (gradient
     accumulation) the per-unit gathers and reduce-scatters run once per micro-batch and the
     cross-replica all-reduce once per step; gathers that do not depend on the micro-batch
     (the root unit's, and every unrolled unit's under SHARD_GRAD_OP) are loop-invariant and
     XLA hoists them out of the micro-batch loop, so they count once. With ``hpz`` (ZeRO++ hpZ,
-    zshard/hpz.py; FULL_SHARD) the block units' backward gathers leave the world and move their
+    zshard/wire/hpz.py; FULL_SHARD) the block units' backward gathers leave the world and move their
     ``[n_pad/S]`` slices over ``shard`` (x ``context``) in the gather dtype, unquantized:
     ``k Psi_blocks b (S-1)/S`` there, the world keeping the forward gathers and the reductions.
     """
@@ -246,7 +246,7 @@ def _state_formula(plan) -> dict:
     (counts, Adafactor's factors) on every device. With error feedback (``reduce_format=Quant(...,
     error_feedback=True)``) the fp32 residuals are not sharded: ``4 n_pad`` bytes per device for
     each quantized trainable parameter (``feedback``, counted in ``total``;
-    :func:`zshard.quant.feedback_bytes`): the whole gradient of those parameters on every
+    :func:`zshard.wire.quant.feedback_bytes`): the whole gradient of those parameters on every
     device, against the ``16 Psi / N`` of Adam's fp32 model state (EF-SGD, arXiv 1901.09847, keeps one per worker)."""
     T, N, N_opt = plan.tensor, plan.num_shards, plan.opt_shards
     params = sum(
@@ -274,7 +274,7 @@ def _state_formula(plan) -> dict:
         else:
             b = b / (N_opt * (T if plan.layouts[owner].split else 1))
         opt += b
-        opt_host += b if plan.offload and x.ndim else 0.0  # offload: the leaves with a dimension (zshard.offload)
+        opt_host += b if plan.offload and x.ndim else 0.0  # offload: the leaves with a dimension (zshard.optim.offload)
     # offload="optimizer+master": the masters on the host, their param_dtype copies on the device
     per = lambda rec, itemsize: int(np.prod(rec.logical_shape, dtype=np.int64)) * itemsize / (N * (T if rec.split else 1))  # noqa: E731
     masters = [plan.layouts[p] for p in master_paths(plan)]

@@ -43,7 +43,7 @@ CUDA_EXTRA = 'pip install "zshard[cuda12]"'  # JAX's CUDA plugin (jax[cuda12]): 
 # [Note: GPU compiler options] XLA:GPU DebugOptions given to jax.jit(compiler_options=...) on a CUDA
 # mesh. What each changed was read in the program compiled ahead of time for 8 x H100 (llama-3-8b
 # plan preset, FULL_SHARD 1x8, bf16 compute, fp32 masters and reduce, 8 x 8192 tokens; measured
-# 2026-12-05 with python scripts/gpu_aot_check.py and zshard.hlo.parse_overlap; a scanned loop's
+# 2026-12-05 with python scripts/gpu_aot_check.py and zshard.inspection.hlo.parse_overlap; a scanned loop's
 # body counts once). XLA's defaults: 18 all-gathers (all async), 9 reduce-scatters (6 async: the
 # collective pipeliner peels the last layer's 3 out of the backward loop, where they run
 # synchronously), temp 19.44 GB (10.65 GB with the chunked loss and the bf16 residual stream).
@@ -231,7 +231,7 @@ def cudnn_refusal(q, k, v, *, causal: bool = True, sliding_window=None, softcap=
 def cuda_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None, scale=None, softcap=None, tile=TILE):
     """One device's attention on CUDA: cuDNN's flash attention (``jax.nn.dot_product_attention(...,
     implementation="cudnn")``: the ``__cudnn$fmhaSoftmax`` forward and ``__cudnn$fmhaSoftmaxBackward``
-    custom calls), else the tiled block (:func:`zshard.flash.one_device`) with a warning, once per
+    custom calls), else the tiled block (:func:`zshard.context.flash.one_device`) with a warning, once per
     reason, naming it.
 
     Grouped-query keys and values ``[B, L, n_kv, D]`` go to cuDNN as they are (no repeat to the query
@@ -239,7 +239,7 @@ def cuda_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=Non
     keys before the query's own); ``segment_ids`` a boolean ``[B, 1, L, L]`` mask of equal ids, which
     jax.nn passes to cuDNN as an additive bias in ``q``'s dtype (a ``[B, 1, L, L]`` buffer forward,
     and cuDNN writes its gradient backward). Refused (:func:`cudnn_refusal`, or the call raising):
-    the tiled block, exact in float32 (zshard/flash.py). ``q [B, L, H, D]`` -> ``[B, L, H, Dv]``."""
+    the tiled block, exact in float32 (zshard/context/flash.py). ``q [B, L, H, D]`` -> ``[B, L, H, Dv]``."""
     reason = cudnn_refusal(q, k, v, causal=causal, sliding_window=sliding_window, softcap=softcap)
     mesh = jax.sharding.get_abstract_mesh()
     auto = [a for a, kind in zip(mesh.axis_names, mesh.axis_types) if kind != jax.sharding.AxisType.Manual and mesh.shape[a] > 1]
@@ -268,7 +268,7 @@ def cuda_attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=Non
             reason = f"cuDNN refused q {tuple(q.shape)}, k {tuple(k.shape)}: {e}"
     if reason not in _WARNED:
         _WARNED.add(reason)
-        warnings.warn(f"zshard.attention on CUDA: {reason}; running zshard's tiled attention (zshard/flash.py) instead "
+        warnings.warn(f"zshard.attention on CUDA: {reason}; running zshard's tiled attention (zshard/context/flash.py) instead "
                       "of cuDNN's", stacklevel=3)
     return one_device(q, k, v, causal, segment_ids, sliding_window, scale, softcap, tile)
 

@@ -13,12 +13,12 @@
 
 XLA:CPU upcasts bf16 collectives to f32 while compiling (float normalisation); with
 ``MixedPrecision(param_dtype=bfloat16)`` the compiled CPU program therefore moves twice the
-gather bytes of the formula. GPU backends keep bf16. Quantized formats (zshard/quant.py) put
+gather bytes of the formula. GPU backends keep bf16. Quantized formats (zshard/wire/quant.py) put
 ``u8`` payloads on the wire, which no backend widens; an all-to-all of ``X`` bytes over ``n``
 devices sends ``X(n-1)/n``. ``step.lower(...).as_text(dialect="hlo")``
 shows the program as zshard emits it, and :func:`parse_collectives` reads that text too.
 
-The HLO reader is :mod:`zshard.hlo`, the formulas :mod:`zshard.formulas`; this module
+The HLO reader is :mod:`zshard.inspection.hlo`, the formulas :mod:`zshard.formulas`; this module
 compiles, measures and puts the two side by side in one :class:`Report`.
 """
 
@@ -78,23 +78,23 @@ class Report:
         and micro-batch, 6 with the block recomputed, plus the slot counts; ``None`` when the trace
         recorded no call), ``calls``, ``layers``, ``collectives`` (``buffer_bytes``, ``count``); also
         the row ``comm_bytes_per_step["expert"]``. ``None`` without one.
-      offload: with ``zshard.init(..., offload=...)``, :func:`zshard.offload.offload_report`:
+      offload: with ``zshard.init(..., offload=...)``, :func:`zshard.optim.offload.offload_report`:
         ``mode``; model-state bytes per device in ``device`` and ``host`` memory, ``measured``
         (from each leaf's shard shape and memory kind) and ``formula``; ``transfer``: host <->
         device bytes per step of the GPU program (exported for ``cuda``: ``to_device``,
         ``to_host``, ``calls``), ``measured`` against ``formula`` = ``2 * host``. Else ``None``.
       optimizer: the optimizer step measured apart (``None`` when not measured): ``path``
         (``"elementwise"``: Optax on the local slices, no collective; or ``"global view
-        (<transformation>)"``, :mod:`zshard.optim_global`), ``collectives`` (per kind and
+        (<transformation>)"``, :mod:`zshard.optim.optim_global`), ``collectives`` (per kind and
         axis: count and bytes one device sends), ``measured`` and ``formula`` (bytes per
         step), ``temp`` (temporary bytes of the optimizer step compiled alone).
       moves: per mesh axis of ``comm_bytes_per_step``, what its collectives move:
         ``"gather int8/256, reduce int8/256"``, ``"reduce float32"``.
-      quantized: with quantized formats (:func:`zshard.quant.coverage`), per role (``gather``,
+      quantized: with quantized formats (:func:`zshard.wire.quant.coverage`), per role (``gather``,
         ``reduce``, ``replica``): ``format``, the parameters it ``quantized`` and the ``fallback``
         ones left in ``param_dtype`` / ``reduce_dtype`` (rank < 2, or under one block per device); else ``None``.
       overlap: each all-gather, reduce-scatter and all-reduce of the compiled program text (a
-        scanned loop's body counts once; :func:`zshard.hlo.parse_overlap`): ``op``, ``axis``,
+        scanned loop's body counts once; :func:`zshard.inspection.hlo.parse_overlap`): ``op``, ``axis``,
         ``bytes`` (the full buffer ``X``), ``async`` (XLA:GPU runs it on its own stream; XLA:CPU
         never does), ``compute_between`` (fusions, dots, custom calls, loops scheduled between its
         start and its done), ``name``, ``trips``, ``computation``.

@@ -48,7 +48,7 @@ class Entry:
       key: storage path, strings: ``("params", "blocks", "0", "lin", "kernel")``.
       shape: logical shape (what is stored).
       dtype: numpy dtype (the state leaf's).
-      layout: the parameter's record (:class:`~zshard.flat.ParamLayout`) for a parameter or a
+      layout: the parameter's record (:class:`~zshard.params.flat.ParamLayout`) for a parameter or a
         parameter-like optimizer leaf (stored in its logical shape), else ``None`` (a scalar
         count, stored as is).
       axes: mesh axes the logical array is split over (``()``: replicated).

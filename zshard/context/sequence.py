@@ -235,7 +235,7 @@ def warn_positions(split: SequenceSplit | None, record) -> None:
     if split is not None and split.context > 1 and not record.asked:
         warnings.warn(
             f"zshard: the sequences are split over context={split.context} (each device holds 2 of {2 * split.context} "
-            f"chunks of every sequence of {split.length} tokens, zshard.sequence), but loss_fn never called "
+            f"chunks of every sequence of {split.length} tokens, zshard.context.sequence), but loss_fn never called "
             "zshard.positions(): a model that builds positions from its local length (jnp.arange(x.shape[1]) for RoPE, a "
             "position embedding or a causal mask) computes with the wrong ones. Fix: positions = "
             "zshard.positions(x.shape[1]) (the global position of each local token), and zshard.attention for attention",

@@ -1,7 +1,7 @@
 """Refuse, before compiling, traced steps that would hang or give a silently wrong number.
 
 Both checks read the jaxpr the step traced anyway (no extra trace, no compile), with the
-walker helpers of :mod:`zshard.jaxprs`; :func:`traced` runs that trace and explains the one
+walker helpers of :mod:`zshard.inspection.jaxprs`; :func:`traced` runs that trace and explains the one
 error model code meets while being traced (a pmap-era axis name):
 
 - :func:`check_uniform_collectives`: every device of a shard group must issue the same
@@ -11,14 +11,14 @@ error model code meets while being traced (a pmap-era axis name):
   others never enter: XLA aborts after a timeout on CPU, a GPU hangs. Inside ``shard_map``
   every value's type records the mesh axes it varies over, so the traced step shows it.
 - :func:`check_shard_reads`: inside the step a block unit's parameters hold this device's
-  padded shards (``[n_pad/N]``, ``[L, n_pad/N]`` stacked; zshard/intercept.py), so that the
+  padded shards (``[n_pad/N]``, ``[L, n_pad/N]`` stacked; zshard/programs/intercept.py), so that the
   module passes through ``nnx.scan`` / ``nnx.remat`` / ``jax.vmap`` like any module. Read
   through the module (``variable[...]``, ``.value``, a method of the unit) a parameter is
   gathered exactly; but ``jax.tree.leaves(nnx.state(model, nnx.Param))`` walks the raw values,
   and an L2 penalty written that way sums the squares of each device's padded slice. The
   step's inputs that are block-unit shards are followed through the primitives that only
   carry them into the sub-jaxprs; inside ``loss_fn`` (the named scope
-  :data:`zshard.jaxprs.LOSS_SCOPE`) any other primitive that uses one outside zshard's own
+  :data:`zshard.inspection.jaxprs.LOSS_SCOPE`) any other primitive that uses one outside zshard's own
   scopes is refused, naming the parameter. Outside ``loss_fn`` the step's own code
   (accumulation, the optimizer update of the shards) is not judged.
 - :func:`traced`: model code written for ``pmap`` names its axis (``nnx.BatchNorm(...,
@@ -29,14 +29,14 @@ error model code meets while being traced (a pmap-era axis name):
   collective's frame gives the axis name, the module (its path in the model) and the line.
   Model code written for JAX's explicit sharding (an activation's ``out_sharding=`` or
   ``jax.sharding.reshard`` naming a mesh axis) is explained the same way
-  (:func:`zshard.tp.activation_annotation_error`).
+  (:func:`zshard.params.tp.activation_annotation_error`).
 - :func:`warn_uniform_keys`: a random draw in ``loss_fn`` (``random_bits``: dropout masks,
   noise) whose key is the same on every device (made in ``loss_fn``, ``nnx.Rngs(dropout=0)``,
   ``jax.random.key(step)``: its type does not vary over ``replica`` / ``shard``) and whose bits
   then meet per-device data element for element (an operation whose result varies over those
   axes and has the bits' shape: ``select``, ``mul``) gives every device the same mask for its
   own rows: warned once per call site, naming it and ``zshard.device_key``. The
-  model's own ``nnx.Rngs`` streams are folded per device (zshard/intercept.py) and pass; draws
+  model's own ``nnx.Rngs`` streams are folded per device (zshard/programs/intercept.py) and pass; draws
   outside ``loss_fn`` (initialisers run in ``zshard.init``; Optax noise, handled by the
   optimizer) and draws that meet the batch only through a contraction (a random weight in a
   matmul) or never are not flagged.
@@ -134,7 +134,7 @@ def block_shard_inputs(plan, args) -> list:
     def mark(state):
         flat = traverse_util.flatten_dict(state.params)
         marked = traverse_util.unflatten_dict({p: _Mark(p if p in block else None) for p in flat})
-        # offload="optimizer+master": the units read the masters' device copies (zshard.offload)
+        # offload="optimizer+master": the units read the masters' device copies (zshard.optim.offload)
         copies = traverse_util.flatten_dict(state.device_params) if state.device_params else {}
         marked_copies = traverse_util.unflatten_dict({p: _Mark(p if p in block else None) for p in copies}) if copies else {}
         return dataclasses.replace(state, params=marked, device_params=marked_copies)
@@ -214,7 +214,7 @@ def check_shard_reads(jaxpr, plan, paths: Iterable) -> None:
 
     Args:
       jaxpr: the traced step (``jax.jit(...).trace(...).jaxpr.jaxpr``).
-      plan: the step's :class:`~zshard.planner.Plan` (names and shapes in the message).
+      plan: the step's :class:`~zshard.plan.planner.Plan` (names and shapes in the message).
       paths: per input of ``jaxpr``, the block-unit parameter path of the shard it is, or
         ``None`` (:func:`block_shard_inputs`).
 
@@ -331,7 +331,7 @@ def traced(trace: Callable[[], Any], mesh) -> Any:
         ``pmap(..., axis_name='batch')`` does; the message names the module (its path in the
         model), the axis name, the line, and the fix (``axis_name=("replica", "shard")``).
         Or the model annotates an activation with mesh axes, as code written for JAX's explicit
-        sharding does (:func:`zshard.tp.activation_annotation_error`): named with the line and the fix.
+        sharding does (:func:`zshard.params.tp.activation_annotation_error`): named with the line and the fix.
       Anything else ``trace()`` raises, unchanged.
     """
     try:

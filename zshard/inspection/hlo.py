@@ -56,7 +56,7 @@ class Collective:
       sent_bytes: bytes one device sends per execution (ring algorithm).
       trips: executions per step (product of enclosing ``while`` trip counts).
       phase: ``"optimizer"`` for a collective the global-view optimizer issues
-        (:mod:`zshard.optim_global`, named scope ``zshard.optimizer``), ``"context"`` for one of
+        (:mod:`zshard.optim.optim_global`, named scope ``zshard.optimizer``), ``"context"`` for one of
         ``zshard.attention``'s (keys and values over ``context``, named scope ``zshard.context``),
         else ``"step"``.
       unit: the unit whose call emitted it (``"blocks.0"``, ``"root"`` for the root unit's

@@ -1,9 +1,9 @@
 """Reading traced programs: sub-jaxprs, how an equation routes its operands into them, the mesh
 axes a value varies over, and zshard's named scopes (built and parsed here only).
 
-Every check that refuses a program before it compiles (:mod:`zshard.checks`) and every
+Every check that refuses a program before it compiles (:mod:`zshard.inspection.checks`) and every
 optimizer pass that looks at the traced Optax update (:mod:`zshard.optim`,
-:mod:`zshard.optim_global`) walks jaxprs with these helpers, so a primitive that carries a
+:mod:`zshard.optim.optim_global`) walks jaxprs with these helpers, so a primitive that carries a
 sub-program (``scan``, ``while``, ``cond``, ``jit``, ``checkpoint``, ``custom_vjp_call``,
 ``shard_map``) is understood the same way everywhere.
 
@@ -15,7 +15,7 @@ Scope names (``jax.named_scope``) mark zshard's own code in jaxprs and in the co
   ``zshard.unit.root.gather``: the root unit's gather;
 - ``zshard.read.<path>``: a unit parameter all-gathered where it is read outside its unit;
 - ``zshard.loss_fn``: the user's ``loss_fn`` (or eval ``fn``);
-- ``zshard.optimizer``: the global-view optimizer's collectives (:mod:`zshard.optim_global`);
+- ``zshard.optimizer``: the global-view optimizer's collectives (:mod:`zshard.optim.optim_global`);
 - ``zshard.context``: ``zshard.attention``'s collectives over ``context`` (:mod:`zshard.attention`).
 """
 

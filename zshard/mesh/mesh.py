@@ -218,24 +218,24 @@ def _inner_mesh(devices: list, replica, shard, context: int, tensor: int, inner_
 
 
 def tensor_size(mesh) -> int:
-    """``T``: devices of the mesh's ``tensor`` axis (1 without one; :class:`~zshard.axes.MeshAxes`)."""
+    """``T``: devices of the mesh's ``tensor`` axis (1 without one; :class:`~zshard.mesh.axes.MeshAxes`)."""
     return MeshAxes.of(mesh).tensor
 
 
 def context_size(mesh) -> int:
-    """``C``: devices of the mesh's ``context`` axis (1 without one; :class:`~zshard.axes.MeshAxes`)."""
+    """``C``: devices of the mesh's ``context`` axis (1 without one; :class:`~zshard.mesh.axes.MeshAxes`)."""
     return MeshAxes.of(mesh).context
 
 
 def manual_axes(mesh) -> tuple[str, ...]:
     """The mesh axes zshard's ``shard_map`` is manual over: all but ``tensor``
-    (:attr:`zshard.axes.MeshAxes.manual_axes`)."""
+    (:attr:`zshard.mesh.axes.MeshAxes.manual_axes`)."""
     return MeshAxes.of(mesh).manual_axes
 
 
 def data_axes(mesh) -> tuple[str, ...]:
     """The data axes of ``mesh``, ``("replica", "shard"[, "context"])``
-    (:attr:`zshard.axes.MeshAxes.data_axes`)."""
+    (:attr:`zshard.mesh.axes.MeshAxes.data_axes`)."""
     return MeshAxes.of(mesh).data_axes
 
 

@@ -133,7 +133,7 @@ class ReplicaReduce(enum.Enum):
     The one decision of a step about the cross-replica reduction (FSDP2's
     ``foreach_reduce(..., all_reduce_grads)``, levanter's ``ReductionType``), resolved once by
     :meth:`resolve` and carried by the units' communication record
-    (:class:`zshard.grad_exit.GradExit`); every place that reduces a gradient matches on it.
+    (:class:`zshard.wire.grad_exit.GradExit`); every place that reduces a gradient matches on it.
 
     - ``NONE``: nothing to sum over replicas (the parameters are split over every mesh axis:
       FULL_SHARD, SHARD_GRAD_OP), or nothing is differentiated (the eval step, a forward).
@@ -145,7 +145,7 @@ class ReplicaReduce(enum.Enum):
       (FSDP2's ``set_requires_all_reduce(False)`` on all but the last micro-batch).
     - ``TO_SLICES``: HYBRID_SHARD_OPT: each unit's backward reduce-scatters its gradient shard
       over the replica axes into the optimizer's slices, the cotangents of the slices' exit
-      values (zshard/grad_exit.py, docs/memory.md), in every micro-batch. ``TO_SINKS``: its
+      values (zshard/wire/grad_exit.py, docs/memory.md), in every micro-batch. ``TO_SINKS``: its
       former name, an alias for one release.
     """
 

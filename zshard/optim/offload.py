@@ -192,7 +192,7 @@ def compute_params(plan, state, train: dict) -> dict:
 
 # [Note: master cotangents] With ``"optimizer+master"`` the step differentiates the ``param_dtype``
 # copies, and each gather's backward hands back the reduced gradient in the *master* dtype (as it
-# does without offload: ``zshard.collectives.reduce_flats``), a wider floating cotangent than its
+# does without offload: ``zshard.wire.collectives.reduce_flats``), a wider floating cotangent than its
 # primal, which JAX accepts for a custom_vjp (``_temporary_dtype_exception`` in
 # ``jax/_src/custom_derivatives.py``, jax 0.10 to 0.12; tests/test_offload.py pins it). So the
 # gradients are bitwise those of the same mixed precision without offload, whatever the
@@ -396,7 +396,7 @@ def traced_naming_host_leaf(trace, state, *args):
     raise ValueError(
         f"zshard: {name} is in pinned_host memory and the program uses it in arithmetic with device data (JAX: "
         f"{str(error).splitlines()[0][:160]}); with offload, zshard moves each optimizer leaf to the device only "
-        "around the Optax update (zshard.offload.update_offloaded): read it outside the step "
+        "around the Optax update (zshard.optim.offload.update_offloaded): read it outside the step "
         "(jax.device_get), or use offload=None"
     ) from error
 

@@ -52,8 +52,8 @@ def _view(rec, x):
 
 def _to_view(plan, tree: dict) -> dict:
     """Flat shards -> views with the parameter's logical rank
-    (:attr:`ParamLayout.view_ndim <zshard.flat.ParamLayout.view_ndim>`, :meth:`ParamLayout.view_shape
-    <zshard.flat.ParamLayout.view_shape>`).
+    (:attr:`ParamLayout.view_ndim <zshard.params.flat.ParamLayout.view_ndim>`, :meth:`ParamLayout.view_shape
+    <zshard.params.flat.ParamLayout.view_shape>`).
 
     Optax masks and ``multi_transform`` labels see the logical tree (paths) and the logical
     rank (``p.ndim > 1`` tells weights from biases and norm scales); the values are this
@@ -73,7 +73,7 @@ class _Ref:
 
 def _state_views(plan, opt_state, to_view: bool):
     """The optimizer-state leaves of parameters split over ``tensor`` between their stored form
-    ``[..., T, n]`` (:meth:`ParamLayout.opt_shape <zshard.flat.ParamLayout.opt_shape>`) and the
+    ``[..., T, n]`` (:meth:`ParamLayout.opt_shape <zshard.params.flat.ParamLayout.opt_shape>`) and the
     view Optax sees (``to_view``), or back. Other leaves are stored as views already."""
     if not plan.tensor_split:
         return opt_state
@@ -186,7 +186,7 @@ def needs_global_view(tx: optax.GradientTransformation, views) -> str | None:
     ``None``: ``tx.update`` runs on each device's slice as it is, today's path (no
     collective, no extra memory). A name: the update reduces over parameter elements
     (a norm, ``jnp.all``, a matmul) or draws random numbers, and runs through
-    :mod:`zshard.optim_global` instead. Traced abstractly, no compile.
+    :mod:`zshard.optim.optim_global` instead. Traced abstractly, no compile.
 
     Args:
       tx: the Optax transformation.
@@ -233,7 +233,7 @@ def global_norm(grads, plan) -> jax.Array:
 
     [Note: no barrier under tensor] With a tensor axis the barrier is left out: on jax 0.10.2
     XLA:CPU, the barrier's operand for the fused ``qkv`` kernel's gradient (reduce-scattered per
-    piece, zshard/collectives.py) read other memory when the norm was the barrier's only reader
+    piece, zshard/wire/collectives.py) read other memory when the norm was the barrier's only reader
     (the reference GPT on 1x4x2, prefetch 0, no clipping: ``grad_norm`` 4.89 against one
     device's 2.05; each block's qkv term +8.0 or -1.5e32), while the update read the right
     values. tests/test_tensor_parallel.py checks the norm against one device with and without
@@ -256,13 +256,13 @@ def apply_optimizer(plan, params: dict, grads: dict, opt_state, record: list | N
       opt_state: local Optax state, sliced over ``plan.opt_axes``.
 
     ``record``: a list that receives ``(kind, X bytes)`` of each collective the global-view
-    optimizer issues (:mod:`zshard.optim_global`; nothing for elementwise chains).
+    optimizer issues (:mod:`zshard.optim.optim_global`; nothing for elementwise chains).
 
     SHARD_OPT (ZeRO-1) holds whole parameters and gradients (``N = 1``) but a ``1/W`` slice
     of the optimizer state: each device updates its slice, then each unit's updated slices
     are all-gathered over the world, one collective per unit and dtype. HYBRID_SHARD_OPT
     gets ``grads`` already as its ``[n_pad/(R*S)]`` slices (reduce-scattered over
-    ``replica`` in each unit's backward, :func:`zshard.collectives.replica_slices`),
+    ``replica`` in each unit's backward, :func:`zshard.wire.collectives.replica_slices`),
     updates the matching slice of its parameter shard and all-gathers the updated slices
     over ``replica``: ``[R, L/(R*S)] -> [n_pad/S]`` per parameter.
     """
@@ -337,7 +337,7 @@ def optimizer_program(plan, record: list | None = None):
 def optimizer_grad_specs(plan):
     """PartitionSpecs of the gradients :func:`apply_optimizer` takes: those of the trainable
     parameters, or over the optimizer axes where the step reduce-scatters over ``replica``
-    (:func:`zshard.collectives.replica_slices`, in each unit's backward)."""
+    (:func:`zshard.wire.collectives.replica_slices`, in each unit's backward)."""
     train_specs, _ = plan.split_trainable(plan.param_specs)
     if not plan.strategy.scatters_replica:
         return train_specs

@@ -40,8 +40,8 @@ replicated. Side-effecting transformations (host callbacks) are refused before c
 
 This module owns the interpreter: the rule of each kind of equation (``_eval_eqn``) and the
 shard arithmetic of ``Ctx`` it relies on (element indices, logical coordinates). The stored
-form of a parameter comes from :class:`zshard.flat.ParamLayout` (:meth:`Layout.storage`), its
-all-gather from :func:`zshard.collectives.all_gather_last`.
+form of a parameter comes from :class:`zshard.params.flat.ParamLayout` (:meth:`Layout.storage`), its
+all-gather from :func:`zshard.wire.collectives.all_gather_last`.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def build_view(tx, template_logical: dict, layers: dict, num_shards: int, view_s
       why: the transformation that needs it (from :func:`zshard.optim.check_elementwise`).
       tp: ``path -> (tp_dim, T)`` of the parameters split over the ``tensor`` axis.
       padded: ``path -> n_pad`` (of one layer's piece) where a parameter is padded beyond
-        ``num_shards`` (a quantized format's blocks, :func:`zshard.quant.pad_multiple`); default:
+        ``num_shards`` (a quantized format's blocks, :func:`zshard.wire.quant.pad_multiple`); default:
         a multiple of ``num_shards``.
 
     Raises:

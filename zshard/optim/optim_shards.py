@@ -1,10 +1,10 @@
 """A parameter-shaped value held as this device's shard, and the arithmetic on it that the
-global-view optimizer (:mod:`zshard.optim_global`) evaluates equations with.
+global-view optimizer (:mod:`zshard.optim.optim_global`) evaluates equations with.
 
 :class:`Layout` says how one logical parameter shape lies in its shards (``[*lead, n_pad/N]``
 per device); :class:`Shard` holds such a value; ``_Partial`` a scalar partial sum. ``_Ctx``
 owns the element arithmetic (flat indices, the padding mask, logical coordinates), turning
-whole values into shards and back (one all-gather, :func:`zshard.collectives.all_gather_last`),
+whole values into shards and back (one all-gather, :func:`zshard.wire.collectives.all_gather_last`),
 the all-reduces of locally reduced values, reductions of a shard over all or some axes, and
 ``random_bits`` drawn element for element as on one device.
 """
@@ -35,7 +35,7 @@ class Layout:
       num_shards: ``N``.
       tp_dim: the dimension of ``inner`` split over the ``tensor`` axis (``None``: not split);
         each device then holds ``[*lead, T, n_pad/N]``: every tensor piece's slice, ``T`` left to
-        the compiler ([Note: tensor pieces] in zshard/collectives.py, ParamLayout's order).
+        the compiler ([Note: tensor pieces] in zshard/wire/collectives.py, ParamLayout's order).
       tp: ``T``.
       padded: ``n_pad`` of one layer (one piece) where the parameter is padded beyond a multiple
         of ``N`` (a quantized format's blocks), else ``None``.

@@ -20,7 +20,7 @@ collective over a unit's parameters is worth a copy: the optimizer's all-gather 
 slices for SHARD_OPT / HYBRID_SHARD_OPT (``optim.py``: ``concat_shards`` -> ``[W, L/W]`` ->
 ``split_padded``; HYBRID_SHARD_OPT's slices are laid out by :meth:`FlatParameter.over_replicas`),
 and HYBRID_SHARD_OPT's replica reduce-scatter of the gradient rows
-(:func:`zshard.grad_exit.replica_slices`, ``[R, L/(R*S)]``).
+(:func:`zshard.wire.grad_exit.replica_slices`, ``[R, L/(R*S)]``).
 
 :class:`ParamLayout` is the one record per parameter that knows the stored form
 (``to_storage`` / ``from_storage``).

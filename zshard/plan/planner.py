@@ -2,7 +2,7 @@
 
 :func:`make_plan` is the planning step of ``zshard.init`` (checks -> plan -> placement ->
 optimizer init): the model's parameters and other variables, the units (wrap policy), one
-:class:`~zshard.flat.ParamLayout` per parameter (its storage format), the FlatParameters
+:class:`~zshard.params.flat.ParamLayout` per parameter (its storage format), the FlatParameters
 built from those records, and the PartitionSpecs of the optimizer state. It reads shapes
 and dtypes only, never values. An internal function: users get a :class:`Plan` from
 ``zshard.init(...).plan``.
@@ -96,7 +96,7 @@ class Plan:
       graphdef: the model's graph.
       template: ``(path, abstract Variable)`` pairs of the whole model state.
       units: the root unit first, then the block units in call order; their FlatParameters
-        hold one :class:`~zshard.flat.ParamLayout` per parameter (:attr:`layouts`), from
+        hold one :class:`~zshard.params.flat.ParamLayout` per parameter (:attr:`layouts`), from
         which ``param_specs`` and ``trainable`` are read.
       opt_specs: PartitionSpecs of the Optax state (parameter-like leaves as the parameter,
         scalars such as step counts ``P()``).
@@ -104,9 +104,9 @@ class Plan:
       var_template: ``(path, abstract Variable)`` pairs of the model's non-parameter
         variables (BatchNorm statistics, RNG keys and counts, counters), replicated.
       opt_view: ``None`` when ``tx`` is elementwise (it runs on the local slices as they
-        are); else the :class:`zshard.optim_global.OptView` that runs it exactly on shards.
+        are); else the :class:`zshard.optim.optim_global.OptView` that runs it exactly on shards.
       offload: ``None``, ``"optimizer"`` or ``"optimizer+master"``: what lives in pinned host
-        memory (:mod:`zshard.offload`, ``zshard.init(..., offload=...)``).
+        memory (:mod:`zshard.optim.offload`, ``zshard.init(..., offload=...)``).
     """
 
     mesh: Mesh
@@ -123,7 +123,7 @@ class Plan:
 
     @functools.cached_property
     def layouts(self) -> dict[tuple, ParamLayout]:
-        """Parameter path -> its :class:`~zshard.flat.ParamLayout` (the storage format), in
+        """Parameter path -> its :class:`~zshard.params.flat.ParamLayout` (the storage format), in
         the order of :attr:`template`."""
         records = {s.path: s.param for u in self.units for f in u.flats for s in f.slots}
         return {p: records[p] for p, _ in self.template}
@@ -144,7 +144,7 @@ class Plan:
 
     @functools.cached_property
     def axes(self) -> MeshAxes:
-        """The mesh's axes, validated once (:class:`~zshard.axes.MeshAxes`): every axis question
+        """The mesh's axes, validated once (:class:`~zshard.mesh.axes.MeshAxes`): every axis question
         below is answered from it."""
         return MeshAxes.of(self.mesh)
 
@@ -196,7 +196,7 @@ class Plan:
     @property
     def shard_axes(self) -> tuple[str, ...]:
         """Mesh axes a dense parameter is split over at rest (``Strategy.shard_axes``, with ``expert`` or
-        ``context`` after ``shard`` on a mesh with one: :meth:`zshard.axes.MeshAxes.with_context`). An
+        ``context`` after ``shard`` on a mesh with one: :meth:`zshard.mesh.axes.MeshAxes.with_context`). An
         expert parameter lies over ``("expert", *these without expert)`` and is gathered over these
         without ``expert`` (its :class:`~zshard.wire.ParamWire`)."""
         return self.axes.with_context(self.strategy.shard_axes)
@@ -214,7 +214,7 @@ class Plan:
     @property
     def data_axes(self) -> tuple[str, ...]:
         """The axes the data is split over: ``("replica", "shard"[, "expert"][, "context"])``
-        (:attr:`zshard.axes.MeshAxes.data_axes`); the loss and metrics are reduced over them."""
+        (:attr:`zshard.mesh.axes.MeshAxes.data_axes`); the loss and metrics are reduced over them."""
         return self.axes.data_axes
 
     @property
@@ -283,10 +283,10 @@ def _plan_units(abstract_model, flat_state, strategy: Strategy, num_shards: int,
                             world: int = 1, ep: tuple = (None, {}, 1)) -> tuple[Unit, ...]:
     """The units, each with its parameters' records laid out in FlatParameters (one per
     dtype, trainability and tensor split) over the shard axes, and over the optimizer's axes.
-    ``tp``: ``(tensor_parallel, logical rules, T)`` (:func:`zshard.tp.tensor_dims`); ``ep``:
-    ``(expert_parallel, logical rules, X)`` (:func:`zshard.tp.expert_dims`). A parameter
+    ``tp``: ``(tensor_parallel, logical rules, T)`` (:func:`zshard.params.tp.tensor_dims`); ``ep``:
+    ``(expert_parallel, logical rules, X)`` (:func:`zshard.params.tp.expert_dims`). A parameter
     that a quantized format of ``mp`` applies to is padded so that no block straddles two
-    shards (:func:`zshard.quant.pad_multiple`; ``world``: the data devices)."""
+    shards (:func:`zshard.wire.quant.pad_multiple`; ``world``: the data devices)."""
     unit_paths = find_units(abstract_model, unit)
     param_paths = {p for p, _ in flat_state}
     # Tied parameters; shared non-parameter variables (one Rngs for every block) are simply
@@ -353,7 +353,7 @@ def _optimizer_specs(tx, layouts: dict, opt_axes: tuple[str, ...], opt_shards: i
     view_specs = {p: rec.view_spec(opt_axes) for p, rec in train.items()}
     local = traverse_util.unflatten_dict({p: jax.ShapeDtypeStruct(rec.view_shape(opt_shards), rec.dtype) for p, rec in train.items()})
     # Elementwise chains run on the local slices as they are; anything else (a norm, a
-    # matmul, random numbers) through the global view (zshard.optim_global).
+    # matmul, random numbers) through the global view (zshard.optim.optim_global).
     why = needs_global_view(tx, local)
     if why is not None:
         logical = {p: jax.ShapeDtypeStruct(rec.logical_shape, rec.dtype) for p, rec in train.items()}

@@ -2,7 +2,7 @@
 
 ``init`` turns an ordinary NNX model and an Optax transformation into a
 :class:`ShardedState` in four steps: checks of the arguments, the plan
-(:func:`zshard.planner.make_plan`: units, one :class:`~zshard.flat.ParamLayout` per
+(:func:`zshard.plan.planner.make_plan`: units, one :class:`~zshard.params.flat.ParamLayout` per
 parameter, FlatParameters, optimizer specs), placement (each parameter in its stored form
 ``[n_pad]``, split over the strategy's shard axes) and the Optax state initialised on the
 local shards. ``unshard`` goes back to a plain ``nnx.Module``.
@@ -67,10 +67,10 @@ class ShardedState:
         parameter the format quantizes (nested like ``params``, those paths only), every
         device's residual of what quantizing its gradient dropped: float32, global
         ``[..., W * n_pad]`` with ``PartitionSpec(..., data_axes)`` (local ``[..., n_pad]``, ``W``
-        the data devices; :func:`zshard.quant.feedback_layout`), zeros at ``init``. Checkpoints
+        the data devices; :func:`zshard.wire.quant.feedback_layout`), zeros at ``init``. Checkpoints
         store it. Else ``{}``.
 
-    With ``offload`` (:mod:`zshard.offload`) the optimizer-state leaves with a dimension (and
+    With ``offload`` (:mod:`zshard.optim.offload`) the optimizer-state leaves with a dimension (and
     the masters) are in ``pinned_host`` memory (``leaf.sharding.memory_kind``).
     """
 
@@ -231,7 +231,7 @@ def init(
       unit: the wrap policy, what is gathered together: ``None`` (each element of an
         ``nnx.List`` of repeated blocks, and stacked modules), a module class / tuple of
         classes, a callable ``(path, module) -> bool``, or a minimum parameter count
-        (size-based); see :func:`zshard.units.find_units`. Everything outside the units is
+        (size-based); see :func:`zshard.params.units.find_units`. Everything outside the units is
         the root unit.
       zero_stage: DeepSpeed's ZeRO stage 0/1/2/3, an alias of NO_SHARD / SHARD_OPT /
         SHARD_GRAD_OP / FULL_SHARD.
@@ -250,7 +250,7 @@ def init(
         callable returning that parameter in its logical shape (e.g. from
         ``train.model.from_hf``). Names, and shapes of callables with a ``.shape``
         attribute, are checked before anything is read; each callable is called once and its
-        array written straight into its shards (``zshard.weights``), so host memory holds
+        array written straight into its shards (``zshard.plan.weights``), so host memory holds
         about the largest tensor. Values are cast to the parameter's dtype. The model (a
         callable is then only traced with ``nnx.eval_shape``) gives structure and dtypes.
       tensor_parallel: on a mesh with a ``tensor`` axis (``make_mesh(..., tensor=T)``), which
@@ -260,7 +260,7 @@ def init(
         naming ``tensor`` (``nnx.with_partitioning(init, (None, "tensor"))``) count too; a glob
         wins over an annotation. Each split parameter is stored ``[T, n_pad]``
         (``PartitionSpec("tensor", shard_axes)``): cut along that dimension first, each piece
-        flattened, padded and sharded over the data axes (:class:`zshard.flat.ParamLayout`).
+        flattened, padded and sharded over the data axes (:class:`zshard.params.flat.ParamLayout`).
         docs/tensor-parallel.md.
       logical_rules: ``{logical axis name: mesh axis}`` for the model's annotations
         (MaxText's logical axis rules, ``{"mlp": "tensor", "heads": "tensor", "vocab": "tensor"}``,
@@ -273,7 +273,7 @@ def init(
         gathered over the shard axes only (the unit sees ``[E/X, ...]``), its gradient never
         reduced over ``expert``; dense parameters are FSDP-sharded over ``shard x expert``. Without
         an expert axis it is checked and ignored (as ``tensor_parallel``). docs/expert-parallel.md.
-      offload: host offload (ZeRO-Offload, arXiv 2101.06840; :mod:`zshard.offload`, docs/offload.md):
+      offload: host offload (ZeRO-Offload, arXiv 2101.06840; :mod:`zshard.optim.offload`, docs/offload.md):
         ``None`` (default: everything in device memory); ``"optimizer"``: every Optax state leaf
         with a dimension in ``pinned_host`` memory (``8 Psi / N`` bytes per device for Adam in
         fp32), moved to the device for its update inside the step and back; gradients and

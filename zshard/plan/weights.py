@@ -2,9 +2,9 @@
 and :func:`fetch_params`.
 
 ``weights`` maps each dotted parameter path (``"blocks.0.attn.qkv.kernel"``, the names of
-zshard checkpoints, :func:`zshard.units.path_str`) to a zero-argument callable that returns
+zshard checkpoints, :func:`zshard.params.units.path_str`) to a zero-argument callable that returns
 the parameter in its logical shape (numpy or jax array). Each callable is called once; its
-array is put in its stored form (:meth:`zshard.flat.ParamLayout.to_storage`: ``[n_pad]``,
+array is put in its stored form (:meth:`zshard.params.flat.ParamLayout.to_storage`: ``[n_pad]``,
 ``[L, n_pad]`` for stacked layers) and each device's piece is copied straight to it
 (``jax.make_array_from_callback``), so host memory holds about one tensor at a time.
 """

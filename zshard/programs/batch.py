@@ -3,12 +3,12 @@
 :func:`put_batch` checks a batch before anything compiles (leading dimensions, sequence axes,
 each leaf named by its path) and places it: rows (the leading dimension) over the data axes, or
 rows over ``(replica, shard)`` and each sequence over ``context`` in the head-tail order
-(:mod:`zshard.sequence`). :func:`batch_specs` gives the PartitionSpecs a program's ``shard_map``
-takes the batch with, :func:`sequence_split` the :class:`~zshard.sequence.SequenceSplit` its body
+(:mod:`zshard.context.sequence`). :func:`batch_specs` gives the PartitionSpecs a program's ``shard_map``
+takes the batch with, :func:`sequence_split` the :class:`~zshard.context.sequence.SequenceSplit` its body
 traces under, :func:`put_args` the placement of :func:`zshard.make_forward`'s arguments (each
 array on its own), :func:`trace_key` what a traced program depends on. :class:`SequenceAxes` is
 ``sequence_axis=`` as a hashable value. The axes' sizes come from the plan's
-:class:`~zshard.axes.MeshAxes`.
+:class:`~zshard.mesh.axes.MeshAxes`.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def sequence_axes(plan, batch, sequence_axis) -> list:
         if C > 1 and L % (2 * C):
             raise ValueError(
                 f"{name}: sequence length {L} does not divide by 2 x context = {2 * C}: the head-tail order gives each of "
-                f"the {C} context devices two of 2C equal chunks (zshard.sequence); pad the sequences to a multiple of "
+                f"the {C} context devices two of 2C equal chunks (zshard.context.sequence); pad the sequences to a multiple of "
                 f"{2 * C} or use another context size"
             )
         break
@@ -114,7 +114,7 @@ def sequence_axes(plan, batch, sequence_axis) -> list:
 
 
 def sequence_split(plan, batch, sequence_axis) -> SequenceSplit | None:
-    """The :class:`~zshard.sequence.SequenceSplit` of a step on ``batch`` (global shapes), or
+    """The :class:`~zshard.context.sequence.SequenceSplit` of a step on ``batch`` (global shapes), or
     ``None`` when no leaf has a sequence axis."""
     lengths = [np.shape(x)[a] for _, x, a in sequence_axes(plan, batch, sequence_axis) if a is not None]
     return SequenceSplit(plan.axes.context, lengths[0]) if lengths else None
@@ -148,7 +148,7 @@ def put_batch(plan, batch, grad_accum: int = 1, sequence_axis=None):
     the rows are split over every data axis. With ``sequence_axis`` (an int for every leaf, or a
     pytree with ``None`` for the leaves without a sequence dimension) the rows divide by
     ``R*S*grad_accum`` and are split over ``(replica, shard)``; each sequence leaf is permuted into
-    the head-tail order (:func:`zshard.sequence.head_tail_order`) and split over ``context``,
+    the head-tail order (:func:`zshard.context.sequence.head_tail_order`) and split over ``context``,
     each leaf without one is the same on every context device. With several processes
     (``jax.process_count() > 1``) each process passes only its own rows: its contiguous slice
     ``[i*B/P, (i+1)*B/P)`` of the global batch of ``B`` rows, whole sequences

@@ -6,10 +6,10 @@ every block unit is all-gathered just before its ``__call__`` and dropped after 
 gradient, so no backward re-gather and no reduce-scatter: per call, one all-gather per
 unit (per layer for stacked units) plus the scalar all-reduces of the result.
 
-The model is built by :func:`zshard.intercept.materialize` (the train step's own machinery), so
+The model is built by :func:`zshard.programs.intercept.materialize` (the train step's own machinery), so
 units, mixed precision (gather and compute in ``param_dtype``) and strategies are those
 of the train step. The forward gathers are tied to the unit's input by a data dependency
-(the ``fwd`` rule of :func:`zshard.unit_call.run_unit`, taken through ``jax.vjp`` whose
+(the ``fwd`` rule of :func:`zshard.programs.unit_call.run_unit`, taken through ``jax.vjp`` whose
 pullback is never called): without it the XLA CPU scheduler issues every gather at the
 start and the temporary memory is twice the model (docs/design.md section 8.1, forced schedule;
 docs/eval-and-hf.md, design notes).
@@ -54,7 +54,7 @@ def forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *a
       args: pytrees of this device's arrays.
       prefetch: units gathered ahead; ``None``: :func:`zshard.programs.step_config.default_prefetch`
         (0 on CPU, 1 on GPU/TPU).
-      split: the :class:`~zshard.sequence.SequenceSplit` of the arguments' sequences over
+      split: the :class:`~zshard.context.sequence.SequenceSplit` of the arguments' sequences over
         ``context`` (``zshard.positions``, ``zshard.attention``), or ``None``.
 
     Returns:
@@ -82,7 +82,7 @@ def _forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *
     def run(floats):
         model = materialize(plan, {**others, **floats}, var_flat, comm, config.resolved_prefetch(plan.mesh))
         model.eval()  # evaluation mode: nnx.Dropout off, nnx.BatchNorm on its running averages
-        with jax.named_scope(LOSS_SCOPE):  # where zshard.checks judges uses of raw shards
+        with jax.named_scope(LOSS_SCOPE):  # where zshard.inspection.checks judges uses of raw shards
             return fn(model, *args)
 
     with body_tracing(plan, split) as record:

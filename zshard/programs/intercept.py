@@ -10,9 +10,9 @@
 - each block unit's class is swapped for a subclass whose methods (``__call__``, and every
   other method its classes define: ``attend``, ``decode``, helpers) gather the unit's
   FlatParameter, run the original method on a plain copy of the module, and drop the
-  gathered copy (:func:`zshard.unit_call.run_unit`); the backward reduce-scatters;
+  gathered copy (:func:`zshard.programs.unit_call.run_unit`); the backward reduce-scatters;
 - a unit parameter read anywhere else (the root reading ``blocks[0].bias``, a loss term)
-  is gathered where it is read (:func:`zshard.collectives.gather_param`, a Flax
+  is gathered where it is read (:func:`zshard.wire.collectives.gather_param`, a Flax
   ``on_get_value`` hook), so its value and gradient are exact;
 - non-parameter variables (BatchNorm statistics, RNG counts, counters) hold their
   replicated values; RNG keys are folded with the device's index, so every device draws
@@ -133,7 +133,7 @@ class ShardWithExit:
 
     Attributes:
       shard: the parameter shard, ``[n_pad/S]`` (``[L, n_pad/S]`` stacked).
-      exit_value: its gradient exit value ([Note: gradient exit], zshard/grad_exit.py): the
+      exit_value: its gradient exit value ([Note: gradient exit], zshard/wire/grad_exit.py): the
         optimizer slice ``[n_pad/(R*S)]`` (``[L, n_pad/(R*S)]``, its value never read), or the residual.
     """
 
@@ -159,7 +159,7 @@ class UnitBinding:
 
     Attributes:
       plan: the sharding plan.
-      unit: the :class:`~zshard.planner.Unit`.
+      unit: the :class:`~zshard.plan.planner.Unit`.
       comm: its communication settings.
       prefetch: prefetch depth (0: off; stacked units are never prefetched).
       chain: the block-unit calls of this forward pass, in call order (prefetch links).
@@ -178,7 +178,7 @@ class UnitBinding:
         call's arguments into traced inputs and static leaves (:class:`_CallArgs`), build the
         function of the gathered parameters that runs the original method on a plain copy of
         the module (:meth:`_apply`), pick the prefetch link to wait on (:meth:`_after`), run
-        it through :func:`~zshard.unit_call.run_unit`, and write the non-parameter
+        it through :func:`~zshard.programs.unit_call.run_unit`, and write the non-parameter
         variables it changed or created back into the module.
         """
         unit = self.unit
@@ -388,15 +388,15 @@ def materialize(plan, shards: dict, variables: dict, comm: UnitComm, prefetch: i
       plan: the sharding plan.
       shards: flat dict ``path -> local shard`` (``[n_pad/N]``, ``[L, n_pad/N]`` stacked).
       variables: flat dict ``path -> value`` of the non-parameter variables (replicated).
-      comm: the step's :class:`~zshard.collectives.UnitComm` (axes, replica reduction, remat).
+      comm: the step's :class:`~zshard.wire.collectives.UnitComm` (axes, replica reduction, remat).
       prefetch: block-unit calls a forward all-gather may be issued ahead (0: off).
       exits: flat dict ``path -> gradient exit value`` of the trainable parameters
-        ([Note: gradient exit], zshard/grad_exit.py): HYBRID_SHARD_OPT's optimizer slices
+        ([Note: gradient exit], zshard/wire/grad_exit.py): HYBRID_SHARD_OPT's optimizer slices
         (``[n_pad/(R*S)]``, ``[L, n_pad/(R*S)]`` stacked; values never read; ``comm.exit`` then
         reduces ``TO_SLICES``) or error feedback's residuals. A block unit's parameter then holds
         the pair ``(shard, exit value)``, so ``nnx.scan`` / ``nnx.vmap`` slice both per layer; each
         unit's backward returns the slice (or the new residual) as the exit value's cotangent
-        (:func:`zshard.unit_call.run_unit`). The caller differentiates w.r.t. ``exits``.
+        (:func:`zshard.programs.unit_call.run_unit`). The caller differentiates w.r.t. ``exits``.
 
     Returns:
       An ``nnx.Module`` of the user's classes (block units' classes subclassed) to hand to

@@ -9,7 +9,7 @@ arguments). :class:`ShardedProgram` is that shell, written once:
   and the plan keeps leaves split over ``tensor`` or on the host, one per plan compiled with the
   state's own shardings as ``out_shardings``;
 - ``__call__`` / :meth:`~ShardedProgram.trace` / :meth:`~ShardedProgram.lower` /
-  :meth:`~ShardedProgram.export`, each placing the input first (:mod:`zshard.batch`) and
+  :meth:`~ShardedProgram.export`, each placing the input first (:mod:`zshard.programs.batch`) and
   refusing, before any compile, a state in the wrong memory, a donated state, and (traced once
   per :func:`zshard.programs.batch.trace_key`) a traced body that :func:`zshard.inspection.checks.check_traced` refuses;
 - the body's result: every program's body returns ``(outputs, TraceInfo)``. The
@@ -53,7 +53,7 @@ class TraceInfo:
     """What tracing a program's body found out (static: no arrays), returned with its outputs.
 
     Attributes:
-      split: the :class:`~zshard.sequence.SequenceSplit` the body traced under, or ``None``
+      split: the :class:`~zshard.context.sequence.SequenceSplit` the body traced under, or ``None``
         (no leaf split along its sequence).
       calls: ``(unit name or None, its layers or None, AttentionCall)`` of each distinct
         ``zshard.attention`` call on a split sequence, in the order traced (the context formula
@@ -67,7 +67,7 @@ class TraceInfo:
 
     @classmethod
     def of(cls, record: SequenceTrace | None) -> "TraceInfo":
-        """The frozen summary of a :class:`~zshard.sequence.SequenceTrace` (``None``: nothing recorded)."""
+        """The frozen summary of a :class:`~zshard.context.sequence.SequenceTrace` (``None``: nothing recorded)."""
         if record is None:
             return cls()
         return cls(record.split, tuple(record.calls), bool(record.asked))
@@ -164,7 +164,7 @@ class ShardedProgram:
         raise NotImplementedError
 
     def _place(self, state, inputs):  # pragma: no cover - every program sets its own
-        """``inputs`` checked and placed on ``state``'s mesh (:mod:`zshard.batch`), before any compile."""
+        """``inputs`` checked and placed on ``state``'s mesh (:mod:`zshard.programs.batch`), before any compile."""
         raise NotImplementedError
 
     def _check_state(self, state) -> None:
@@ -221,7 +221,7 @@ class ShardedProgram:
     def export(self, state, inputs, platforms=("cuda",)) -> "jax.export.Exported":
         """The program for ``platforms`` (``jax.export.export``; the GPU program can be exported on
         a CPU-only machine): ``.mlir_module()`` is its StableHLO text, where host offload shows as
-        ``annotate_device_placement`` calls (:func:`zshard.offload.exported_placements`)."""
+        ``annotate_device_placement`` calls (:func:`zshard.optim.offload.exported_placements`)."""
         self._check_state(state)
         inputs = self._place(state, inputs)
         return jax.export.export(self._jit_for(state), platforms=list(platforms),

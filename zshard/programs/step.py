@@ -5,11 +5,11 @@ Per device (docs/design.md section 5):
 1. take its slice of the batch (leading dimension split over ``("replica", "shard")``);
 2. all-gather the root unit (embeddings, head, ...), rebuild the model with it; every block
    unit is intercepted so that its ``__call__`` all-gathers the block's parameters (each on its
-   own) just before it runs and drops them afterwards (:func:`zshard.unit_call.run_unit`);
+   own) just before it runs and drops them afterwards (:func:`zshard.programs.unit_call.run_unit`);
 3. backward: each unit gathers again, recomputes, and reduce-scatters its gradient
    (+ all-reduce of the shard over ``replica`` for HYBRID_SHARD; + reduce-scatter of it over
    ``replica`` into the parameter's optimizer slice for HYBRID_SHARD_OPT: the gradient exit,
-   zshard/grad_exit.py); the loss is scaled by
+   zshard/wire/grad_exit.py); the loss is scaled by
    ``1 / world`` so the summed gradient is that of the global mean loss;
 4. Optax updates the local shards; the loss and the gradient norm are ``psum``-ed.
 
@@ -18,7 +18,7 @@ loss scale, clipping, the optimizer, the non-parameter variables) and the public
 :class:`TrainStep`, which supplies that body to the program shell every zshard program shares
 (:class:`zshard.programs.program.ShardedProgram`: the jit, ``lower`` / ``trace`` / ``export``, the
 checks); the options are a frozen :class:`~zshard.programs.step_config.StepConfig`, the batch placement
-is :mod:`zshard.batch`.
+is :mod:`zshard.programs.batch`.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def _accumulate(plan: Plan, objective: Callable, params: dict, variables: dict, 
     ``dtypes``: a tree like ``params`` whose leaves' dtypes the gradients are returned in
     (default ``params``; the masters' with ``offload="optimizer+master"``, whose ``params`` are
     the ``param_dtype`` copies). ``feedback``: error feedback's residuals (exit values), carried from one
-    micro-batch to the next (zshard/feedback.py); ``objective`` then takes ``(params, feedback)``.
+    micro-batch to the next (zshard/wire/feedback.py); ``objective`` then takes ``(params, feedback)``.
     Returns ``((loss total, count total), aux summed, variables, grads, feedback after the last)``.
     """
     replica = plan.replica_axes
@@ -196,7 +196,7 @@ def optimizer_slices(plan: Plan, train: dict) -> dict:
     ``[..., n_pad/S] -> [..., n_pad/(R*S)]`` in the parameter dtype, varying over every mesh
     axis (each device owns its own slice). Their values are never read; the step
     differentiates w.r.t. them and gets the gradient as the units' backward reduce-scattered it
-    (:func:`zshard.unit_call.run_unit`). Unread, they are dropped from the compiled loop."""
+    (:func:`zshard.programs.unit_call.run_unit`). Unread, they are dropped from the compiled loop."""
     parts = plan.opt_shards // plan.num_shards
     return jax.tree.map(lambda p: vary(jnp.zeros(p.shape[:-1] + (p.shape[-1] // parts,), p.dtype), plan.data_axes), train)
 
@@ -204,7 +204,7 @@ def optimizer_slices(plan: Plan, train: dict) -> dict:
 def _local_step(plan: Plan, config: StepConfig, state: ShardedState, batch, split: SequenceSplit | None = None):
     """One optimizer step on this device's shards (inside ``shard_map``) -> ``((state, metrics),
     TraceInfo)``; ``split``: how the batch's sequences are split over ``context``
-    (:mod:`zshard.sequence`), for ``zshard.positions`` and ``zshard.attention`` while the whole body
+    (:mod:`zshard.context.sequence`), for ``zshard.positions`` and ``zshard.attention`` while the whole body
     (backward and recomputes included) traces; the :class:`~zshard.programs.program.TraceInfo` says what
     that trace found (the attention calls per unit)."""
     with body_tracing(plan, split) as record:  # zshard.moe's calls checked too: expert parameters through it
@@ -228,7 +228,7 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
         ``((loss, count), aux, variables)``."""
         shards = traverse_util.flatten_dict(plan.merge_params(params, frozen))
         model = materialize(plan, shards, variables, comm, prefetch, None if exits is None else traverse_util.flatten_dict(exits))
-        with jax.named_scope(LOSS_SCOPE):  # where zshard.checks judges uses of raw shards
+        with jax.named_scope(LOSS_SCOPE):  # where zshard.inspection.checks judges uses of raw shards
             out = config.fn(model, batch)
         loss, aux = _read_loss(out, config.has_aux)
         new_variables = read_variables(plan, model, variables)
@@ -242,7 +242,7 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
         # sum these into the gradient of the global mean.
         return loss / (world * k), ((loss, jnp.ones((), jnp.float32)), aux, new_variables)
 
-    ex = comm.exit  # how the gradients leave the units ([Note: gradient exit], zshard/grad_exit.py)
+    ex = comm.exit  # how the gradients leave the units ([Note: gradient exit], zshard/wire/grad_exit.py)
     if ex.to_slices:
         # HYBRID_SHARD_OPT: differentiate w.r.t. the optimizer slices [n_pad/(R S)]; every unit's
         # backward reduce-scatters its gradient over shard and then replica into them, so no
@@ -251,7 +251,7 @@ def _step_body(plan: Plan, config: StepConfig, state: ShardedState, batch):
 
         def differentiated(slices, variables, batch):
             return objective(compute, variables, batch, slices)
-    elif ex.residuals:  # the residuals enter as exit values, their cotangents are the new ones (zshard/feedback.py)
+    elif ex.residuals:  # the residuals enter as exit values, their cotangents are the new ones (zshard/wire/feedback.py)
         wrt, residuals = compute, feedback_exits(plan, train, state.feedback)
         differentiated = lambda w, v, b: objective(w[0], v, b, w[1])  # noqa: E731
     else:
@@ -326,7 +326,7 @@ class TrainStep(ShardedProgram):
     Raises:
       ValueError: a batch leaf is a scalar or its leading dimension does not divide by the
         device count (before any compile); a state donated to an earlier step; a leaf in the
-        wrong memory (:func:`zshard.offload.check_placement`).
+        wrong memory (:func:`zshard.optim.offload.check_placement`).
     """
 
     factory = "zshard.make_train_step"
@@ -445,7 +445,7 @@ def make_train_step(
         its ``[n_pad/S]`` slice of the gathered weights (in ``param_dtype``, dequantized when a
         ``gather_format`` is set); the backward re-gathers that slice over ``shard`` only (inside
         a node). Cross-node backward gather volume 0 instead of M, memory + M/S per unit
-        (:mod:`zshard.hpz`, docs/quantized.md "hpZ").
+        (:mod:`zshard.wire.hpz`, docs/quantized.md "hpZ").
 
     Raises:
       ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive,
@@ -455,7 +455,7 @@ def make_train_step(
         (``TypeError``); a unit under device-dependent control flow; a block unit's raw
         shard used as a value in ``loss_fn``, e.g. an L2 penalty over
         ``jax.tree.leaves(nnx.state(model))`` (the parameter named; read it as
-        ``variable[...]``, :func:`zshard.checks.check_shard_reads`). Before compiling, with a
+        ``variable[...]``, :func:`zshard.inspection.checks.check_shard_reads`). Before compiling, with a
         ``sequence_axis``: a leaf without that axis, a length not divisible by ``2C`` (each
         named); a warning when ``loss_fn`` never asks for :func:`zshard.positions` on a
         ``context`` mesh.

@@ -2,7 +2,7 @@
 
 :class:`StepConfig` is frozen and hashable by value: the traced body receives it (and the plan),
 never the mutable program object, so two programs with equal options trace the same program.
-The batch placement that used to live here is :mod:`zshard.batch` (``put_batch``,
+The batch placement that used to live here is :mod:`zshard.programs.batch` (``put_batch``,
 ``batch_specs``, ``sequence_axes``, ``sequence_split``, ``SequenceAxes``, ``trace_key``); their
 names here are aliases of those, kept for one release.
 """
@@ -65,9 +65,9 @@ class StepConfig:
       sequence_axis: the batch's sequence dimension (:class:`SequenceAxes`), or ``None``: no
         leaf is split along its sequence (on a ``context`` mesh the rows are then split over the
         context devices too).
-      hpz: ZeRO++ hierarchical partitioning (zshard/hpz.py): each unit's forward keeps its
+      hpz: ZeRO++ hierarchical partitioning (zshard/wire/hpz.py): each unit's forward keeps its
         ``[n_pad/S]`` slice of the gathered weights and backward re-gathers it over ``shard`` only.
-        Checked against the plan when the step is traced (:func:`zshard.hpz.check_hpz`).
+        Checked against the plan when the step is traced (:func:`zshard.wire.hpz.check_hpz`).
 
     Raises:
       ValueError: ``grad_accum`` not a positive integer, ``clip_norm`` not positive and finite,
@@ -111,7 +111,7 @@ class StepConfig:
 
     def comm(self, plan, *, differentiated: bool = True) -> UnitComm:
         """The units' :class:`~zshard.wire.UnitComm` for this step on ``plan``: the one
-        :class:`~zshard.strategy.ReplicaReduce` decision of the step, resolved here."""
+        :class:`~zshard.mesh.strategy.ReplicaReduce` decision of the step, resolved here."""
         reduce = ReplicaReduce.resolve(plan.strategy, self.grad_accum, differentiated=differentiated)
         comm = UnitComm.of(plan, reduce, self.remat)
         if not (self.hpz and differentiated):  # a forward-only step has no backward re-gather

@@ -12,10 +12,10 @@ time (FSDP's ``pre_forward`` / ``post_forward`` / ``pre_backward`` / ``post_back
 - **splice** (:meth:`UnitCall.pullback`): rebuild the pullback with the weights put back
   where the forward's pullback held them ([Note: pullback splice], docs/design.md 8.3);
 - **reduce** (:meth:`UnitCall.reduce`): the parameter gradients through the gradient exit,
-  :func:`zshard.grad_exit.reduce_flats` (reduce-scatter, then the step's replica decision).
+  :func:`zshard.wire.grad_exit.reduce_flats` (reduce-scatter, then the step's replica decision).
 
 The gathered weights are never residuals under reshard-after-forward (ZeRO-3 / FSDP
-``reshard_after_forward=True``); with ZeRO++ hpZ (``comm.hpz``, zshard/hpz.py) the forward keeps
+``reshard_after_forward=True``); with ZeRO++ hpZ (``comm.hpz``, zshard/wire/hpz.py) the forward keeps
 their ``[n_pad/S]`` slices instead, and the re-gather is over ``shard`` only. Remat policies (:func:`checkpointed`) and the prefetch chain
 (:class:`PrefetchLink`, [Note: prefetch chain], docs/design.md 8.2) live here too.
 """
@@ -127,8 +127,8 @@ class Residuals(NamedTuple):
       saved: the activations the remat policy saved (``remat != "block"``): the pullback's
         leaves that are not gathered weights, in order; ``[]`` for ``remat="block"``.
       feedback: error feedback: per FlatParameter, the residuals ``f32[n_pad]`` the call was
-        given as its gradient exit values (zshard/feedback.py), else ``None``.
-      secondary: hpZ (``comm.hpz``, zshard/hpz.py): per parameter (slot order), this device's
+        given as its gradient exit values (zshard/wire/feedback.py), else ``None``.
+      secondary: hpZ (``comm.hpz``, zshard/wire/hpz.py): per parameter (slot order), this device's
         ``[n_pad/S]`` (split over tensor: ``[T, n_pad/S]``) of the gathered weights in the gather
         dtype, split over ``shard`` only (``M/S`` bytes per unit of ``M``);
         backward gathers them over ``shard`` instead of the shards over the world. Else ``None``.
@@ -166,7 +166,7 @@ class UnitCall:
       apply: ``(list of parameters in logical shapes, inputs) -> outputs``; closes over no
         tracer (only static structure).
       flats: the unit's FlatParameters.
-      comm: the step's :class:`~zshard.collectives.UnitComm`.
+      comm: the step's :class:`~zshard.wire.collectives.UnitComm`.
       name: the unit's name (``zshard.unit.<name>.forward`` / ``.backward`` scopes).
       after: an earlier call's link the forward gather waits on (prefetch), or ``None``.
       link: this call's own link (``link.token`` set by the call).
@@ -195,7 +195,7 @@ class UnitCall:
         ready = None if self.after is None else inputs  # prefetched: slice only once this unit's input exists
         bufs_now = after(bufs, inputs if self.after is None else after_token)
         secondary = None
-        if comm.hpz:  # ZeRO++ hpZ: also keep this device's [n_pad/S] of the gathered weights (zshard/hpz.py)
+        if comm.hpz:  # ZeRO++ hpZ: also keep this device's [n_pad/S] of the gathered weights (zshard/wire/hpz.py)
             params, secondary = gather_keeping_secondary(self.flats, bufs_now, comm, ready)
         else:
             params = gather_flats(self.flats, bufs_now, comm, ready)
@@ -290,7 +290,7 @@ def run_unit(
         computes. ``None``: no prefetch.
       link: this call's own link, filled in here (``link.token``); a later call may take it.
       name: the unit's name, for ``jax.named_scope`` (``zshard.unit.<name>.forward`` / ``.backward``).
-      exits: the gradient exit values ([Note: gradient exit], zshard/grad_exit.py). Where the
+      exits: the gradient exit values ([Note: gradient exit], zshard/wire/grad_exit.py). Where the
         gradients land in optimizer slices (``comm.exit.to_slices``, HYBRID_SHARD_OPT, docs/memory.md):
         per flat, a tuple of per-parameter arrays ``[n_pad/(R*S)]`` of the parameter dtype
         whose values are never read (``()`` for a frozen flat). The caller differentiates
@@ -308,7 +308,7 @@ def run_unit(
     flats = tuple(flats)
     ex = comm.exit
     ex.check(exits, any(f.trainable for f in flats), f"run_unit ({name})")
-    ef = ex.residuals  # the exit values are the residuals, read by backward (zshard/feedback.py)
+    ef = ex.residuals  # the exit values are the residuals, read by backward (zshard/wire/feedback.py)
     call = UnitCall(
         apply, flats, comm, name, after, link if link is not None else PrefetchLink(), None if ef else exit_dtypes_of(exits),
         frozenset() if after is None else varying_axes(after.token),

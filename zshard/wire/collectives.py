@@ -3,10 +3,10 @@
 Every parameter that zshard gathers goes through :func:`gather_params` (all-gather of its
 shard, ``[n_pad/N] -> [n_pad] -> logical shape``), as its wire says (:class:`~zshard.wire.ParamWire`,
 resolved once by the planner: axes, dtype, format, tensor pieces), and every gradient that leaves
-a unit goes through :func:`zshard.grad_exit.reduce_grads` (the gradient exit: reduce-scatter of
-each gradient over the shard axes, then the step's :class:`~zshard.strategy.ReplicaReduce`
+a unit goes through :func:`zshard.wire.grad_exit.reduce_grads` (the gradient exit: reduce-scatter of
+each gradient over the shard axes, then the step's :class:`~zshard.mesh.strategy.ReplicaReduce`
 decision over the replica axes). Nothing here decides how bytes travel. Three callers
-use them: a unit call (:mod:`zshard.unit_call`), the root unit's :func:`gather`, and
+use them: a unit call (:mod:`zshard.programs.unit_call`), the root unit's :func:`gather`, and
 :func:`gather_param` for a unit parameter read outside its unit. Each has a hand-written VJP:
 
 - the replica trap (docs/design.md section 7): left to autodiff, a parameter gathered over
@@ -102,7 +102,7 @@ def all_gather_last(b: jax.Array, axes: tuple[str, ...], *, invariant: bool = Fa
 
 
 # [Note: quantized collectives] With a format on a parameter's wire (zshard/wire.py: set by the
-# planner where a format of MixedPrecision quantizes it, :func:`zshard.quant.quantizes`, from its
+# planner where a format of MixedPrecision quantizes it, :func:`zshard.wire.quant.quantizes`, from its
 # shape and the devices its buffer splits over, as the planner padded it) it is gathered as ZeRO++ qwZ:
 # its shard quantized in blocks, ``u8`` payload and ``f32`` scales all-gathered, dequantized to
 # the gather dtype; its gradient leaves as qgZ: an all-to-all of quantized blocks, dequantized
@@ -119,7 +119,7 @@ def _gather_one(rec: ParamLayout, shard: jax.Array, comm: UnitComm, keep=None) -
     w = comm.wire(rec)
     # Marking the shard varying over replica *before* the gather keeps autodiff from inserting a
     # broadcast whose transpose would all-reduce the full gradient across replicas ("the
-    # replica trap"); the backward sums only the shard instead (zshard.grad_exit.reduce_grads).
+    # replica trap"); the backward sums only the shard instead (zshard.wire.grad_exit.reduce_grads).
     b = vary(shard, w.vary_axes)
     if w.gather_format is None:
         b = b.astype(w.gather_dtype)  # plain: cast first; quantized: the master shard is quantized, no cast first
@@ -175,7 +175,7 @@ def gather_params(slots, shards, comm: UnitComm, ready=None) -> list[jax.Array]:
     (``AllGatherCombiner``; not measured here); XLA:CPU runs them one by one.
 
     Args:
-      slots: the parameters' records (:class:`~zshard.flat.ParamLayout`), or slots of them.
+      slots: the parameters' records (:class:`~zshard.params.flat.ParamLayout`), or slots of them.
       shards: per parameter ``[..., n_pad/N]``.
       comm: the axes and mixed precision.
       ready: a prefetched gather (issued before this unit's own input or cotangent exists) is
@@ -217,7 +217,7 @@ def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], comm: Unit
       bufs: per flat, this device's per-parameter shards ``([n_pad/N], ...)`` (or one
         concatenated ``[L_k/N]``), ``PartitionSpec(shard_axes)`` outside.
       comm: the wires and the gradient exit (:class:`~zshard.wire.UnitComm`).
-      exits: the gradient exit values ([Note: gradient exit], zshard/grad_exit.py): exactly when
+      exits: the gradient exit values ([Note: gradient exit], zshard/wire/grad_exit.py): exactly when
         the gradients land in optimizer slices (HYBRID_SHARD_OPT), per flat a tuple of
         per-parameter slices ``[n_pad/(R*S)]`` (``()`` for a frozen flat), the gradient leaving
         through them, not through ``bufs``; with error feedback, per flat the residuals.
@@ -250,7 +250,7 @@ def gather(flats: Sequence[FlatParameter], bufs: Sequence[jax.Array], comm: Unit
 
 def gather_param(slot: ParamLayout, shard: jax.Array, comm: UnitComm, exit_value: jax.Array | None = None) -> jax.Array:
     """All-gather one parameter where it is read outside its unit's methods; backward reduces
-    its gradient through the same path as a unit's (:func:`zshard.grad_exit.reduce_grads`).
+    its gradient through the same path as a unit's (:func:`zshard.wire.grad_exit.reduce_grads`).
 
     Args:
       slot: the parameter's record (logical shape, padded size; ``to_storage`` / ``from_storage``).
@@ -268,7 +268,7 @@ def gather_param(slot: ParamLayout, shard: jax.Array, comm: UnitComm, exit_value
     """
     ex = comm.exit
     ex.check(exit_value, slot.trainable, f"gather_param ({slot.path})")
-    residual = ex.residuals and exit_value is not None  # the exit value is the residual (zshard/feedback.py)
+    residual = ex.residuals and exit_value is not None  # the exit value is the residual (zshard/wire/feedback.py)
     exit_dtypes = None if exit_value is None or residual else (exit_value.dtype,)
 
     @jax.custom_vjp

@@ -3,18 +3,18 @@
 With ``reduce_format=zshard.Quant(..., error_feedback=True)`` every device keeps, per trainable
 parameter the format quantizes, a residual ``e`` of what quantizing its gradient dropped, adds it
 to its next gradient before quantizing, and keeps the new one
-(:func:`zshard.quant.reduce_scatter_feedback`: 1-bit SGD, Seide et al. 2014, section 3; EF-SGD,
+(:func:`zshard.wire.quant.reduce_scatter_feedback`: 1-bit SGD, Seide et al. 2014, section 3; EF-SGD,
 Karimireddy et al. 2019, arXiv 1901.09847, algorithm 2; LoCo, arXiv 2407.04480, section 3).
 
 [Note: error feedback] The residuals live in ``ShardedState.feedback`` (float32, global
 ``[..., W * n_pad]``, ``PartitionSpec(..., data_axes)``, local ``[..., n_pad]``:
-:func:`zshard.quant.feedback_layout`; which parameters: ``ParamWire.residual``, zshard/wire.py).
-Inside the step they are the gradient exit values ([Note: gradient exit], zshard/grad_exit.py;
+:func:`zshard.wire.quant.feedback_layout`; which parameters: ``ParamWire.residual``, zshard/wire.py).
+Inside the step they are the gradient exit values ([Note: gradient exit], zshard/wire/grad_exit.py;
 HYBRID_SHARD_OPT's optimizer slices use the same way out, and error feedback refuses that
 strategy): :func:`feedback_exits` gives every trainable parameter an exit value (its residual, or
 an ``f32[..., 0]`` placeholder where its wire keeps none); a unit call
-(:func:`zshard.unit_call.run_unit`, the root's :func:`zshard.collectives.gather`,
-:func:`zshard.collectives.gather_param`) takes them as its ``exits``, keeps them for its backward,
+(:func:`zshard.programs.unit_call.run_unit`, the root's :func:`zshard.wire.collectives.gather`,
+:func:`zshard.wire.collectives.gather_param`) takes them as its ``exits``, keeps them for its backward,
 and returns each new residual as the exit value's cotangent, so the step differentiates w.r.t.
 them and :func:`new_feedback` keeps the new residuals. Under gradient accumulation the exit
 values are carried from one micro-batch to the next (each micro-batch's

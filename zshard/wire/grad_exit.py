@@ -3,7 +3,7 @@
 [Note: gradient exit] :class:`GradExit` is the step's one record of how every gradient leaves a
 unit: reduce-scattered over the shard axes (each parameter's format and dtype on its
 :class:`~zshard.wire.ParamWire`), then over the replica axes as ``reduce`` says
-(:class:`~zshard.strategy.ReplicaReduce`), landing either in the parameter shard's cotangent
+(:class:`~zshard.mesh.strategy.ReplicaReduce`), landing either in the parameter shard's cotangent
 (``[n_pad/N]``) or, HYBRID_SHARD_OPT, in its optimizer slice ``[n_pad/(R*S)]``; with error
 feedback each quantized gradient takes its residual along and hands the new one back. Where a
 gradient lands in an optimizer slice or carries a residual, the unit call is given an *exit
@@ -37,7 +37,7 @@ class GradExit:
     """How a unit's gradients leave (one per step; every unit call of the step reads it).
 
     Attributes:
-      reduce: the :class:`~zshard.strategy.ReplicaReduce` over the replica axes.
+      reduce: the :class:`~zshard.mesh.strategy.ReplicaReduce` over the replica axes.
       replica_axes: the axes the replica reduction runs over.
       slices: ``R`` where the gradient lands in the optimizer slices (``TO_SLICES``:
         ``[n_pad/S] --reduce_scatter(replica)--> [n_pad/(R*S)]``), else 1.
@@ -118,14 +118,14 @@ def reduce_grads(slots, grads, comm, exit_dtypes=None, residuals=None):
       ``[n_pad/(R*S)]`` (:func:`replica_slices`), cast to ``exit_dtypes``.
 
     A parameter whose wire has a ``reduce_format`` / ``replica_format`` takes the all-to-all of
-    quantized blocks instead ([Note: quantized collectives], zshard/collectives.py).
+    quantized blocks instead ([Note: quantized collectives], zshard/wire/collectives.py).
 
     Args:
       slots: the parameters' records (ParamLayouts or slots of them).
       grads: per parameter its gradient ``[..., *shape]``.
       comm: the step's :class:`~zshard.wire.UnitComm` (its wires and :attr:`~zshard.wire.UnitComm.exit`).
       exit_dtypes: ``TO_SLICES``: per parameter the optimizer slice's dtype.
-      residuals: error feedback (zshard/feedback.py): per parameter its residual ``f32[..., n_pad]``
+      residuals: error feedback (zshard/wire/feedback.py): per parameter its residual ``f32[..., n_pad]``
         (``f32[..., 0]`` where its wire keeps none).
 
     Returns:
@@ -178,8 +178,8 @@ def _replica_reduce(wires, shards, ex: GradExit, exit_dtypes) -> list[jax.Array]
 def replica_reduction(wires, shards, axes: tuple[str, ...], plain, *, scatter: bool = False) -> list:
     """The replica reduction of gradient shards ``[..., n_pad/N]`` (inside ``shard_map``):
     ``plain(shards)`` on those whose wire has no ``replica_format``, all at once (exactly the path
-    without formats); on each one that has, :func:`zshard.quant.all_reduce` over ``axes``
-    (``scatter``: :func:`zshard.quant.reduce_scatter` to ``[..., n_pad/(R*N)]``, the optimizer slices)."""
+    without formats); on each one that has, :func:`zshard.wire.quant.all_reduce` over ``axes``
+    (``scatter``: :func:`zshard.wire.quant.reduce_scatter` to ``[..., n_pad/(R*N)]``, the optimizer slices)."""
     rest = [i for i, w in enumerate(wires) if w.replica_format is None]
     out = list(shards)
     for i, g in zip(rest, plain([shards[i] for i in rest]) if rest else ()):
@@ -254,7 +254,7 @@ def reduce_flats(flats, bufs, grads, comm, exit_dtypes=None, residuals=None):
     ``exit_dtypes``: per flat the slices' dtypes, ``()`` for a frozen flat): the exit values'
     cotangent; the bufs get none (they are not differentiated), so only ``[n_pad/(R*S)]`` per
     parameter leaves the unit. ``residuals``: per flat its residuals (the exit values); their
-    cotangents are the new ones (zshard/feedback.py).
+    cotangents are the new ones (zshard/wire/feedback.py).
     """
     out, exits, i = [], [], 0
     for k, (f, b) in enumerate(zip(flats, bufs)):

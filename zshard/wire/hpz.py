@@ -15,7 +15,7 @@ receives ``M (S-1)/S`` over ``shard``, inside its node), and the secondary slice
 more bytes from forward to backward (DeepSpeed ``zero_hpz_partition_size = S``). On a mesh with a
 ``context`` axis the secondary partition is over ``(shard, context)`` (the data axes inside a node);
 a parameter split over ``tensor`` keeps ``[..., T, n_pad/S]``, each piece cut and gathered inside
-its own ``shard_map`` ([Note: tensor pieces], zshard/collectives.py).
+its own ``shard_map`` ([Note: tensor pieces], zshard/wire/collectives.py).
 
 ``make_train_step(loss_fn, hpz=True)`` turns it on; :func:`check_hpz` refuses it where it
 makes no sense, before anything compiles.
@@ -54,11 +54,11 @@ def gather_keeping_secondary(flats, bufs, comm: UnitComm, ready=None):
       flats / bufs: the unit's FlatParameters and, per flat, this device's shards
         ``([n_pad/N], ...)``, ``PartitionSpec(("replica", "shard"))`` outside.
       comm: the step's record (``comm.hpz`` set).
-      ready: as :func:`zshard.collectives.gather_params` (prefetch).
+      ready: as :func:`zshard.wire.collectives.gather_params` (prefetch).
 
     Returns:
       ``params``: the parameters in logical shapes, in the gather dtype, exactly as
-      :func:`zshard.collectives.gather_flats` returns them; ``secondary``: per parameter (slot
+      :func:`zshard.wire.collectives.gather_flats` returns them; ``secondary``: per parameter (slot
       order, all flats), this device's ``[n_pad/S]`` of the gathered ``[n_pad]``, the slice
       ``axis_index(shard) * n_pad/S`` of it, in the gather dtype: ``PartitionSpec("shard")``
       over the parameter, replicated over ``replica``; ``n_pad/S * itemsize`` bytes per
@@ -104,7 +104,7 @@ def _cut(comm: UnitComm, fulls: list) -> list:
 def regather_secondary(flats, secondary, comm: UnitComm, ready=None) -> list[jax.Array]:
     """The backward re-gather with hpZ: the secondary slices ``[n_pad/S]`` all-gathered over
     ``shard`` only (intra-node) -> the parameters in logical shapes, bit-identical to the
-    forward's (``ready``: as :func:`zshard.collectives.gather_params`)."""
+    forward's (``ready``: as :func:`zshard.wire.collectives.gather_params`)."""
     recs = [getattr(s, "param", s) for f in flats for s in f.slots]
     axes = secondary_axes(comm.shard_axes)
     # [n_pad/S] --all_gather(shard)--> [n_pad] (split over tensor: per piece, [T, n_pad/S] -> the logical value)

@@ -6,7 +6,7 @@ gradients are reduce-scattered (and all-reduced across replicas) in ``reduce_dty
 cast back to the master dtype for the optimizer; the loss is computed in ``output_dtype``.
 Mixed-precision training itself: Micikevicius et al. 2018, arXiv 1710.03740, section 3.
 The quantized wire formats of the same collectives (``gather_format``, ``reduce_format``,
-``replica_format``: ZeRO++ qwZ / qgZ) are :class:`zshard.quant.Quant`.
+``replica_format``: ZeRO++ qwZ / qgZ) are :class:`zshard.wire.quant.Quant`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class MixedPrecision:
       reduce_dtype: dtype of the reduce-scatter / all-reduce of gradients. ``None``: ``param_dtype``
         (FSDP's default), or the master dtype when that is ``None`` too.
       output_dtype: dtype the loss is cast to. ``None``: float32.
-      gather_format: a :class:`~zshard.quant.Quant` (or its name): the parameter all-gathers
+      gather_format: a :class:`~zshard.wire.quant.Quant` (or its name): the parameter all-gathers
         over the shard axes move quantized blocks, dequantized to ``param_dtype`` right after
         (ZeRO++ qwZ, forward and backward re-gather; fp32 masters unchanged). ``None``: ``param_dtype``.
       reduce_format: the gradient reduction over the shard axes is an all-to-all of quantized
@@ -66,7 +66,7 @@ class MixedPrecision:
         likewise: across hosts is where it pays. ``None``: in ``reduce_dtype``.
 
     Parameters of rank < 2 and matrices with fewer than ``block`` elements per device keep the
-    unquantized path (:func:`zshard.quant.quantizes`; ``zshard.report`` lists them).
+    unquantized path (:func:`zshard.wire.quant.quantizes`; ``zshard.report`` lists them).
 
     Raises:
       ValueError: a dtype field that is not a floating dtype (an integer ``reduce_dtype``: the
@@ -102,7 +102,7 @@ class MixedPrecision:
     @property
     def error_feedback(self) -> bool:
         """``reduce_format`` is set with ``error_feedback=True``: the step keeps a residual per
-        quantized parameter (``ShardedState.feedback``, :func:`zshard.quant.reduce_scatter_feedback`)."""
+        quantized parameter (``ShardedState.feedback``, :func:`zshard.wire.quant.reduce_scatter_feedback`)."""
         return self.reduce_format is not None and self.reduce_format.error_feedback
 
     def gather_dtype(self, master) -> np.dtype:

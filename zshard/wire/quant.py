@@ -77,7 +77,7 @@ class Quant:
         two shards.
       error_feedback: ``reduce_format`` only: each device keeps what quantizing its gradient
         dropped (an fp32 residual ``[n_pad]`` per quantized parameter, ``ShardedState.feedback``,
-        zshard/feedback.py) and adds it to its next gradient before quantizing (:func:`reduce_scatter_feedback`;
+        zshard/wire/feedback.py) and adds it to its next gradient before quantizing (:func:`reduce_scatter_feedback`;
         1-bit SGD, Seide et al. 2014; EF-SGD, Karimireddy et al. 2019, arXiv 1901.09847; LoCo,
         arXiv 2407.04480). ``replica_format`` and ``gather_format`` refuse it.
 
@@ -155,7 +155,7 @@ def quantize(x: jax.Array, fmt: Quant, amax_axes: tuple[str, ...] = ()) -> tuple
     """
     n = x.shape[-1]
     if n % fmt.multiple:
-        raise ValueError(f"zshard.quant: a buffer of {n} elements does not split into blocks of {fmt.multiple} "
+        raise ValueError(f"zshard.wire.quant: a buffer of {n} elements does not split into blocks of {fmt.multiple} "
                          f"({fmt.label}); pad it to {-(-n // fmt.multiple) * fmt.multiple}")
     lead = x.shape[:-1]
     width = fmt.block or n
@@ -271,7 +271,7 @@ def all_reduce(x: jax.Array, axes: tuple[str, ...], fmt: Quant) -> jax.Array:
 
 
 def quantizes(fmt: Quant | None, rec, parts: int) -> bool:
-    """Whether ``fmt`` quantizes parameter ``rec`` (a :class:`~zshard.flat.ParamLayout`) when its
+    """Whether ``fmt`` quantizes parameter ``rec`` (a :class:`~zshard.params.flat.ParamLayout`) when its
     buffer is split over ``parts`` devices: a floating matrix (rank >= 2 per layer) with at least
     ``block`` elements per device (tensorwise: at least one). Norms, biases and small matrices
     move in the dtype they would without a format."""

@@ -4,10 +4,10 @@
 shard is all-gathered and its gradient reduce-scattered over, the axes it is replicated over,
 the dtypes on the wire, the quantized format of each collective *where that format quantizes
 this parameter* (``None`` elsewhere: its shape, the devices its buffer splits over and the
-format's block decide, :func:`zshard.quant.quantizes`), whether it travels in tensor pieces
-([Note: tensor pieces], zshard/collectives.py) and whether error feedback keeps a residual
+format's block decide, :func:`zshard.wire.quant.quantizes`), whether it travels in tensor pieces
+([Note: tensor pieces], zshard/wire/collectives.py) and whether error feedback keeps a residual
 for it. :func:`resolve_wires` fills the records from the strategy, the mesh axes
-(:class:`~zshard.axes.MeshAxes`), the mixed precision and the formats; the planner calls it
+(:class:`~zshard.mesh.axes.MeshAxes`), the mixed precision and the formats; the planner calls it
 once (``Plan.wires``). The collectives, hpZ and the gradient exit read the record and never
 decide again (PyTorch FSDP2: a parameter group's collective options are fixed by
 ``fully_shard`` and passed to ``foreach_all_gather`` / ``foreach_reduce`` as values). A new format
@@ -45,7 +45,7 @@ class ParamWire:
         them and its gradient is summed over them as the gradient exit says.
       gather_dtype: the dtype it is all-gathered and computed in (``param_dtype`` for floats).
       reduce_dtype: the dtype its gradient is reduced in (``reduce_dtype``).
-      gather_format: the :class:`~zshard.quant.Quant` of its all-gather (qwZ), or ``None``: plain.
+      gather_format: the :class:`~zshard.wire.quant.Quant` of its all-gather (qwZ), or ``None``: plain.
       reduce_format: the format of its shard-axis gradient reduction (qgZ), or ``None``.
       replica_format: the format of its replica-axis gradient reduction, or ``None``.
       pieces: split over ``tensor``: gathered and reduce-scattered piece by piece.
@@ -72,7 +72,7 @@ class ParamWire:
 
 def resolve_wire(rec, mp: MixedPrecision, shard_axes: tuple[str, ...], replica_axes: tuple[str, ...], num_shards: int,
                  world: int) -> ParamWire:
-    """The :class:`ParamWire` of parameter ``rec`` (a :class:`~zshard.flat.ParamLayout`).
+    """The :class:`ParamWire` of parameter ``rec`` (a :class:`~zshard.params.flat.ParamLayout`).
 
     ``num_shards``: ``N``, the devices of ``shard_axes`` (the gather and the shard-axis reduction
     split the buffer ``N`` ways); ``world``: the data devices (the replica reduction's all-to-all
@@ -114,13 +114,13 @@ class UnitComm:
       replica_axes: mesh axes the parameters are replicated over: a gradient is summed over
         them as ``replica_reduce`` says, and a gathered parameter is marked varying over them
         (its gradient stays each replica's own until it is reduced).
-      replica_reduce: the step's :class:`~zshard.strategy.ReplicaReduce`.
+      replica_reduce: the step's :class:`~zshard.mesh.strategy.ReplicaReduce`.
       replica_parts: ``R``, devices along ``replica_axes`` (``TO_SLICES``: the gradient shard
         ``[n_pad/S]`` is reduce-scattered into ``R`` slices ``[n_pad/(R*S)]``).
       mp: the :class:`~zshard.MixedPrecision` (what the wires were resolved from).
-      remat: the activation-checkpointing policy inside a unit (:func:`zshard.unit_call.checkpointed`).
+      remat: the activation-checkpointing policy inside a unit (:func:`zshard.programs.unit_call.checkpointed`).
       reshard: reshard after forward (FULL_SHARD, HYBRID_SHARD): backward gathers again.
-      hpz: ZeRO++ hpZ (zshard/hpz.py): forward keeps ``[n_pad/S]`` slices; backward gathers them over ``shard``.
+      hpz: ZeRO++ hpZ (zshard/wire/hpz.py): forward keeps ``[n_pad/S]`` slices; backward gathers them over ``shard``.
       wires: parameter path -> its :class:`ParamWire` (``Plan.wires``).
     """
 
@@ -169,6 +169,6 @@ class UnitComm:
 
     @property
     def exit(self) -> GradExit:
-        """The step's :class:`~zshard.grad_exit.GradExit`: how every unit's gradients leave."""
+        """The step's :class:`~zshard.wire.grad_exit.GradExit`: how every unit's gradients leave."""
         to_slices = self.replica_reduce is ReplicaReduce.TO_SLICES
         return GradExit(self.replica_reduce, self.replica_axes, self.replica_parts if to_slices else 1, self.mp.error_feedback)
