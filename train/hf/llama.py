@@ -131,13 +131,20 @@ def ends(mc) -> dict[str, Map]:
     return out
 
 
+def block_tensors(mc, i: int) -> dict[str, Map]:
+    """Block ``i``'s two norms and its attention (every Llama-like decoder's, dense or MoE)."""
+    b, L = f"blocks.{i}.", f"model.layers.{i}."
+    out = {b + "attn_norm.scale": Map((L + "input_layernorm.weight",))}
+    out.update(attention_tensors(mc, i, b + "attn.", L + "self_attn."))
+    out[b + "mlp_norm.scale"] = Map((L + "post_attention_layernorm.weight",))
+    return out
+
+
 def tensors(mc: LlamaConfig, names=None) -> dict[str, Map]:
     out = ends(mc)
     for i in range(mc.n_layers):
         b, L = f"blocks.{i}.", f"model.layers.{i}."
-        out[b + "attn_norm.scale"] = Map((L + "input_layernorm.weight",))
-        out.update(attention_tensors(mc, i, b + "attn.", L + "self_attn."))
-        out[b + "mlp_norm.scale"] = Map((L + "post_attention_layernorm.weight",))
+        out.update(block_tensors(mc, i))
         out[b + "mlp.w_gate_up.kernel"] = Map((L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight"), transpose=True, stack=2)
         out[b + "mlp.w_down.kernel"] = Map((L + "mlp.down_proj.weight",), transpose=True)
     return out

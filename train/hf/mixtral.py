@@ -25,7 +25,8 @@ width; Mixtral has no dense MLP), ``router_aux_loss_coef`` -> ``router_aux_coef`
 from __future__ import annotations
 
 from train.hf.files import ConfigReader, Map
-from train.hf.llama import attention_tensors, decoder_config, decoder_fields, ends, hf_rope, parse_rope
+from train.hf.llama import block_tensors, decoder_config, decoder_fields, ends, hf_rope, parse_rope
+from train.hf.qwen3_moe import expert_tensors
 from train.models.moe import MoEConfig
 
 __all__ = ["MODEL_TYPES", "config", "tensors", "hf_config"]
@@ -52,17 +53,13 @@ def tensors(mc: MoEConfig, names=None) -> dict[str, Map]:
     del names
     out = ends(mc)
     for i in range(mc.n_layers):
-        b, L = f"blocks.{i}.", f"model.layers.{i}."
-        out[b + "attn_norm.scale"] = Map((L + "input_layernorm.weight",))
-        out.update(attention_tensors(mc, i, b + "attn.", L + "self_attn."))
-        out[b + "mlp_norm.scale"] = Map((L + "post_attention_layernorm.weight",))
-        x = L + "block_sparse_moe."
-        out[b + "moe.router.kernel"] = Map((x + "gate.weight",), transpose=True)
-        gate_up = tuple(f"{x}experts.{e}.{w}.weight" for e in range(mc.n_experts) for w in ("w1", "w3"))
-        out[b + "moe.w_gate_up"] = Map(gate_up, transpose=True, experts=mc.n_experts)
-        out[b + "moe.w_down"] = Map(tuple(f"{x}experts.{e}.w2.weight" for e in range(mc.n_experts)), transpose=True,
-                                    experts=mc.n_experts)
+        x = f"model.layers.{i}.block_sparse_moe."
+        out.update(block_tensors(mc, i))
+        out.update(expert_tensors(mc, f"blocks.{i}.", x + "gate.weight", lambda e, part: f"{x}experts.{e}.{W[part]}.weight"))
     return out
+
+
+W = {"gate": "w1", "up": "w3", "down": "w2"}  # Mixtral's names of each expert's SwiGLU weights
 
 
 def hf_config(mc: MoEConfig) -> dict:

@@ -16,7 +16,7 @@ loads too; :func:`train.hf.to_hf` writes the per-expert names.
 
 from __future__ import annotations
 
-from train.hf.llama import attention_tensors, decoder_config, decoder_fields, ends, hf_rope, parse_rope
+from train.hf.llama import block_tensors, decoder_config, decoder_fields, ends, hf_rope, parse_rope
 from train.hf.files import ConfigReader, Map
 from train.models.moe import MoEConfig
 
@@ -49,20 +49,28 @@ def tensors(mc: MoEConfig, names=None) -> dict[str, Map]:
     out = ends(mc)
     for i in range(mc.n_layers):
         b, L = f"blocks.{i}.", f"model.layers.{i}."
-        out[b + "attn_norm.scale"] = Map((L + "input_layernorm.weight",))
-        out.update(attention_tensors(mc, i, b + "attn.", L + "self_attn."))
-        out[b + "mlp_norm.scale"] = Map((L + "post_attention_layernorm.weight",))
-        out[b + "moe.router.kernel"] = Map((L + "mlp.gate.weight",), transpose=True)
+        out.update(block_tensors(mc, i))
         x = L + "mlp.experts."
         if names is not None and x + "gate_up_proj" in names:  # fused: [E, 2F, C] and [E, C, F]
+            out[b + "moe.router.kernel"] = Map((L + "mlp.gate.weight",), transpose=True)
             out[b + "moe.w_gate_up"] = Map((x + "gate_up_proj",), transpose=True)
             out[b + "moe.w_down"] = Map((x + "down_proj",), transpose=True)
             continue
-        gate_up = tuple(f"{x}{e}.{p}_proj.weight" for e in range(mc.n_experts) for p in ("gate", "up"))
-        out[b + "moe.w_gate_up"] = Map(gate_up, transpose=True, experts=mc.n_experts)
-        out[b + "moe.w_down"] = Map(tuple(f"{x}{e}.down_proj.weight" for e in range(mc.n_experts)), transpose=True,
-                                    experts=mc.n_experts)
+        out.update(expert_tensors(mc, b, L + "mlp.gate.weight", lambda e, part: f"{x}{e}.{part}_proj.weight"))
     return out
+
+
+def expert_tensors(mc: MoEConfig, b: str, router: str, expert) -> dict[str, Map]:
+    """The MoE layer ``b`` (``"blocks.{i}."``) from one Hugging Face tensor per expert: the router
+    ``[E, C]`` (``router``, transposed to ``[C, E]``), ``w_gate_up`` ``[E, C, 2F]`` (each expert's gate
+    then up ``[F, C]``, transposed) and ``w_down`` ``[E, F, C]`` (each expert's down ``[C, F]``);
+    ``expert(e, part)``: the name of expert ``e``'s ``part`` in ``("gate", "up", "down")``."""
+    E = mc.n_experts
+    return {
+        b + "moe.router.kernel": Map((router,), transpose=True),
+        b + "moe.w_gate_up": Map(tuple(expert(e, p) for e in range(E) for p in ("gate", "up")), transpose=True, experts=E),
+        b + "moe.w_down": Map(tuple(expert(e, "down") for e in range(E)), transpose=True, experts=E),
+    }
 
 
 def hf_config(mc: MoEConfig) -> dict:
