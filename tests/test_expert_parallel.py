@@ -228,6 +228,16 @@ def test_fetch_params_and_forward_see_all_experts(runs):
     np.testing.assert_allclose(np.asarray(got), np.asarray(full(x)), rtol=1e-5, atol=1e-6)
 
 
+def test_the_trace_returns_the_moe_calls_also_from_the_cache(runs):
+    """``TraceInfo.experts`` holds the ``zshard.moe`` calls of the step; a second trace (answered
+    from jax's cache, no body traced) returns the same, so ``zshard.report`` can count the dispatch."""
+    r = runs["full-2x2x2"]
+    first = r.step.trace(r.state, DATA[0])[1].experts
+    again = r.step.trace(r.state, DATA[0])[1].experts
+    assert first and first == again
+    assert {(c.experts, c.groups, c.local_experts) for c in first} == {(E, 2, E // 2)}
+
+
 # --- the plan: the three ways of naming expert parameters -------------------------------------------------
 
 

@@ -318,13 +318,11 @@ def report(step, state, batch) -> Report:
 
 def _moe_calls(step, state, batch) -> list | None:
     """``[(None, MoE layers per step, MoECall)]`` for :func:`dispatch_formula`: the ``zshard.moe`` call
-    the step's trace records (``zshard.moe.recording``), once per block unit holding expert parameters
-    (its layers: a scanned stack traces its body once). ``None`` when the trace recorded no call (a
-    trace jax had cached) or calls of different shapes."""
-    from zshard.moe import recording  # noqa: PLC0415  (the op's module; report reads its record)
-
-    with recording() as calls:
-        step.trace(state, batch)
+    the step's trace found (``TraceInfo.experts``), once per block unit holding expert parameters
+    (its layers: a scanned stack traces its body once). ``None`` when the trace found no call or
+    calls of different shapes."""
+    _, trace = step.trace(state, batch)
+    calls = trace.experts
     if len(set(calls)) != 1:
         return None
     plan = state.plan

@@ -87,7 +87,7 @@ def _forward(state: ShardedState, params: dict, variables: dict, fn: Callable, *
 
     with body_tracing(plan, split) as record:
         out, _ = jax.vjp(run, floats)
-    check_split(split, record)  # split sequences and no zshard.attention: refused
+    check_split(split, record.sequence)  # split sequences and no zshard.attention: refused
     return out, TraceInfo.of(record)
 
 

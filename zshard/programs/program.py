@@ -44,7 +44,7 @@ from zshard.moe import recording
 from zshard.params.units import path_str
 from zshard.programs.step_config import StepConfig
 
-__all__ = ["ShardedProgram", "TraceInfo", "body_tracing", "check_expert_calls", "run_sharded", "trace_key"]
+__all__ = ["BodyTrace", "ShardedProgram", "TraceInfo", "body_tracing", "check_expert_calls", "run_sharded", "trace_key"]
 
 
 @jax.tree_util.register_static
@@ -59,27 +59,40 @@ class TraceInfo:
         ``zshard.attention`` call on a split sequence, in the order traced (the context formula
         of :func:`zshard.report` counts them).
       asked: the model or the loss asked for :func:`zshard.positions`.
+      experts: the :class:`zshard.moe.MoECall` of each ``zshard.moe`` call, in the order traced
+        (the dispatch formula of :func:`zshard.report` reads them). Returned with the trace, so a
+        trace jax answers from its cache still says what it found.
     """
 
     split: SequenceSplit | None = None
     calls: tuple = ()
     asked: bool = False
+    experts: tuple = ()
 
     @classmethod
-    def of(cls, record: SequenceTrace | None) -> "TraceInfo":
-        """The frozen summary of a :class:`~zshard.context.sequence.SequenceTrace` (``None``: nothing recorded)."""
+    def of(cls, body: "BodyTrace") -> "TraceInfo":
+        """The frozen summary of what :func:`body_tracing` recorded."""
+        record = body.sequence
         if record is None:
-            return cls()
-        return cls(record.split, tuple(record.calls), bool(record.asked))
+            return cls(experts=tuple(body.experts))
+        return cls(record.split, tuple(record.calls), bool(record.asked), tuple(body.experts))
+
+
+@dataclasses.dataclass
+class BodyTrace:
+    """What :func:`body_tracing` records: the sequence split's record and the ``zshard.moe`` calls."""
+
+    sequence: SequenceTrace | None
+    experts: list
 
 
 @contextlib.contextmanager
 def body_tracing(plan, split: SequenceSplit | None):
-    """What every program body traces under: the sequence split's record
-    (:func:`zshard.context.sequence.tracing`, yielded) and the :func:`zshard.moe.recording` of the
+    """What every program body traces under, yielded as a :class:`BodyTrace`: the sequence split's
+    record (:func:`zshard.context.sequence.tracing`) and the :func:`zshard.moe.recording` of the
     ``zshard.moe`` calls, checked on leaving (:func:`check_expert_calls`), before any compile."""
     with tracing(split, plan.data_axes) as record, recording() as calls:
-        yield record
+        yield BodyTrace(record, calls)
     check_expert_calls(plan, calls)
 
 

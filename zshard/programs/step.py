@@ -209,7 +209,7 @@ def _local_step(plan: Plan, config: StepConfig, state: ShardedState, batch, spli
     that trace found (the attention calls per unit)."""
     with body_tracing(plan, split) as record:  # zshard.moe's calls checked too: expert parameters through it
         out = _step_body(plan, config, state, batch)
-    check_split(split, record, context_size(plan.mesh), config.sequence_axis is not None)  # a context axis nothing reads: refused
+    check_split(split, record.sequence, context_size(plan.mesh), config.sequence_axis is not None)  # a context axis nothing reads: refused
     return out, TraceInfo.of(record)
 
 
