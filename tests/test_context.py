@@ -383,21 +383,17 @@ def test_plan_cli_with_a_context_axis(capsys):
     """``python -m train.plan --context C``: the scanned GPT-2 preset's step on 1 x 2 x 2 emulated devices; its
     ``context`` row measured = formula (calls in a scanned unit counted once per layer, not again when the scan is
     differentiated); a sequence that does not split into 2C chunks refused before compiling."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from test_plan import planned  # noqa: PLC0415  (python -m train.plan's main in this process)
 
-    root = Path(__file__).resolve().parent.parent
-    base = [sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "1x2", "--context", "2", "--batch-size", "2"]
-    out = subprocess.run(base + ["--seq-len", "64"], cwd=root, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    row = re.search(r"^\| context \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|(?: [^|]* \|)?$", out.stdout, re.M)  # (+ moves)
-    assert row and float(row.group(1)) > 0 and row.group(3) == "1.0000", out.stdout[-2500:]
-    assert "each sequence split over context 2 (32 tokens per device)" in out.stdout and "FITS" in out.stdout
-    from train import plan  # noqa: PLC0415  (refused before compiling: in this process, no second interpreter)
+    from train import plan  # noqa: PLC0415
 
-    with pytest.raises(SystemExit) as e:
-        plan.main(base[3:] + ["--seq-len", "62"])
+    base = ["--model", "gpt2-124m", "--mesh", "1x2", "--context", "2", "--batch-size", "2"]
+    out = planned(base + ["--seq-len", "64"])
+    row = re.search(r"^\| context \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|(?: [^|]* \|)?$", out, re.M)  # (+ moves)
+    assert row and float(row.group(1)) > 0 and row.group(3) == "1.0000", out[-2500:]
+    assert "each sequence split over context 2 (32 tokens per device)" in out and "FITS" in out
+    with pytest.raises(SystemExit) as e:  # refused before compiling
+        plan.main(base + ["--seq-len", "62"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--seq-len 62 must divide by 2 x --context = 4" in err, err[-500:]
 

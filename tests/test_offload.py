@@ -268,14 +268,14 @@ def test_report_splits_device_and_host_bytes_against_the_formulas():
 
 
 def test_plan_tool_prints_device_and_host_bytes():
-    cmd = [sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "1x8", "--seq-len", "64", "--offload", "optimizer"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-2000:]
+    from test_plan import planned  # noqa: PLC0415  (python -m train.plan's main in this process)
+
+    out = planned(["--model", "gpt2-124m", "--mesh", "1x8", "--seq-len", "64", "--offload", "optimizer"])
     n = 124_439_808 - 12 * 2304 - (1024 - 64) * 768  # as tests/test_plan.py counts GPT-2 small here
-    assert "| offload=optimizer | measured MiB | formula MiB |" in out.stdout
-    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("model state per device:"))
+    assert "| offload=optimizer | measured MiB | formula MiB |" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("model state per device:"))
     assert f"(formula {4 * n / 8 / 1e9:.2f} / {8 * n / 8 / 1e9:.2f} GB)" in line, line  # device 4 Psi / N, host 8 Psi / N
-    assert "device peak (argument + output - alias + temp - host state + one parameter's update)" in out.stdout
+    assert "device peak (argument + output - alias + temp - host state + one parameter's update)" in out
 
 
 # --- refused before compiling, named ---------------------------------------------------------------
