@@ -123,3 +123,21 @@ def train_cmd(*args: str) -> list[str]:
 def launch_cmd(*args: str, nproc: int = 2, devices: int = 4, launcher: tuple = ()) -> list[str]:
     return [PY, "-m", "zshard.launch", "--nproc", str(nproc), "--devices-per-proc", str(devices), *launcher, "--",
             "python", "-m", "train", *args]
+
+
+def train_main(argv: list[str]) -> int:
+    """``python -m train``'s ``main`` (train/__main__.py) in this process, for a test that reads what the run
+    wrote rather than how a process ends (a subprocess spent seconds importing jax and the trainer): returns
+    the exit status. The run's ``Stops`` takes SIGINT, SIGTERM, SIGUSR1 and the signal wake-up fd; they are
+    given back to the test process after it. The process's own exit statuses: tests/test_main_job.py,
+    tests/test_preempt.py."""
+    from train.__main__ import main  # noqa: PLC0415
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    wakeup = signal.set_wakeup_fd(-1)
+    try:
+        return main([str(a) for a in argv])
+    finally:
+        signal.set_wakeup_fd(wakeup)
+        for s, h in handlers.items():
+            signal.signal(s, h)

@@ -25,6 +25,7 @@ from train import data
 from train.checkpointing import BatchStream
 
 from conftest import ROOT
+from runs import train_main
 
 TX = optax.adamw(1e-2, weight_decay=0.1)
 
@@ -424,22 +425,22 @@ def _run_until_killed(cmd, when):
         proc.kill()
 
 
-def test_resume_after_sigkill_is_exact(tmp_path, corpus):
+def test_resume_after_sigkill_is_exact(tmp_path, corpus, capfd):
     """20 steps straight == 10 steps, SIGKILL while checkpoint 15 is being written, --resume
     from 10 (the half-written 15 is never picked up) for the last 10: the same metrics.jsonl
-    losses, bit for bit."""
+    losses, bit for bit. The killed run is a process; the other two are python -m train's main in
+    this process (tests/runs.py's ``train_main``)."""
     straight = tmp_path / "straight"
-    res = subprocess.run(_train(corpus, straight), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert train_main(_train(corpus, straight)[3:]) == 0  # python -m train's main in this process (tests/runs.py)
     want = _losses(straight)
     assert [s for s, loss, _ in want if loss is not None] == list(range(1, 21))
 
     out, ck = tmp_path / "killed", ["--ckpt-every", "5", "--keep", "2"]
     _run_until_killed(_train(corpus, out, *ck), lambda: (out / "checkpoints" / "15.orbax-checkpoint-tmp").exists())
     assert zshard.checkpoint.Checkpointer(out / "checkpoints").all_steps() == [5, 10]
-    res = subprocess.run(_train(corpus, out, *ck, "--resume"), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "continuing from step 10" in res.stderr
+    capfd.readouterr()
+    assert train_main(_train(corpus, out, *ck, "--resume")[3:]) == 0
+    assert "continuing from step 10" in capfd.readouterr().err
     assert _losses(out) == want  # bitwise: floats read back from JSON exactly
     assert zshard.checkpoint.Checkpointer(out / "checkpoints").all_steps() == [15, 20]
 

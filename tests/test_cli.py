@@ -1,6 +1,7 @@
 """``python -m train`` as users watch it: TensorBoard events, samples, the resolved config
-(rerun gives the same losses), ``python -m train.plot``, and Ctrl-C. Three subprocess runs
-of the nano model, shared between the checks."""
+(rerun gives the same losses), ``python -m train.plot``, and Ctrl-C. One subprocess run of the nano
+model, shared between the checks (and the Ctrl-C run's); the rerun and the ``unit = "ends"`` run are
+``python -m train``'s main in this process (tests/runs.py's ``train_main``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 import zshard.checkpoint
 
 from conftest import ROOT
+from runs import train_main
 STEPS, EVERY, SAMPLE_BYTES = 8, 4, 24
 ARGS = ["--config", str(ROOT / "train" / "configs" / "nano.toml"), "--steps", str(STEPS), "--eval-every", str(EVERY),
         "--sample-every", str(EVERY), "--sample-tokens", str(SAMPLE_BYTES), "--seq-len", "32", "--eval-batches", "2", "--warmup", "2", "--lr", "3e-3"]
@@ -92,8 +94,7 @@ def test_resolved_config_repeats_the_run_exactly(run, tmp_path):
     assert resolved["mesh"] == {"devices": 8, "shape": "2x4", "strategy": "HYBRID_SHARD", "unit": "blocks"}
     assert resolved["training"]["steps"] == STEPS and resolved["model"]["seq_len"] == 32
     again = tmp_path / "again"
-    res = train("--config", str(out / "config.toml"), "--out", str(again))
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert train_main(["--config", out / "config.toml", "--out", again]) == 0  # in this process: the same numbers as the subprocess's
     untimed = lambda records: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_time_s")} for r in records]  # noqa: E731
     assert untimed(read_metrics(again)) == untimed(read_metrics(out))  # losses, grad norms, lr, eval losses: exact
     assert (again / "samples.txt").read_text() == (out / "samples.txt").read_text()
@@ -111,8 +112,7 @@ def test_wrap_policy_ends_trains_the_same_model(run, tmp_path):
     cfg["training"]["steps"] = 3  # warmup (2, at most steps - 1) as in the run: its first two steps are these
     path = tmp_path / "ends.toml"
     path.write_text(tomli_w.dumps(cfg))
-    res = train("--config", str(path), "--out", str(tmp_path / "ends"))
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert train_main(["--config", path, "--out", tmp_path / "ends"]) == 0
     ends = [r for r in read_metrics(tmp_path / "ends") if "loss" in r][:2]
     blocks = [r for r in read_metrics(out) if "loss" in r][:2]
     assert [r["step"] for r in ends] == [r["step"] for r in blocks] == [1, 2]
@@ -156,7 +156,7 @@ def test_progress_in_a_log_is_plain_lines_and_saving_is_a_phase_of_its_own(run):
     assert s["tokens_per_s"] == pytest.approx(s["tokens_per_step"] * STEPS / (s["train_s"] - s["eval_s"] - s["save_s"]))
 
 
-def test_resume_of_a_finished_run_without_checkpoints_changes_nothing_and_init_from_takes_its_weights(run, tmp_path):
+def test_resume_of_a_finished_run_without_checkpoints_changes_nothing_and_init_from_takes_its_weights(run, tmp_path, capsys, monkeypatch):
     """--resume in a finished run that kept no checkpoint is refused before anything compiles,
     naming what the folder holds and the fixes; every file stays byte for byte. --init-from
     RUN (a path relative to the working folder) starts a new run from its weights: the new run's
@@ -174,19 +174,19 @@ def test_resume_of_a_finished_run_without_checkpoints_changes_nothing_and_init_f
     before = hashes()
     assert {"metrics.jsonl", "summary.json", "model.safetensors", "config.toml", "samples.txt"} <= before.keys()
     assert any(k.startswith("tb/") for k in before) and not (out / "checkpoints").exists()
-    res = train("--config", str(out / "config.toml"), "--out", str(out), "--resume", timeout=300)
-    assert res.returncode == 2, res.stderr[-3000:]
-    err = [line for line in res.stderr.splitlines() if line.startswith("python -m train")]
+    from test_train import refused  # noqa: PLC0415  (python -m train's checks in this process: exit 2, one line)
+
+    err = refused(["--config", str(out / "config.toml"), "--out", str(out), "--resume"], capsys).strip().splitlines()
     assert err == [f"python -m train: error: --resume: {str(out)!r} holds a finished run ({STEPS} of {STEPS} steps, weights in "
                    "model.safetensors): config.toml, metrics.jsonl, model.safetensors, samples.txt, summary.json, tb/, and no "
                    "complete checkpoint to continue from; nothing was changed. Give --out NEW for a new run, or --out NEW "
-                   f"--init-from {out} to start one from its weights"], res.stderr[-3000:]
+                   f"--init-from {out} to start one from its weights"], err
     assert hashes() == before
 
     new = tmp_path / "new"
-    res = train(*ARGS, "--data", str(json.loads((out / "summary.json").read_text())["config"]["data"]["path"]), "--steps", "1",
-                "--eval-every", "0", "--sample-every", "0", "--init-from", os.path.relpath(out, ROOT), "--out", str(new))
-    assert res.returncode == 0, res.stderr[-3000:]
+    monkeypatch.chdir(ROOT)  # the working folder the relative --init-from is read from (main in this process: runs.train_main)
+    assert train_main([*ARGS, "--data", json.loads((out / "summary.json").read_text())["config"]["data"]["path"], "--steps", "1",
+                       "--eval-every", "0", "--sample-every", "0", "--init-from", os.path.relpath(out, ROOT), "--out", new]) == 0
     first, last = json.loads((new / "summary.json").read_text()), json.loads((out / "summary.json").read_text())
     assert first["initial_eval_loss"] == pytest.approx(last["final_eval_loss"], rel=1e-5)
     assert first["model"]["preset"] is None and first["model"]["init_from"] == str(out)

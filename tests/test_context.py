@@ -383,21 +383,17 @@ def test_plan_cli_with_a_context_axis(capsys):
     """``python -m train.plan --context C``: the scanned GPT-2 preset's step on 1 x 2 x 2 emulated devices; its
     ``context`` row measured = formula (calls in a scanned unit counted once per layer, not again when the scan is
     differentiated); a sequence that does not split into 2C chunks refused before compiling."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    from test_plan import planned  # noqa: PLC0415  (python -m train.plan's main in this process)
 
-    root = Path(__file__).resolve().parent.parent
-    base = [sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "1x2", "--context", "2", "--batch-size", "2"]
-    out = subprocess.run(base + ["--seq-len", "64"], cwd=root, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    row = re.search(r"^\| context \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|(?: [^|]* \|)?$", out.stdout, re.M)  # (+ moves)
-    assert row and float(row.group(1)) > 0 and row.group(3) == "1.0000", out.stdout[-2500:]
-    assert "each sequence split over context 2 (32 tokens per device)" in out.stdout and "FITS" in out.stdout
-    from train import plan  # noqa: PLC0415  (refused before compiling: in this process, no second interpreter)
+    from train import plan  # noqa: PLC0415
 
-    with pytest.raises(SystemExit) as e:
-        plan.main(base[3:] + ["--seq-len", "62"])
+    base = ["--model", "gpt2-124m", "--mesh", "1x2", "--context", "2", "--batch-size", "2"]
+    out = planned(base + ["--seq-len", "64"])
+    row = re.search(r"^\| context \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|(?: [^|]* \|)?$", out, re.M)  # (+ moves)
+    assert row and float(row.group(1)) > 0 and row.group(3) == "1.0000", out[-2500:]
+    assert "each sequence split over context 2 (32 tokens per device)" in out and "FITS" in out
+    with pytest.raises(SystemExit) as e:  # refused before compiling
+        plan.main(base + ["--seq-len", "62"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--seq-len 62 must divide by 2 x --context = 4" in err, err[-500:]
 
@@ -407,11 +403,13 @@ def test_plan_cli_with_a_context_axis(capsys):
 
 def test_main_job_with_a_context_axis_equals_the_1x8_run(tmp_path):
     """``python -m train --mesh 1x4 --context 2``: the same losses and eval losses as ``--mesh 1x8`` (the nano GPT,
-    same batches and weights; each sequence split over context, the rows over replica x shard)."""
+    same batches and weights; each sequence split over context, the rows over replica x shard). Both runs are
+    ``python -m train``'s ``main`` in this process (tests/runs.py's ``train_main``: two subprocesses spent 26 s of
+    CPU, against 8 s)."""
     import json
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from runs import train_main  # noqa: PLC0415
 
     root = Path(__file__).resolve().parent.parent
     corpus = tmp_path / "corpus.txt"
@@ -419,10 +417,8 @@ def test_main_job_with_a_context_axis_equals_the_1x8_run(tmp_path):
     runs = {}
     for name, flags in (("context", ["--mesh", "1x4", "--context", "2"]), ("rows", ["--mesh", "1x8"])):
         out = tmp_path / name
-        res = subprocess.run([sys.executable, "-m", "train", "--model", "nano", "--steps", "4", "--seq-len", "32", "--batch-size", "8",
-                              "--data", str(corpus), "--eval-every", "2", "--sample-tokens", "4", "--out", str(out), *flags],
-                             cwd=root, capture_output=True, text=True, timeout=600)
-        assert res.returncode == 0, res.stderr[-3000:]
+        assert train_main(["--model", "nano", "--steps", "4", "--seq-len", "32", "--batch-size", "8", "--data", corpus,
+                           "--eval-every", "2", "--sample-tokens", "4", "--out", out, *flags]) == 0
         runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert json.loads((tmp_path / "context" / "summary.json").read_text())["mesh"] == {"replica": 1, "shard": 4, "context": 2}
     for key in ("loss", "eval_loss"):

@@ -3,23 +3,23 @@ uint16 / uint32 tokens and ``.npy`` 1-D arrays, with ``--vocab-size`` (train/dat
 
 In-process: loading (memory-mapped, every dtype and suffix), the Grain batches over a memmap
 (processes' rows make the global batch) and every bad input's one-line error through
-``python -m train``'s own checks (``validate``), nothing written. Subprocess runs of the nano
-model: a token file trains with its vocabulary, and resume after a checkpoint is bitwise."""
+``python -m train``'s own checks (``validate``), nothing written. Runs of the nano model (``python -m
+train``'s main in this process): a token file trains with its vocabulary, and resume after a checkpoint
+is bitwise."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
+import types
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from conftest import ROOT
+from runs import train_main
 from train import data
 from train.output import format_sample
 
@@ -157,9 +157,12 @@ def test_token_prompt_and_sample_text():
     assert text.splitlines()[1] == "abc?"
 
 
-def train(*args, timeout=600):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+def train(capfd, *args):
+    """``python -m train``'s main in this process (tests/runs.py's ``train_main``; a subprocess per run spent
+    seconds importing jax and the trainer): its exit status and what it wrote on stderr."""
+    capfd.readouterr()
+    code = train_main(list(args))
+    return types.SimpleNamespace(returncode=code, stderr=capfd.readouterr().err)
 
 
 def _assert_trained_with_vocabulary(res, out, vocab: int, steps: int):
@@ -179,13 +182,13 @@ def _assert_trained_with_vocabulary(res, out, vocab: int, steps: int):
     assert "nats/token" in res.stderr.splitlines()[-1]
 
 
-def test_token_file_trains_with_its_vocabulary(tmp_path):
+def test_token_file_trains_with_its_vocabulary(tmp_path, capfd):
     """A .bin of uint32 ids above 65535 (--token-dtype): the model's vocabulary is the file's. (A .npy
     of uint16 ids, vocabulary 300: test_token_file_resume_is_bitwise's first run, one run fewer.)"""
     vocab = 70_000
     path = write_tokens(tmp_path / "tokens.bin", pattern(6_000, vocab), "uint32")
     out = tmp_path / "run"
-    res = train(*SMALL, "--steps", "6", "--lr", "0.01", "--eval-every", "0", "--data", str(path), "--vocab-size", str(vocab),
+    res = train(capfd, *SMALL, "--steps", "6", "--lr", "0.01", "--eval-every", "0", "--data", str(path), "--vocab-size", str(vocab),
                 "--token-dtype", "uint32", "--out", str(out))
     _assert_trained_with_vocabulary(res, out, vocab, 6)
 
@@ -194,7 +197,7 @@ def _losses(out):
     return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
 
 
-def test_token_file_resume_is_bitwise(tmp_path):
+def test_token_file_resume_is_bitwise(tmp_path, capfd):
     """8 steps straight (checkpoints 4 and 8) == the same run resumed from checkpoint 4: the same
     metrics.jsonl losses bit for bit (the Grain iterator's position comes back from the checkpoint).
     The file is a .npy of uint16 ids, vocabulary 300: the first run is also the .npy case of
@@ -203,12 +206,12 @@ def test_token_file_resume_is_bitwise(tmp_path):
     out = tmp_path / "run"
     args = [*SMALL, "--steps", "8", "--lr", "0.01", "--eval-every", "4", "--data", str(path), "--vocab-size", "300",
             "--ckpt-every", "4", "--out", str(out)]
-    res = train(*args)
+    res = train(capfd, *args)
     _assert_trained_with_vocabulary(res, out, 300, 8)
     want = _losses(out)
     assert [s for s, loss, _ in want if loss is not None] == list(range(1, 9))
     shutil.rmtree(out / "checkpoints" / "8")
-    res = train(*args, "--resume")
+    res = train(capfd, *args, "--resume")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "continuing from step 4" in res.stderr
     assert _losses(out) == want

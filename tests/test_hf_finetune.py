@@ -19,8 +19,8 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT
+from runs import train_main
 from test_hf import FAMILIES, FIXTURES, SAME_CLASS, _state, forward, plain_model
-from test_train import run
 from train.generate import generate, generate_local
 from train.model import from_hf, init_cache
 
@@ -52,11 +52,11 @@ def by_class(names):
 def test_init_from_fine_tunes(name, tokens, tmp_path):
     out = tmp_path / "run"
     sample = SAMPLED.get(name, "0")  # sampling of every family: test_sharded_generation_equals_single_device
-    res = run(tmp_path, "--init-from", str(FIXTURES / name), "--data", str(tokens), "--vocab-size", str(VOCAB),
-              "--seq-len", "16", "--batch-size", "8", "--steps", "4", "--mesh", "2x4", "--strategy", "HYBRID_SHARD",
-              "--lr", "1e-2", "--eval-every", "4", "--eval-batches", "1", "--sample-every", sample, "--sample-tokens", "4",
-              "--prompt", "3 10 17", "--out", str(out))
-    assert res.returncode == 0, res.stderr[-3000:]
+    # python -m train's main in this process (tests/runs.py's train_main: a subprocess per family spent seconds
+    # importing jax and the trainer; the process and its exit status: tests/test_main_job.py)
+    assert train_main(["--init-from", FIXTURES / name, "--data", tokens, "--vocab-size", VOCAB, "--seq-len", "16", "--batch-size", "8",
+                       "--steps", "4", "--mesh", "2x4", "--strategy", "HYBRID_SHARD", "--lr", "1e-2", "--eval-every", "4",
+                       "--eval-batches", "1", "--sample-every", sample, "--sample-tokens", "4", "--prompt", "3 10 17", "--out", out]) == 0
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in steps if "loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0], losses

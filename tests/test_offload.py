@@ -12,8 +12,6 @@ HBM saved and the transfer time are ``python -m train.bench --offload`` on a GPU
 
 import functools
 import re
-import subprocess
-import sys
 import types
 
 import jax
@@ -21,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ROOT, ResMLP, mlp_batches, mse_loss
+from conftest import ResMLP, mlp_batches, mse_loss
 from flax import nnx, traverse_util
 
 import zshard
@@ -268,14 +266,14 @@ def test_report_splits_device_and_host_bytes_against_the_formulas():
 
 
 def test_plan_tool_prints_device_and_host_bytes():
-    cmd = [sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "1x8", "--seq-len", "64", "--offload", "optimizer"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-2000:]
+    from test_plan import planned  # noqa: PLC0415  (python -m train.plan's main in this process)
+
+    out = planned(["--model", "gpt2-124m", "--mesh", "1x8", "--seq-len", "64", "--offload", "optimizer"])
     n = 124_439_808 - 12 * 2304 - (1024 - 64) * 768  # as tests/test_plan.py counts GPT-2 small here
-    assert "| offload=optimizer | measured MiB | formula MiB |" in out.stdout
-    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("model state per device:"))
+    assert "| offload=optimizer | measured MiB | formula MiB |" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("model state per device:"))
     assert f"(formula {4 * n / 8 / 1e9:.2f} / {8 * n / 8 / 1e9:.2f} GB)" in line, line  # device 4 Psi / N, host 8 Psi / N
-    assert "device peak (argument + output - alias + temp - host state + one parameter's update)" in out.stdout
+    assert "device peak (argument + output - alias + temp - host state + one parameter's update)" in out
 
 
 # --- refused before compiling, named ---------------------------------------------------------------
@@ -359,13 +357,14 @@ def test_train_cli_offload_flag_and_config():
 
 
 def test_python_m_train_with_offload_runs(tmp_path, corpus):
+    """``python -m train --offload optimizer+master`` (its ``main`` in this process: tests/runs.py's ``train_main``)."""
     import json
 
+    from runs import train_main  # noqa: PLC0415
+
     out = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "train", "--model", "nano", "--steps", "3", "--seq-len", "32", "--batch-size", "16",
-                          "--data", str(corpus), "--eval-every", "0", "--offload", "optimizer+master", "--param-dtype", "bfloat16",
-                          "--report", "--sample-tokens", "4", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert train_main(["--model", "nano", "--steps", "3", "--seq-len", "32", "--batch-size", "16", "--data", corpus, "--eval-every", "0",
+                       "--offload", "optimizer+master", "--param-dtype", "bfloat16", "--report", "--sample-tokens", "4", "--out", out]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["report"]["offload"]["mode"] == "optimizer+master"
     assert summary["report"]["offload"]["transfer"]["calls"]["device"] > 0

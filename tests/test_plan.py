@@ -4,9 +4,6 @@ import contextlib
 import io
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -20,9 +17,6 @@ from train import plan
 from train.bench.gpu import model_flops_per_token, multiplying_params
 from train.model import GPT, GPTConfig, Llama, LlamaConfig, cross_entropy_loss
 from train.plan_gpu import dot_flops, overlap
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def small_llama():
     cfg = LlamaConfig(vocab_size=256, seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48)
@@ -65,31 +59,41 @@ def test_abstract_init_matches_concrete(strategy):
     assert r_a.per_device_bytes["argument"] == r_c.per_device_bytes["argument"]
 
 
-def test_plan_cli_reports_and_gives_a_verdict(tmp_path):
-    cmd = [sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "2x4", "--strategy", "HYBRID_SHARD",
-           "--seq-len", "64", "--gather-format", "int8", "--replica-format", "int8", "--json", str(tmp_path / "p.json"),
-           "--device-memory-gb", "80"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+def planned(argv: list[str]) -> str:
+    """``python -m train.plan``'s ``main`` in this process (the test process's 8 emulated devices stand: a
+    subprocess spent seconds importing jax and starting its own): asserts the exit status 0, returns stdout.
+    The process's own exit status 0 is tests/test_memory.py's test_plan_cli_unit_ends (and test_sample's --help)."""
+    assert len(jax.devices()) == 8  # the backend runs: plan.main's emulate_devices(mesh size) leaves conftest's 8 devices
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert plan.main([str(a) for a in argv]) == 0
+    return buf.getvalue()
+
+
+def test_plan_cli_reports_and_gives_a_verdict(tmp_path, monkeypatch):
+    out = planned(["--model", "gpt2-124m", "--mesh", "2x4", "--strategy", "HYBRID_SHARD", "--seq-len", "64", "--gather-format", "int8",
+                   "--replica-format", "int8", "--json", tmp_path / "p.json", "--device-memory-gb", "80"])
     summary = json.loads((tmp_path / "p.json").read_text())  # the default --target cpu: the CPU program, fp32
     assert summary["target"] == "cpu" and summary["precision"] == "parameters float32" and summary["attention"]["kernel"] == "xla"
     assert summary["memory"]["temp"] > 0 and summary["collectives"] and summary["flops"] > 0 and "peer" not in summary
     # GPT-2 small (124,439,808 with tied head) without qkv biases (12 x 2304), positions for 64 tokens only
     n = 124_439_808 - 12 * 2304 - (1024 - 64) * 768
-    assert f"HYBRID_SHARD on 2x4 ({n:,} parameters, remat=block, grad_accum=1)" in out.stdout
-    assert "FITS" in out.stdout and "DOES NOT FIT" not in out.stdout
-    assert summary["prediction"]["profile"] == "cpu" and "predicted on cpu: " in out.stdout and summary["micro_batch"] == 1
+    assert f"HYBRID_SHARD on 2x4 ({n:,} parameters, remat=block, grad_accum=1)" in out
+    assert "FITS" in out and "DOES NOT FIT" not in out and summary["fits"]
+    assert summary["prediction"]["profile"] == "cpu" and "predicted on cpu: " in out and summary["micro_batch"] == 1
     # the quantized formats (docs/quantized.md), per axis against the formula
-    assert "gather int8/256, reduce float32 |" in out.stdout, out.stdout[-3000:]
-    assert re.search(r"\| replica \| [0-9.]+ \| [0-9.]+ \| (0\.99|1\.0)\d+ \| reduce int8/256 \|", out.stdout), out.stdout[-3000:]
-    tiny = subprocess.run(cmd[:-1] + ["0.1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert "DOES NOT FIT" in tiny.stdout, tiny.stdout[-1000:]
+    assert "gather int8/256, reduce float32 |" in out, out[-3000:]
+    assert re.search(r"\| replica \| [0-9.]+ \| [0-9.]+ \| (0\.99|1\.0)\d+ \| reduce int8/256 \|", out), out[-3000:]
+    # the other verdict on the TINY Llama (the same comparison of the peak with --device-memory-gb; re-planning
+    # GPT-2 small with 0.1 GB compiled its step a second time)
+    tiny, summary, _ = _plan(monkeypatch, tmp_path, "--mesh", "1x2", "--seq-len", "16", "--device-memory-gb", "0.0001")
+    assert "DOES NOT FIT" in tiny and not summary["fits"], tiny[-1000:]
 
 
 def test_plan_cli_bad_input(capsys):
     """Refused before any compile, in this process (a subprocess per case spent seconds importing
     jax): ``plan.main`` exits with status 2 and names the flag; ``python -m train.plan``'s own exit
-    status is test_plan_cli_reports_and_gives_a_verdict's and tests/test_sample.py's."""
+    status is tests/test_memory.py's test_plan_cli_unit_ends's and tests/test_sample.py's."""
     for argv, needles in (
         (["--model", "llama-9b", "--mesh", "1x2"], ["choose one of gpt2-124m"]),
         (["--model", "gpt2-124m", "--mesh", "2x2", "--batch-size", "6"], ["must divide by the 4 data devices"]),
@@ -118,11 +122,9 @@ def test_plan_bad_target_and_peer(capsys):
 def test_plan_cli_tensor_axis():
     """``--mesh RxSxT``: the preset's TP plan (train.models.tensor_plan), the batch over the
     R*S data devices, the tensor row of the report (Megatron-LM's all-reduce count)."""
-    cmd = [sys.executable, "-m", "train.plan", "--model", "gpt2-124m", "--mesh", "1x2x2", "--seq-len", "64"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "FULL_SHARD on 1x2x2 (" in out.stdout and "global batch 2 x 64 tokens" in out.stdout
-    assert "Megatron-LM's count 5" in out.stdout and "| tensor |" in out.stdout
+    out = planned(["--model", "gpt2-124m", "--mesh", "1x2x2", "--seq-len", "64"])
+    assert "FULL_SHARD on 1x2x2 (" in out and "global batch 2 x 64 tokens" in out
+    assert "Megatron-LM's count 5" in out and "| tensor |" in out
 
 
 # ---------------------------------------------------------------------------------------
