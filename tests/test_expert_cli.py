@@ -72,6 +72,24 @@ def test_expert_count_not_divided_is_refused(capsys, tmp_path):
     assert "use expert = 2, 4" in err, err
 
 
+def test_strategy_without_expert_support_is_one_line(capsys, tmp_path):
+    """``--strategy NO_SHARD --expert 2``: zshard.init's refusal (before compiling) as one line naming
+    ``--strategy``, not a traceback (python -m train's main in this process)."""
+    from runs import train_main  # noqa: PLC0415
+
+    tokens = tmp_path / "seq.bin"
+    (np.arange(4000) % 97).astype(np.uint16).tofile(tokens)
+    with pytest.raises(SystemExit) as e:
+        train_main(["--init-from", FIXTURES / "qwen3_moe", "--data", tokens, "--vocab-size", "100", "--mesh", "1x4",
+                    "--expert", "2", "--strategy", "NO_SHARD", "--batch-size", "8", "--seq-len", "8", "--steps", "1",
+                    "--out", tmp_path / "run"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("python -m train: error: strategy (--strategy) NO_SHARD") and "use FULL_SHARD" in last, err[-2000:]
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv,want", [
     (["--model", "llama-1b", "--mesh", "1x4", "--expert", "2"],
      "--expert 2 (--model llama-1b): expert=2: LlamaConfig has no experts"),
@@ -81,6 +99,8 @@ def test_expert_count_not_divided_is_refused(capsys, tmp_path):
     (["--model", "deepseek-v3", "--mesh", "1x2", "--expert", "2", "--batch-size", "2"],
      "--batch-size 2 must divide by the 4 data devices of the 1x2, expert 2 mesh"),
     (["--model", "qwen3-30b-a3b", "--mesh", "1x2", "--expert", "2", "--peer"], "without --tensor / --context / --expert"),
+    (["--model", "qwen3-30b-a3b", "--mesh", "1x2x2", "--expert", "2"], "expert=2 with tensor=2 is not supported"),
+    (["--model", "qwen3-30b-a3b", "--mesh", "1x2", "--expert", "2", "--context", "2"], "(here: the flags --expert"),
 ])
 def test_plan_refuses_before_compiling(capsys, argv, want):
     """``python -m train.plan --expert X`` (in this process: argparse exits with status 2, nothing compiled)."""

@@ -258,8 +258,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         parser.error(str(e))
     target = "cpu" if fallback else args.target
-    mesh = zshard.make_mesh(replica, shard, tensor=tensor, context=context, devices=devices,
-                            **({"expert": expert} if expert > 1 else {}))  # the expert axis only when there is one
+    try:
+        mesh = zshard.make_mesh(replica, shard, tensor=tensor, context=context, devices=devices,
+                                **({"expert": expert} if expert > 1 else {}))  # the expert axis only when there is one
+    except ValueError as e:  # e.g. expert with tensor or context: refused by make_mesh, named by its flags here
+        parser.error(f"--mesh {mesh_name}: {e} (here: the flags --expert, --tensor / the mesh's third number, --context)")
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
 
     def build():

@@ -163,9 +163,12 @@ class Trainer:
             except checkpointing.ResumeError as e:
                 fail(str(e))
         else:
-            self.state = zshard.init(make_model, tx, setup.mesh, strategy=setup.strategy, mixed_precision=mp,
-                                     params=setup.weights, unit=unit, tensor_parallel=plan,
-                                     offload=run.mesh.offload, **ep)
+            try:  # zshard refuses a combination before compiling (e.g. an expert axis with NO_SHARD): one line, no traceback
+                self.state = zshard.init(make_model, tx, setup.mesh, strategy=setup.strategy, mixed_precision=mp,
+                                         params=setup.weights, unit=unit, tensor_parallel=plan,
+                                         offload=run.mesh.offload, **ep)
+            except ValueError as e:
+                fail(f"strategy (--strategy) {setup.strategy} on the mesh {dict(setup.mesh.shape)}: {e}")
         self.start = 0 if ckpt is None else ckpt.start
         loss_fn, has_aux = loss_for(setup.cfg)  # an MoE adds its router's load-balancing loss (metrics["aux"])
         # mesh.context > 1: each (inputs, targets) sequence split over context (docs/long-sequences.md)
