@@ -195,7 +195,9 @@ def _check(x, router, w_gate_up, w_down, top_k, score, capacity_factor, act, rou
     D = x.shape[-1]
     if router.ndim != 2 or router.shape[0] != D:
         raise ValueError(f"zshard.moe: router has shape {tuple(router.shape)}; it must be [D, E] = [{D}, experts] "
-                         f"(x is [..., {D}]): pass the router kernel, d_model rows by one column per expert")
+                         f"(x is [..., {D}]): pass the router kernel, d_model rows by one column per expert; inside "
+                         "zshard's step, a router split over expert means an expert_parallel glob or an annotation also "
+                         "matched the router: name only the expert weights (e.g. {'blocks*.moe.w_*': 0})")
     E = router.shape[1]
     if w_gate_up.ndim != 3 or w_down.ndim != 3:
         raise ValueError(f"zshard.moe: w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} must be "
@@ -204,7 +206,8 @@ def _check(x, router, w_gate_up, w_down, top_k, score, capacity_factor, act, rou
     if w_gate_up.shape[1] != D or w_down.shape[2] != D or w_down.shape[0] != El or w_gate_up.shape[2] != 2 * F:
         raise ValueError(f"zshard.moe: w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} do not "
                          f"match [E/X, D, 2F] and [E/X, F, D] with D = {D} (x's last dimension): the gate and up "
-                         "columns of each expert side by side in w_gate_up, the same experts in both")
+                         "columns of each expert side by side in w_gate_up, the same experts in both; inside zshard's "
+                         "step, check that expert_parallel names dimension 0 (the experts) of each expert weight")
     if El == 0 or E % El:
         raise ValueError(f"zshard.moe: router [D, E] names E = {E} experts but w_gate_up holds {El}: the expert "
                          f"weights must hold E/X experts for X expert groups (E = {E} a multiple of {El}); pass the "
