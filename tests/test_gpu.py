@@ -82,7 +82,7 @@ def test_targets_make_meshes_of_their_gpus(target, kind):
     assert [d.process_index for d in devices] == [i // 8 for i in range(16)]  # one host per 8
     mesh = zshard.make_mesh(2, 8, devices=devices)
     assert gpu.platform(mesh) == "cuda" and mesh.devices[1, 0].process_index == 1
-    assert gpu.compiler_options(mesh) == gpu.GPU_COMPILER_OPTIONS
+    assert gpu.compile_only(mesh) and gpu.compiler_options(mesh) == {**gpu.GPU_COMPILER_OPTIONS, **gpu.COMPILE_ONLY_OPTIONS}
 
 
 @needs_cuda
@@ -127,8 +127,23 @@ def test_gpu_compiler_options_reach_xla_through_zshards_jit(h100, monkeypatch):
     assert collectives(split) > collectives({})  # uncombined: one per layer and direction
     monkeypatch.undo()
     step = zshard.make_train_step(cross_entropy_loss)  # the step's jit on a CUDA mesh is the one with the profile
-    assert step._jit_for(_state(h100)) is step._jits[tuple(sorted(gpu.GPU_COMPILER_OPTIONS.items()))]
+    profile = {**gpu.GPU_COMPILER_OPTIONS, **gpu.COMPILE_ONLY_OPTIONS}  # h100's devices compile only
+    assert step._jit_for(_state(h100)) is step._jits[tuple(sorted(profile.items()))]
     assert step._jit_for(_state(zshard.make_mesh(1, 8))) is step._jitted  # CPU: XLA's defaults, as before
+
+
+@needs_cuda
+def test_a_large_sort_compiles_without_a_gpu():
+    # the MoE router's token sort (zshard/moe.py) on a compile-only GPU: with XLA's defaults a sort of more than
+    # about 20,000 keys becomes CUB's radix sort, whose scratch-size query needs a device; COMPILE_ONLY_OPTIONS turn it off
+    mesh = jax.sharding.Mesh(zshard.gpu_devices("h100", 1), ("x",))
+    assert gpu.compile_only(mesh) and not gpu.compile_only(zshard.make_mesh(1, 8)) and not gpu.compile_only(jax.devices())
+    keys = jax.ShapeDtypeStruct((65536,), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, P()))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="invalid device ordinal"):  # why the option is there
+        jax.jit(jnp.argsort).lower(keys).compile()
+    assert gpu.compiler_options(mesh)["xla_gpu_enable_cub_radix_sort"] is False
+    compiled = jax.jit(jnp.argsort, compiler_options=gpu.compiler_options(mesh)).lower(keys).compile()
+    assert "sort(" in compiled.as_text() and "cub" not in compiled.as_text().lower()
 
 
 @needs_cuda

@@ -10,7 +10,8 @@
   attention kernel (:mod:`zshard.attention`), the prefetch default
   (:func:`zshard.programs.step_config.default_prefetch`) and the compiler options below follow it.
 - :data:`GPU_COMPILER_OPTIONS` / :func:`compiler_options`: the XLA:GPU options zshard's own
-  ``jax.jit`` passes (``compiler_options=``) when the mesh is on CUDA; not ``XLA_FLAGS``.
+  ``jax.jit`` passes (``compiler_options=``) when the mesh is on CUDA; not ``XLA_FLAGS``. On a
+  compile-only mesh (:func:`compile_only`) also :data:`COMPILE_ONLY_OPTIONS`.
 - :func:`cuda_attention`: ``zshard.attention``'s kernel on a CUDA mesh, cuDNN's flash attention,
   with the fallbacks :func:`cudnn_refusal` names.
 """
@@ -33,7 +34,8 @@ from zshard.context.flash import TILE, one_device
 from zshard.mesh.mesh import TENSOR
 
 __all__ = [
-    "CUDA_EXTRA", "CUDNN_CALLS", "CUDNN_DTYPES", "GPU_COMPILER_OPTIONS", "TARGETS", "compiler_options", "cuda_attention",
+    "COMPILE_ONLY_OPTIONS", "CUDA_EXTRA", "CUDNN_CALLS", "CUDNN_DTYPES", "GPU_COMPILER_OPTIONS", "TARGETS", "compile_only",
+    "compiler_options", "cuda_attention",
     "cudnn_refusal", "export_checks", "gpu_devices", "mesh_jit", "platform", "target_spec", "traced_platform",
 ]  # fmt: skip
 
@@ -65,6 +67,13 @@ GPU_COMPILER_OPTIONS: dict = {
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 1 << 30,
     "xla_gpu_enable_latency_hiding_scheduler": True,
 }
+# What a compile-only topology (gpu_devices: no GPU, no driver) cannot compile with XLA's defaults:
+# a sort of more than about 20,000 keys (measured 2026-12-06, argsort of int32 on one H100: 20,000
+# compiles, 24,576 fails; the MoE router's token sort, zshard/moe.py) becomes CUB's radix sort, whose
+# scratch-size query runs on a device: "CUDA Runtime error: cudaErrorInvalidDevice: invalid device
+# ordinal". Off, XLA sorts with its own kernel: the compile-only program differs from a GPU's there
+# (tests/test_gpu.py::test_a_large_sort_compiles_without_a_gpu).
+COMPILE_ONLY_OPTIONS: dict = {"xla_gpu_enable_cub_radix_sort": False}
 
 
 def target_spec(target: str) -> str:
@@ -178,10 +187,26 @@ def traced_platform(x=None) -> str:
     return platform(None)
 
 
+def compile_only(where) -> bool:
+    """Whether a mesh (concrete), a device or a sequence of devices is compile-only: a
+    topology's (:func:`gpu_devices`, ``jax.experimental.topologies``), whose programs compile
+    but never run. ``False`` for an abstract mesh (no device to ask) and for real devices."""
+    if isinstance(where, jax.sharding.AbstractMesh):
+        return False
+    if isinstance(where, jax.sharding.Mesh):
+        where = where.devices.flat[0]
+    elif not hasattr(where, "platform"):
+        where = next(iter(where), None)
+    return "CompileOnly" in type(getattr(where, "client", None)).__name__  # jaxlib's CompileOnlyPyClient
+
+
 def compiler_options(mesh) -> dict | None:
     """``jax.jit(compiler_options=...)`` for a program on ``mesh``: :data:`GPU_COMPILER_OPTIONS`
-    (a copy) on a CUDA mesh, ``None`` elsewhere (XLA's defaults: CPU programs unchanged)."""
-    return dict(GPU_COMPILER_OPTIONS) if platform(mesh) == "cuda" else None
+    (a copy) on a CUDA mesh, with :data:`COMPILE_ONLY_OPTIONS` on a compile-only one
+    (:func:`compile_only`); ``None`` elsewhere (XLA's defaults: CPU programs unchanged)."""
+    if platform(mesh) != "cuda":
+        return None
+    return {**GPU_COMPILER_OPTIONS, **(COMPILE_ONLY_OPTIONS if compile_only(mesh) else {})}
 
 
 def mesh_jit(cache: dict, fn, mesh, **jit_kw):
