@@ -10,8 +10,10 @@ A step is three phases on each device (docs/planning.md, "Predicted step time"):
   appendix F counts the same terms) of which a causal kernel executes half. Remat adds what it
   recomputes (Korthikanti et al. 2022, arXiv 2205.05198, section 5): ``block`` one more forward,
   ``dots`` the attention's forward (their selective recomputation), ``none`` / ``offload``
-  nothing. MFU counts model FLOPs only (no recomputation; causal attention counted whole, as
-  PaLM and MosaicML's tables do).
+  nothing. MFU counts model FLOPs only: no recomputation, and causal attention halved
+  (``6 N + 6 L H Q T``: :func:`step_flops`), the attention the executed step computes, so MFU
+  never exceeds the profile's ``matmul_fraction`` (PaLM, MosaicML's tables and torchtitan count
+  it whole: ``6 N + 12 L H Q T``).
 - **communication**: each collective's bytes (one device sends, ring algorithm: the compiled
   program's, :func:`traffic_of_report`, or the formulas', :func:`formula_traffic`) over its mesh
   axis's link (:func:`axis_link`: NVLink inside a node, the network across nodes). Parameter
@@ -135,9 +137,12 @@ class Workload:
 def step_flops(w: Workload, devices: int = 1) -> dict:
     """FLOPs of one step per device (the whole step's over ``devices``).
 
-    Per token: ``model = 6 N + 12 L H Q T`` (Kaplan et al. section 2.1; PaLM appendix B);
-    ``executed`` = the same with causal attention halved, plus ``recompute`` (``block``: ``2 N``
-    and the attention forward; ``dots``: the attention forward; Korthikanti et al. section 5).
+    Per token: ``model`` = PaLM's ``6 N + 12 L H Q T`` (Kaplan et al. section 2.1; PaLM appendix B,
+    which counts the attention whole) with causal attention halved, ``6 N + 6 L H Q T``: a causal
+    kernel computes half the scores (FlashAttention-2, arXiv 2307.08691, section 4.1; Megatron-LM's
+    and MaxText's MFU, since MaxText PR 1988, halve it too); ``executed`` = ``model`` plus
+    ``recompute`` (``block``: ``2 N`` and the attention forward; ``dots``: the attention forward;
+    Korthikanti et al. 2022, arXiv 2205.05198, section 5). So ``model <= executed``.
 
     Returns:
       ``{"model", "executed", "recompute", "forward", "backward"}`` (``forward`` + ``backward`` =
@@ -149,7 +154,7 @@ def step_flops(w: Workload, devices: int = 1) -> dict:
     per = w.tokens / devices
     forward = (2.0 * w.params + att_fwd) * per
     backward = (4.0 * w.params + 2 * att_fwd + recompute) * per
-    return {"model": (6.0 * w.params + 3 * att_fwd_model) * per, "executed": forward + backward, "recompute": recompute * per,
+    return {"model": (6.0 * w.params + 3 * att_fwd) * per, "executed": forward + backward, "recompute": recompute * per,
             "forward": forward, "backward": backward}
 
 
@@ -358,7 +363,8 @@ class Prediction:
     Attributes:
       step_s: seconds per optimizer step.
       tokens_per_s_per_device: tokens of the global batch per second, over the devices.
-      mfu: model FLOPs (no recomputation) per device / (``step_s`` * ``peak_flops``), a fraction.
+      mfu: model FLOPs (no recomputation, causal attention halved) per device / (``step_s`` *
+        ``peak_flops``), a fraction, at most the profile's ``matmul_fraction``.
       bottleneck: ``"compute"``, ``"memory"`` (the optimizer's HBM time) or the mesh axis whose
         exposed collectives take longest, whichever of these is largest.
       compute_s, forward_s, backward_s: executed FLOPs over ``peak_flops * matmul_fraction``.
