@@ -5,7 +5,7 @@ A step is three phases on each device (docs/planning.md, "Predicted step time"):
 - **compute**: the step's FLOPs over the profile's achievable matmul rate (``peak_flops *
   matmul_fraction``). Training FLOPs per token (:func:`step_flops`): ``6 N`` for the parameters
   that multiply (forward ``2 N``, backward ``4 N``: Kaplan et al. 2020, arXiv 2001.08361, section
-  2.1) plus attention, ``12 L H Q T`` model FLOPs (``L`` layers, ``H`` heads of width ``Q``, ``T``
+  2.1) plus attention, ``12 L H Q T`` FLOPs (``L`` layers, ``H`` heads of width ``Q``, ``T``
   tokens a query attends; PaLM, arXiv 2204.02311, appendix B; Chinchilla, arXiv 2203.15556,
   appendix F counts the same terms) of which a causal kernel executes half. Remat adds what it
   recomputes (Korthikanti et al. 2022, arXiv 2205.05198, section 5): ``block`` one more forward,
