@@ -174,3 +174,48 @@ def test_formats_without_search_refused(capsys):
     with pytest.raises(SystemExit):
         plan.main(["--model", "llama-7b", "--mesh", "1x8", "--formats", "int8"])
     assert "--formats is for --search" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mesh, strategy, g, r, ef", [
+    ((1, 4, 2, 1), "FULL_SHARD", None, "int8", False),  # tensor axis, scanned layers: the reduction only
+    ((2, 2, 2, 1), "HYBRID_SHARD_OPT", None, "int8", False),
+    ((1, 4, 1, 2), "FULL_SHARD", "int8", "int8", False),  # context axis
+    ((2, 1, 1, 4), "HYBRID_SHARD_ZERO2", "int8", "int8", True),
+])
+def test_enumerated_formats_lower(mesh, strategy, g, r, ef):
+    """A few of the space's riskier quantized candidates are enumerated and lower (zshard takes them; on 2026-12-06
+    all 121 quantized candidates of this space with formats none,int8, with and without error feedback, lowered)."""
+    c = next(c for c in enumerate_candidates(8, CFG, SEQ, BATCH, ("block",), formats=FORMATS, error_feedback=ef)
+             if KEY(c)[:2] == (mesh, strategy) and (c["gather_format"], c["reduce_format"]) == (g, r) and c["accumulation"] == 1)
+    m = c["mesh"]
+    from train.model import tensor_plan
+
+    mp = zshard.MixedPrecision(gather_format=g, reduce_format=r and zshard.Quant(r, error_feedback=ef))
+    state = zshard.init(lambda: build_model(CFG, nnx.Rngs(0)), optax.adamw(1e-4),
+                        zshard.make_mesh(m["replica"], m["shard"], tensor=m["tensor"], context=m["context"], devices=jax.devices()[:8]),
+                        strategy=strategy, abstract=True, mixed_precision=mp, tensor_parallel=tensor_plan(CFG, m["tensor"]) or None)
+    step = zshard.make_train_step(cross_entropy_loss, remat="block", sequence_axis=1 if m["context"] > 1 else None)
+    tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32)
+    step.lower(state, (tokens, tokens))
+
+
+def test_formula_bytes_of_a_quantized_candidate_against_its_program(brute):
+    """FULL_SHARD 1x8, int8 gathers and reductions: the formulas' all-to-all (qgZ) and the leftover reduce-scatter (the
+    norms and biases no format quantizes) are the program's bytes; the gathers within 20% (the formulas gather the root
+    unit twice); the all-to-all over the shard axes hides behind the backward, an expert axis's does not."""
+    from train.planning.cost import phase_of
+    from train.planning.search import _traffic
+
+    c, rep, _ = next(x for x in brute if x[0]["gather_format"] and x[0]["reduce_format"])
+    w = Workload.of_config(CFG, global_batch=BATCH, seq_len=SEQ)
+    formula = {(t["kind"], t["axis"]): t["bytes"] for t in _traffic(c, w, Matrices.of_config(CFG).quantized(8, 256), 4, 256)[0]}
+    compiled = {(t["kind"], t["axis"]): t["bytes"] for t in traffic_of_report(rep)}
+    assert set(formula) == set(compiled)
+    for k in (("all-to-all", "shard"), ("reduce-scatter", "shard")):
+        assert formula[k] == pytest.approx(compiled[k], rel=1e-6)
+    assert formula[("all-gather", "shard")] == pytest.approx(compiled[("all-gather", "shard")], rel=0.2)
+    plain = Workload.of_config(CFG, global_batch=BATCH, seq_len=SEQ)
+    unq = _traffic({**c, "gather_format": None, "reduce_format": None, "error_feedback": False}, plain, 0, 4, 256)[0]
+    assert sum(t["bytes"] for t in unq) > 2 * sum(formula.values())
+    assert phase_of("all-to-all", "shard", "FULL_SHARD") == "backward"
+    assert phase_of("all-to-all", "expert", "FULL_SHARD") == "critical"

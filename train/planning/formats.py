@@ -86,6 +86,9 @@ def format_pairs(c: dict, formats, *, scan: bool, error_feedback: bool = False) 
     m = c["mesh"]
     if shard_devices(c) <= 1 or m.get("expert", 1) > 1:
         return [(None, None, False)]
+    # a quantized gather of a tensor-split parameter inside nnx.scan: "'sdy.manual_computation' op operand sharding ...
+    # must have all manual axes come before free axes ... Saw manual axis "tensor" after free axis "shard"" (jax 0.10.2,
+    # Shardy's verifier, when the step is lowered; still so 2026-12-06); not scanned, it lowers and compiles
     gathers = [g for g in formats if g is None or not (scan and m["tensor"] > 1)]
     reduces = [r for r in formats if r is None or not error_feedback or (c["strategy"] != "HYBRID_SHARD_OPT" and m["tensor"] == 1)]
     return [(g, r, bool(error_feedback and r)) for g in gathers for r in reduces]
