@@ -284,7 +284,11 @@ def search(cfg, *, model: str, devices: int, seq: int, batch: int, profile: Prof
     psi_q = {}  # N x T -> elements quantized (a lower bound: Matrices.quantized)
     for c in cands:
         n = shard_devices(c) * c["mesh"]["tensor"]
-        q = psi_q.setdefault(n, mats.quantized(n, block)) if (c["gather_format"] or c["reduce_format"]) else 0
+        c["psi_q"] = psi_q.setdefault(n, mats.quantized(n, block)) if (c["gather_format"] or c["reduce_format"]) else 0
+    # a format that would quantize no matrix (each under one block a device): zshard.init refuses it (check_plan)
+    cands = [c for c in cands if c["psi_q"] or not (c["gather_format"] or c["reduce_format"])]
+    for c in cands:
+        q = c.pop("psi_q")
         floor = memory_floor(c, cfg, psi, seq, activation_bytes=e, expert_params=pe, feedback_params=q)
         est = memory_estimate(c, cfg, psi, seq, activation_bytes=e, expert_params=pe, feedback_params=q)
         w = _workload(c, base)
