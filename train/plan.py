@@ -102,6 +102,10 @@ def _parse(argv):
     p.add_argument("--global-batch-tokens", type=int, default=None, metavar="B",
                    help="with --search: tokens per optimizer step (a multiple of --seq-len); default one sequence per device")
     p.add_argument("--finalists", type=int, default=4, metavar="K", help="with --search: candidates compiled (default 4)")
+    p.add_argument("--formats", default=None, metavar="LIST",
+                   help="with --search: wire formats to search for the gathers and the gradient reductions over the shard axes, "
+                   "a comma list of none, int8, int4, float8_e4m3fn, float8_e5m2 (every gather x reduce pair zshard takes; "
+                   "--error-feedback: each quantized reduction with it; --quant-block: the block); default none,int8")
     p.add_argument("--tensor", type=int, default=None, metavar="T", help="tensor-parallel size (the same as a mesh RxSxT)")
     p.add_argument("--expert", type=int, default=1, metavar="X",
                    help="expert parallelism: each MoE layer's experts split over X devices (R*S*X emulated devices, the batch "
@@ -166,7 +170,7 @@ def main(argv=None) -> int:
         return search_main(parser, args)
     if args.mesh is None:
         parser.error("--mesh is required (or --search with --devices to search the meshes)")
-    for flag in ("devices", "global_batch_tokens"):
+    for flag in ("devices", "global_batch_tokens", "formats"):
         if getattr(args, flag) is not None:
             parser.error(f"--{flag.replace('_', '-')} is for --search; give --mesh and --batch-size for one plan")
     args.remat = args.remat or "block"

@@ -215,15 +215,17 @@ def collective_seconds(kind: str, axis: str, sent_bytes: float, mesh: dict, prof
 
 def phase_of(kind: str, axis: str, strategy: str, accumulation: int = 1) -> str:
     """When a collective runs and what can hide it: ``"gather"`` (parameter all-gathers: behind the
-    forward and backward compute), ``"backward"`` (gradient reductions: behind the backward),
+    forward and backward compute), ``"backward"`` (gradient reductions, a quantized one's all-to-all
+    over the shard axes too: behind the backward),
     ``"critical"`` (tensor, context, expert: exposed), ``"optimizer"`` (after the backward: exposed).
 
     With ``accumulation > 1`` the cross-replica all-reduce of HYBRID_SHARD, HYBRID_SHARD_ZERO2,
     NO_SHARD and SHARD_OPT runs once, after the micro-batches (``zshard.ReplicaReduce.PER_STEP``):
     ``"optimizer"``."""
     names = set(axis.split("+"))
-    if "tensor" in names or names in ({"context"}, {"expert"}) or kind == "all-to-all":  # "context (parameters)": the
-        # parameters' own collectives; the expert axis's all-to-all of the tokens (a gather over shard+expert hides)
+    if "tensor" in names or names in ({"context"}, {"expert"}) or (kind == "all-to-all" and "expert" in names):
+        # "context (parameters)": the parameters' own collectives; the expert axis's all-to-all of the tokens (a gather
+        # over shard+expert hides); an all-to-all over the shard axes is a quantized gradient reduction (below)
         return "critical"
     if kind == "all-reduce" and accumulation > 1 and strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "NO_SHARD", "SHARD_OPT"):
         return "optimizer"  # the accumulated gradient, all-reduced once per step
@@ -248,8 +250,8 @@ def _name(axes, mesh) -> str:
     return "+".join(axes)
 
 
-def formula_traffic(w: Workload, mesh: dict, strategy: str = "FULL_SHARD", *, gather_bytes: int = 2, reduce_bytes: int = 4,
-                    master_bytes: int = 4, activation_bytes: int = 2) -> list[dict]:
+def formula_traffic(w: Workload, mesh: dict, strategy: str = "FULL_SHARD", *, gather_bytes: float = 2, reduce_bytes: int = 4,
+                    master_bytes: int = 4, activation_bytes: int = 2, quantized_reduce: tuple = (0.0, 0.0)) -> list[dict]:
     """The collectives of a step by formula, for configurations not compiled (docs/design.md section
     3, ring algorithm; ``zshard/formulas.py`` checks the same counts against compiled programs).
 
@@ -263,7 +265,9 @@ def formula_traffic(w: Workload, mesh: dict, strategy: str = "FULL_SHARD", *, ga
     ``s`` tokens of a device per micro-batch), 4 per block per micro-batch (5 with ``block``
     remat: zshard/formulas.py's count), ``2 X r(T)`` each. Context: the keys and values
     ``2 b T n_kv d e`` per layer, ``r(C)`` of it per forward pass (2 with ``block``) and for the
-    backward's reduce-scatter. The root unit's single gather and quantized formats are left out.
+    backward's reduce-scatter. The root unit's single gather is left out. Quantized formats (train/planning/formats.py):
+    ``gather_bytes`` the wire bytes per element of a quantized gather; ``quantized_reduce = (share, q)``: that share of
+    ``Psi'`` is reduced over the shard axes by an all-to-all of ``q`` bytes per element (ZeRO++ qgZ), the rest reduce-scattered.
     Expert (``X = mesh["expert"]``, an MoE workload): the dense parameters ``Psi_D' = Psi' - Psi_E`` are
     sharded over ``shard x expert`` (and ``replica`` for a flat strategy: ``N_D = N X``), the routed
     experts ``Psi_E / X`` per expert group over the shard axes only (``N``): gathers and reduce-scatters
@@ -302,7 +306,9 @@ def formula_traffic(w: Workload, mesh: dict, strategy: str = "FULL_SHARD", *, ga
         N = S * C * (1 if hybrid else R)
         passes = 2 if strategy in RESHARD else 1
         add("all-gather", axes, passes * k * psi * gather_bytes * r(N), passes * k * w.layers)
-        add("reduce-scatter", axes, k * psi * reduce_bytes * r(N), k * w.layers)
+        share, q = quantized_reduce
+        add("reduce-scatter", axes, k * psi * (1 - share) * reduce_bytes * r(N), k * w.layers)
+        add("all-to-all", axes, k * psi * share * q * r(N), k * w.layers)
         if strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
             add("all-reduce", ("replica",), 2 * psi / N * reduce_bytes * r(R), w.layers)
         elif strategy == "HYBRID_SHARD_OPT":
@@ -368,7 +374,7 @@ class Prediction:
       bottleneck: ``"compute"``, ``"memory"`` (the optimizer's HBM time) or the mesh axis whose
         exposed collectives take longest, whichever of these is largest.
       compute_s, forward_s, backward_s: executed FLOPs over ``peak_flops * matmul_fraction``.
-      memory_s: the optimizer's bytes over the HBM bandwidth.
+      memory_s: the optimizer's bytes (and any quantize / dequantize kernels') over the HBM bandwidth.
       exposed_s: per axis, seconds of its collectives not hidden behind compute.
       comm_s: per axis, seconds of all its collectives.
       links: per axis, :func:`axis_link`'s answer.
@@ -402,7 +408,7 @@ def _pipeline(comm: float, compute: float, units: int) -> float:
 
 
 def predict(w: Workload, traffic: list[dict], profile: Profile, mesh: dict, *, strategy: str = "FULL_SHARD",
-            state_bytes: float | None = None, devices_per_node: int | None = None) -> Prediction:
+            state_bytes: float | None = None, devices_per_node: int | None = None, quant_bytes: float = 0.0) -> Prediction:
     """The predicted step of workload ``w`` on ``mesh`` (``{"replica": R, "shard": S, ...}`` in
     device order) of ``profile`` devices, with ``traffic``'s collectives
     (:func:`traffic_of_report` or :func:`formula_traffic`).
@@ -410,7 +416,8 @@ def predict(w: Workload, traffic: list[dict], profile: Profile, mesh: dict, *, s
     ``state_bytes``: parameters and optimizer state on one device (``Report.model_state_bytes
     ["measured"]["total"]``); default: fp32 parameters and two Adam moments, ``12 Psi / (T N)``
     over the ``N`` devices the strategy shards them on (``12 Psi / (N X)`` with an ``expert`` axis). The optimizer moves ``2 * state + grads``
-    bytes (gradients: a third of the fp32 state).
+    bytes (gradients: a third of the fp32 state). ``quant_bytes``: HBM bytes of quantizing and dequantizing
+    (``train.planning.formats.quant_hbm_bytes``), added to the memory-bound time.
 
     Raises:
       ValueError: a collective over an axis the mesh does not have, a bad strategy.
@@ -425,7 +432,7 @@ def predict(w: Workload, traffic: list[dict], profile: Profile, mesh: dict, *, s
         R, S, C, T = (int(mesh.get(a, 1)) for a in ("replica", "shard", "context", "tensor"))
         n = {"NO_SHARD": 1, "HYBRID_SHARD": S * C, "HYBRID_SHARD_ZERO2": S * C}.get(strategy, R * S * C)
         state_bytes = 12.0 * w.psi / (T * n * int(mesh.get("expert", 1)))  # dense over shard x expert, experts E/X each
-    memory_s = (2 * state_bytes + state_bytes / 3) / profile.hbm_bandwidth
+    memory_s = (2 * state_bytes + state_bytes / 3 + quant_bytes) / profile.hbm_bandwidth
     units = w.layers * w.accumulation
     split = 0.5 if strategy in RESHARD else 1.0  # the gathers' share in the forward pass
     per_phase: dict = {}  # (phase, link) -> {axis: seconds}

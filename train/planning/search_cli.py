@@ -17,13 +17,13 @@ from train.planning.search import GB, REMATS, SEARCHED, describe, search, search
 
 __all__ = ["JSON_FIELDS", "search_main"]
 
-JSON_FIELDS = ("mesh", "strategy", "remat", "micro_batch", "accumulation", "fits", "memory_bytes", "compiled", "reason", "step_s",
-               "tokens_per_s_per_device", "mfu", "bottleneck", "command")
+JSON_FIELDS = ("mesh", "strategy", "remat", "micro_batch", "accumulation", "gather_format", "reduce_format", "error_feedback", "fits",
+               "memory_bytes", "compiled", "reason", "step_s", "tokens_per_s_per_device", "mfu", "bottleneck", "command")
 """The fields of each candidate ``--json`` writes (issue 51, item 2)."""
 
 
 def _checked(parser, args):
-    """Validate the flags of a search; returns ``(cfg, seq, batch, remats)``; ``parser.error`` on bad input."""
+    """Validate the flags of a search; returns ``(cfg, seq, batch, remats, formats, block)``; ``parser.error`` on bad input."""
     from train.model import PLAN_PRESETS
 
     if args.model not in PLAN_PRESETS:
@@ -52,14 +52,42 @@ def _checked(parser, args):
     bad = [r for r in remats if r not in REMATS]
     if bad:
         parser.error(f"--remat {','.join(bad)}: choose from {', '.join(REMATS)} (a comma list with --search)")
+    formats, block = _checked_formats(parser, args)
     import dataclasses
-    return dataclasses.replace(cfg, seq_len=seq), seq, batch, remats
+    return dataclasses.replace(cfg, seq_len=seq), seq, batch, remats, formats, block
+
+
+def _checked_formats(parser, args):
+    """``--formats`` (default ``none,int8``), ``--quant-block``, ``--error-feedback``: ``(formats, block)``."""
+    from train.planning.formats import parse_formats
+
+    for flag in ("gather_format", "reduce_format", "replica_format"):
+        if getattr(args, flag) is not None:
+            parser.error(f"--{flag.replace('_', '-')}: --search chooses the formats; give --formats LIST (none, int8, int4, "
+                         "float8_e4m3fn, float8_e5m2)" + (" (replica_format is not searched)" if flag == "replica_format" else ""))
+    try:
+        formats = parse_formats(args.formats or "none,int8")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.quant_block < 0:
+        parser.error(f"--quant-block {args.quant_block}: must be >= 0 (0: one scale per tensor)")
+    block = args.quant_block or None
+    import zshard
+
+    for f in filter(None, formats):
+        try:
+            zshard.Quant(f, block=block)
+        except ValueError as e:
+            parser.error(f"--formats {f} with --quant-block {args.quant_block}: {e}")
+    if args.error_feedback and not any(formats):
+        parser.error("--error-feedback corrects a quantized gradient reduction: --formats must name a format besides none")
+    return formats, block
 
 
 def search_main(parser, args) -> int:
     """Run the search of ``args`` (``train.plan``'s parsed flags); prints the table, writes ``--json``."""
     t0, c0 = time.perf_counter(), time.process_time()
-    cfg, seq, batch, remats = _checked(parser, args)
+    cfg, seq, batch, remats, formats, block = _checked(parser, args)
     from train.devices import emulate_devices
     from train.plan_gpu import TARGET_MEMORY_GB, cuda_plugin, target_devices
     from train.planning.profiles import load_profile
@@ -95,10 +123,11 @@ def search_main(parser, args) -> int:
     budget = (args.device_memory_gb * GB if args.device_memory_gb else TARGET_MEMORY_GB.get(args.target, 0) * GB or profile.hbm_bytes)
     on = "emulated CPU devices" if not gpu or fallback else f"XLA:GPU ({args.target}, no GPU needed)"
     print(f"searching {args.model} on {args.devices} devices ({profile.name} profile, {budget / GB:g} GB each): global batch "
-          f"{batch} x {seq} tokens; finalists compiled on {on}")
+          f"{batch} x {seq} tokens; wire formats {','.join(f or 'none' for f in formats)}"
+          + (" (error feedback)" if args.error_feedback else "") + f"; finalists compiled on {on}")
     result = search(cfg, model=args.model, devices=args.devices, seq=seq, batch=batch, profile=profile, budget=budget,
                     compile_devices=devices, mixed_precision=mp, remats=remats, finalists=args.finalists,
-                    devices_per_node=args.devices_per_node)
+                    devices_per_node=args.devices_per_node, formats=formats, error_feedback=args.error_feedback, block=block)
     cands = result["candidates"]
     print(search_table(result))
     print(f"{result['considered']} candidates, {result['pruned']} pruned by the memory formulas, {result['compiled']} compiled "

@@ -17,12 +17,15 @@ from train.planning.profiles import load_profile
 __all__ = ["plan_prediction", "train_command"]
 
 
-def train_command(model: str, mesh: dict, strategy: str, batch: int, seq: int, remat: str, accumulation: int = 1) -> str:
+def train_command(model: str, mesh: dict, strategy: str, batch: int, seq: int, remat: str, accumulation: int = 1, *,
+                  formats: dict | None = None) -> str:
     """The ``python -m train`` command line of a configuration (``--mesh RxS[xT]``, ``--context C``, ``--expert X``).
 
     ``model`` is the plan's preset name: ``python -m train --model`` takes the trainer's presets
     (``train.model.MODEL_PRESETS``), so the line runs as is for those; a ``PLAN_PRESETS`` model
-    needs the trainer to take it too."""
+    needs the trainer to take it too. ``formats``: ``{"gather_format", "reduce_format", "error_feedback", "block"}``
+    (a format name or ``None``; ``block`` ``None``: tensorwise): ``--gather-format``, ``--reduce-format``,
+    ``--error-feedback``, ``--quant-block`` (``python -m train``'s ``[precision]`` flags)."""
     shape = f"{mesh.get('replica', 1)}x{mesh.get('shard', 1)}" + (f"x{mesh['tensor']}" if mesh.get("tensor", 1) > 1 else "")
     parts = [f"python -m train --model {model} --mesh {shape}"]
     if mesh.get("context", 1) > 1:
@@ -32,7 +35,19 @@ def train_command(model: str, mesh: dict, strategy: str, batch: int, seq: int, r
     parts.append(f"--strategy {strategy} --batch-size {batch} --seq-len {seq} --remat {remat}")
     if accumulation > 1:
         parts.append(f"--grad-accum {accumulation}")
+    parts += _format_flags(formats or {})
     return " ".join(parts)
+
+
+def _format_flags(f: dict) -> list[str]:
+    if not (f.get("gather_format") or f.get("reduce_format")):
+        return []
+    out = [f"--{k.replace('_', '-')} {f[k]}" for k in ("gather_format", "reduce_format") if f.get(k)]
+    if f.get("error_feedback"):
+        out.append("--error-feedback")
+    if f.get("block", 256) != 256:  # python -m train's default block is 256
+        out.append(f"--quant-block {f.get('block') or 0}")
+    return out
 
 
 def plan_prediction(rep, cfg, *, model: str, target: str, mesh_shape: dict, batch: int, seq: int, peak_bytes: float,
