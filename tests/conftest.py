@@ -258,7 +258,8 @@ def corpus(tmp_path_factory) -> Path:
 # Updated 2026-12-06: the files whose subprocess runs became in-process calls (test_context, test_plan,
 # test_offload, test_memory, test_cli, test_hf_finetune, test_checkpoint, test_data) count their 12-03
 # seconds less the per-test reductions measured 2026-12-06 (-n 0, cold compilation cache); the expert-parallel
-# files are that day's single-file measurements (test_expert_parallel cold).
+# files are that day's single-file measurements (test_expert_parallel cold). test_train_presets.py: 18 s of CPU
+# cold (-n 0, ZSHARD_TEST_NO_CACHE=1; 40 s wall on a machine loaded 7.5 on 2 cores), 11 s warm.
 FILE_SECONDS = {
     "test_tensor_parallel.py": 319, "test_context.py": 185, "test_optim.py": 165, "test_multiprocess.py": 153,
     "test_hf_finetune.py": 105, "test_preempt_mp.py": 102, "test_offload.py": 79, "test_memory.py": 65,
@@ -273,6 +274,7 @@ FILE_SECONDS = {
     "test_units.py": 5, "test_mesh.py": 5, "test_structure.py": 3, "test_quant_context.py": 3, "test_forward.py": 3,
     "test_collectives.py": 2, "test_launch.py": 1,
     "test_expert_parallel.py": 95, "test_moe_op.py": 47, "test_cost_model.py": 5, "test_mixtral.py": 4,
+    "test_train_presets.py": 20,
 }  # fmt: skip
 MEAN_TEST_SECONDS = 2.76
 

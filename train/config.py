@@ -48,7 +48,7 @@ from train.flags import (
     load_file,
     translate_aliases,
 )
-from train.model import MODEL_PRESETS
+from train.model import MODEL_PRESETS, PLAN_PRESETS
 from train.sections import (
     SECTIONS,
     CheckpointConfig,
@@ -150,7 +150,12 @@ class Config:
         """
         n = self.mesh.devices if n_devices is None else n_devices
         m, d, me, o, t, c, lg = self.model, self.data, self.mesh, self.optimizer, self.training, self.checkpoint, self.logging
-        choice("model.preset", m.preset, list(MODEL_PRESETS))
+        choice("model.preset", m.preset, [*MODEL_PRESETS, *PLAN_PRESETS])
+        zoo = PLAN_PRESETS.get(m.preset) if m.init_from is None else None
+        if zoo is not None and d.vocab_size is not None and d.vocab_size > zoo.vocab_size:
+            raise ConfigError(key_of("data.vocab_size"), f"{d.vocab_size} > the vocabulary of model.preset {m.preset!r} "
+                              f"({zoo.vocab_size}): a zoo preset keeps its own vocabulary; give a token file of at most "
+                              f"{zoo.vocab_size} tokens, or a preset of {', '.join(MODEL_PRESETS)} (--vocab-size sets theirs)")
         at_least("model.seq_len", m.seq_len, 1)
         if d.path is not None and not d.path:
             raise ConfigError(key_of("data.path"), "is empty; give a text file, or leave it unset for the stdlib corpus")
@@ -349,6 +354,21 @@ class Config:
             return shape
         return shape[0], shape[1], tensor
 
+    def model_config(self):
+        """The model config of ``model.preset`` (its ``seq_len`` and ``scan`` from ``[model]``), before any
+        ``model.init_from`` replaces it: a trainer preset (``train.model.MODEL_PRESETS``, a byte-level GPT)
+        takes a token file's ``data.vocab_size`` as its vocabulary; a zoo preset (``train.model.PLAN_PRESETS``:
+        GPT-2, Llama, the mixtures of experts) keeps its own, which bytes (256) and any token file
+        :meth:`validate` lets through (``vocab_size`` at most the preset's) fit under."""
+        m = self.model
+        if m.preset in MODEL_PRESETS:
+            cfg = dataclasses.replace(MODEL_PRESETS[m.preset], seq_len=m.seq_len)
+            if self.data.vocab_size is not None:  # a token file: its vocabulary is the model's
+                cfg = dataclasses.replace(cfg, vocab_size=self.data.vocab_size)
+        else:
+            cfg = dataclasses.replace(PLAN_PRESETS[m.preset], seq_len=m.seq_len)
+        return cfg if m.scan is None else dataclasses.replace(cfg, scan=m.scan)
+
     def warmup_steps(self) -> int:
         """``optimizer.warmup`` or 10% of ``training.steps``, at most ``steps - 1``."""
         w = self.training.steps // 10 if self.optimizer.warmup is None else self.optimizer.warmup
@@ -369,7 +389,7 @@ class Config:
         r.mesh.expert = self.expert() if self.expert() > 1 else None
         r.mesh.strategy, r.mesh.zero_stage = self.strategy(), None
         if r.model.scan is None:
-            r.model.scan = MODEL_PRESETS[r.model.preset].scan
+            r.model.scan = {**MODEL_PRESETS, **PLAN_PRESETS}[r.model.preset].scan
         r.optimizer.warmup = self.warmup_steps()
         if r.data.path is not None:
             r.data.path = str(Path(r.data.path).resolve())

@@ -28,10 +28,10 @@ from train import config
 from train.config import ConfigError
 from train.flags import key_of
 from train.hf.files import Tensor
-from train.model import GPT, MODEL_PRESETS, GPTConfig, expert_plan, from_hf, tensor_plan
+from train.model import MODEL_PRESETS, GPTConfig, build_model, expert_plan, from_hf, tensor_plan
 from train.output import choose_out
 
-__all__ = ["Setup", "is_run_folder", "make_optimizer", "validate"]
+__all__ = ["Setup", "is_run_folder", "make_optimizer", "preset_description", "validate"]
 
 
 @dataclasses.dataclass
@@ -41,7 +41,8 @@ class Setup:
     Attributes:
       run: the configuration (``train.config.Config``), type-checked and validated.
       resolved: ``run`` with every derived value written out (``Config.resolved``).
-      cfg: the model shape (the preset, with ``seq_len`` and ``scan`` from the config).
+      cfg: the model shape (``Config.model_config``: the preset, with ``seq_len`` and ``scan`` from the
+        config; a trainer preset with a token file's vocabulary), or the ``init_from`` checkpoint's.
       source: one line naming the corpus.
       train_data: uint8 ``[n_train]``, the training bytes, or uint16/uint32 tokens of a token file (a memmap).
       eval_data: the held-out bytes or tokens (last 10% of the corpus), same dtype.
@@ -59,7 +60,8 @@ class Setup:
       weights: with ``model.init_from``: its ``{path: tensor}`` (read when the state is built).
       model: what is trained, for the banner and ``summary.json``: ``{"name", "preset",
         "init_from", "model_type"}`` (``preset`` ``None`` with ``init_from``; ``model_type``: the
-        Hugging Face ``model_type``, or ``"gpt"`` for a preset).
+        Hugging Face ``model_type``, or a preset's family: ``"gpt"`` for a trainer preset, ``"llama"``,
+        ``"moe"``, ``"gpt2"`` for a zoo preset, :func:`preset_description`).
     """
 
     run: object
@@ -79,6 +81,16 @@ class Setup:
     builder: object = None
     weights: object = None
     model: dict = dataclasses.field(default_factory=dict)
+
+
+def preset_description(preset: str, cfg) -> dict:
+    """``{"name", "model_type"}`` of a preset's model (``cfg``: :meth:`train.config.Config.model_config`):
+    ``"tiny GPT"`` / ``"gpt"`` for a trainer preset, ``"llama-1b Llama"`` / ``"llama"`` for a zoo preset
+    (``"gpt2"``, ``"llama"``, ``"gemma"``, ``"moe"``: the family of its ``train.models`` config)."""
+    family = type(cfg).__name__.removesuffix("Config")
+    if preset in MODEL_PRESETS:
+        return {"name": f"{preset} GPT", "model_type": "gpt"}
+    return {"name": f"{preset} {family}", "model_type": "gpt2" if family == "GPT" else family.lower()}
 
 
 def _run_stamp() -> str:
@@ -104,11 +116,9 @@ def validate(run) -> Setup:
         resolved = run.resolved(len(devices), procs)
     except ConfigError as e:
         fail(str(e))
-    cfg = dataclasses.replace(MODEL_PRESETS[run.model.preset], seq_len=run.model.seq_len)
-    if run.model.scan is not None:
-        cfg = dataclasses.replace(cfg, scan=run.model.scan)
+    cfg = run.model_config()  # a trainer preset (a token file's vocabulary), or a zoo preset (its own vocabulary)
     builder = weights = None
-    model = {"name": f"{run.model.preset} GPT", "preset": run.model.preset, "init_from": None, "model_type": "gpt"}
+    model = {**preset_description(run.model.preset, cfg), "preset": run.model.preset, "init_from": None}
     if run.model.init_from is not None:
         builder, weights, cfg, model = _init_from(run)
 
@@ -123,8 +133,6 @@ def validate(run) -> Setup:
             data.parse_token_prompt(run.logging.prompt, run.data.vocab_size)
         except ValueError as e:
             fail(f"logging.prompt: {e}")
-    if run.data.vocab_size is not None and builder is None:  # a token file: its vocabulary is the model's
-        cfg = dataclasses.replace(cfg, vocab_size=run.data.vocab_size)
     try:  # the model's Megatron plan over the tensor axis: refused here, before the run's banner
         tensor_plan(cfg, tensor)
     except ValueError as e:
@@ -216,15 +224,11 @@ def _load_weights(path: Path, depth: int = 0):
         builder, _, desc = _load_weights(Path(src.model.init_from), depth + 1)
         mc = builder.config
     else:
-        mc = dataclasses.replace(MODEL_PRESETS[src.model.preset], seq_len=src.model.seq_len)
-        if src.model.scan is not None:
-            mc = dataclasses.replace(mc, scan=src.model.scan)
-        if src.data.vocab_size is not None:
-            mc = dataclasses.replace(mc, vocab_size=src.data.vocab_size)
-        desc = {"name": f"{src.model.preset} GPT", "model_type": "gpt"}
+        mc = src.model_config()
+        desc = preset_description(src.model.preset, mc)
 
         def builder():
-            return GPT(mc, rngs=nnx.Rngs(0))
+            return build_model(mc, nnx.Rngs(0))
 
         builder.config = mc
     return builder, _safetensors_weights(file), {"name": f"{desc['name']} trained in {path} (step {step})",

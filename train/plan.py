@@ -317,7 +317,8 @@ def main(argv=None) -> int:
     try:  # the predicted step on --target's profile (train/planning): the top-level fields of issue 51's candidates
         summary.update(plan_prediction(rep, cfg, model=args.model, target=args.profile or args.target, mesh_shape=dict(mesh.shape),
                                        batch=batch, seq=seq, peak_bytes=peak, budget_bytes=budget,
-                                       devices_per_node=args.devices_per_node))
+                                       devices_per_node=args.devices_per_node, mixed_precision=mp, offload=args.offload,
+                                       unit=args.unit))
     except ValueError as e:
         parser.error(str(e))
     _prediction_line(summary)

@@ -6,7 +6,7 @@
 ``RUN`` is either
 
 - a run folder of ``python -m train``: its ``config.toml`` gives the model (the preset with the
-  run's ``seq_len``, ``scan`` and token-file vocabulary, or the Hugging Face model it was
+  run's ``seq_len``, ``scan`` and token-file vocabulary, a zoo preset with its own, or the Hugging Face model it was
   initialised from) and its weights are ``model.safetensors`` (``zshard.export``), or, when the
   run wrote none (preempted), the latest checkpoint in ``checkpoints/`` (``zshard.restore``);
 - a Hugging Face model directory (``config.json`` and safetensors files, ``train.model.from_hf``).
@@ -18,8 +18,8 @@ per decoding step (``--gather-once``: the whole model gathered once per call), i
 the model's ``seq_len`` as ``python -m train``'s samples.
 
 Output (stdout): the prompt followed by its continuation: text for a byte-level run (the bytes
-decoded as UTF-8, invalid bytes as U+FFFD), else token ids separated by spaces, as ``python -m
-train --prompt`` takes them; then, on its own last line, the decoding rate
+decoded as UTF-8, invalid bytes as U+FFFD, a token id >= 256 of a larger vocabulary as ``?``), else
+token ids separated by spaces, as ``python -m train --prompt`` takes them; then, on its own last line, the decoding rate
 (``12.3 tokens/s (...)``: the generated tokens over the seconds of the decoding calls; each
 window's program is compiled before, timed apart). A line naming the model and mesh goes to stderr.
 ``--seed`` makes sampling reproducible: the same seed gives the same tokens on any mesh;
@@ -130,12 +130,10 @@ def read_source(path: str | Path) -> Source:
     Raises:
       SystemExit(2): no such folder, neither kind of folder, an unreadable configuration (one line on stderr).
     """
-    import dataclasses  # noqa: PLC0415
-
     from flax import nnx  # noqa: PLC0415
 
     from train.cli import parse_config  # noqa: PLC0415
-    from train.model import GPT, MODEL_PRESETS, from_hf  # noqa: PLC0415
+    from train.model import build_model, from_hf  # noqa: PLC0415
 
     path = Path(path)
     if not path.is_dir():
@@ -149,12 +147,8 @@ def read_source(path: str | Path) -> Source:
             except (OSError, ValueError) as e:
                 _fail(f"{path / 'config.toml'}: model.init_from {run.model.init_from!r}: {e}")
             return Source(path, builder.config, builder, run, None, run.model.seq_len, byte_level)
-        cfg = dataclasses.replace(MODEL_PRESETS[run.model.preset], seq_len=run.model.seq_len)
-        if run.model.scan is not None:
-            cfg = dataclasses.replace(cfg, scan=run.model.scan)
-        if run.data.vocab_size is not None:  # a token file: its vocabulary is the model's
-            cfg = dataclasses.replace(cfg, vocab_size=run.data.vocab_size)
-        return Source(path, cfg, lambda: GPT(cfg, rngs=nnx.Rngs(run.training.seed)), run, None, run.model.seq_len, byte_level)
+        cfg = run.model_config()  # the preset train.job.validate built: a token file's vocabulary, or a zoo preset's own
+        return Source(path, cfg, lambda: build_model(cfg, nnx.Rngs(run.training.seed)), run, None, run.model.seq_len, byte_level)
     if (path / "config.json").is_file():
         try:
             builder, weights = from_hf(path)
@@ -224,9 +218,10 @@ def _prompt_ids(source: Source, text: str) -> list[int]:
 
 
 def _render(source: Source, ids: list[int]) -> str:
-    """Bytes as text (invalid UTF-8 as U+FFFD), other tokens as space-separated ids."""
+    """Bytes as text (invalid UTF-8 as U+FFFD; a token id >= 256, which a model of a larger vocabulary, a zoo
+    preset or a Hugging Face checkpoint, can draw, as ``?``), other tokens as space-separated ids."""
     if source.byte_level:
-        return bytes(ids).decode("utf-8", errors="replace")
+        return bytes(t if t < 256 else ord("?") for t in ids).decode("utf-8", errors="replace")
     return " ".join(map(str, ids))
 
 

@@ -32,10 +32,10 @@ def _flag(name: str, flag: str | None = None) -> dict:
 
 @dataclasses.dataclass
 class ModelConfig:
-    """``[model]``: the GPT's shape (``train/model.py``)."""
+    """``[model]``: the model's shape (``train/model.py``: a byte-level GPT preset, or a zoo model)."""
 
     preset: str = dataclasses.field(default="tiny", metadata=_flag("preset", "--model"))
-    """model preset of train/model.py: nano (d 64, 2 layers), tiny (128, 4), small (256, 6), medium (512, 8, scanned)"""
+    """model preset of train/model.py: the byte-level GPTs nano (d 64, 2 layers), tiny (128, 4), small (256, 6), medium (512, 8, scanned) (a token file's --vocab-size is their vocabulary); or a zoo model of train.model.PLAN_PRESETS (python -m train.plan's): gpt2-124m, gpt2-1.5b, llama-1b, llama-7b, llama-70b, llama-3-8b, llama-3.2-1b, qwen3-30b-a3b, deepseek-v3, with its own vocabulary (bytes fit under it; --vocab-size at most it)"""
     seq_len: int = 128
     """tokens (bytes) per sequence; also the size of the model's position table"""
     scan: bool | None = None
@@ -69,7 +69,7 @@ class MeshConfig:
     tensor: int | None = None
     """devices of the tensor axis (tensor parallelism, innermost: the model's plan splits its layers over them: column- and row-parallel projections, the vocabulary); unset or 1: none; --mesh RxSxT sets it too"""
     expert: int | None = None
-    """devices of the expert axis (expert parallelism, after shard: the batch is split over replica x shard x expert, the dense parameters sharded over shard x expert, each MoE layer's experts split over expert, E / expert whole experts per device, tokens sent to their experts by all-to-all; needs a mixture of experts (model.init_from a Qwen3-MoE or Mixtral checkpoint) whose expert count it divides: train.models.expert_plan); unset or 1: none"""
+    """devices of the expert axis (expert parallelism, after shard: the batch is split over replica x shard x expert, the dense parameters sharded over shard x expert, each MoE layer's experts split over expert, E / expert whole experts per device, tokens sent to their experts by all-to-all; needs a mixture of experts (--model qwen3-30b-a3b or deepseek-v3, or model.init_from a Qwen3-MoE or Mixtral checkpoint) whose expert count it divides: train.models.expert_plan); unset or 1: none"""
     context: int | None = None
     """devices of the context axis (context parallelism, between shard and tensor: each sequence is split over them in the head-tail order, the rows over replica x shard; model.seq_len must divide by 2 x context; docs/long-sequences.md); unset or 1: none"""
     strategy: str | None = None

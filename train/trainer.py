@@ -34,7 +34,7 @@ from train.planning.auto import choose, take_auto
 from train.devices import emulate_devices
 from train.hooks import Checkpoint, Evaluate, Metrics, Sample
 from train.job import Setup, make_optimizer, validate
-from train.model import GPT, expert_plan, loss_for, tensor_plan, units_with_ends
+from train.model import build_model, expert_plan, loss_for, tensor_plan, units_with_ends
 from train.output import PROG, say, write_atomic
 from train.preempt import StopAgreement, discard_half_written, latest_complete, wait_on_thread
 from train.stops import Stop, Stops
@@ -144,7 +144,7 @@ class Trainer:
         t_cfg = run.training
         tx, self.warmup, self.schedule = make_optimizer(run)
         mp = run.mixed_precision()  # [training] dtypes and [precision] formats
-        make_model = setup.builder or (lambda: GPT(setup.cfg, rngs=nnx.Rngs(t_cfg.seed)))  # noqa: E731
+        make_model = setup.builder or (lambda: build_model(setup.cfg, nnx.Rngs(t_cfg.seed)))  # noqa: E731
         shard = grain.sharding.ShardByJaxProcess()  # this process's rows of each global batch
         self.batches = checkpointing.BatchStream(setup.train_data, t_cfg.batch_size, run.model.seq_len, t_cfg.seed,
                                                  process_index=shard.shard_index, process_count=shard.shard_count)

@@ -11,8 +11,6 @@ predicted and the measured (median) ``step_s`` (:func:`auto_summary`).
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 __all__ = ["REFUSED", "auto_summary", "choose", "take_auto"]
@@ -44,18 +42,16 @@ def choose(run, devices, *, finalists: int = 2, log=print) -> dict:
     Raises:
       ValueError: a key ``--auto`` cannot search with (an unknown preset; ``mesh.shape`` / ``mesh.strategy``
         set by a config file), or no configuration fits (the message says what would)."""
-    from train.model import MODEL_PRESETS
+    from train.model import MODEL_PRESETS, PLAN_PRESETS
     from train.planning.profiles import load_profile
     from train.planning.search import describe, search, what_would_fit
 
-    if run.model.preset not in MODEL_PRESETS:
-        raise ValueError(f"model.preset {run.model.preset!r}: choose one of {', '.join(MODEL_PRESETS)}")
+    if run.model.preset not in MODEL_PRESETS and run.model.preset not in PLAN_PRESETS:
+        raise ValueError(f"model.preset {run.model.preset!r}: choose one of {', '.join([*MODEL_PRESETS, *PLAN_PRESETS])}")
     for key, value in (("mesh.shape", run.mesh.shape), ("mesh.strategy", run.mesh.strategy), ("mesh.zero_stage", run.mesh.zero_stage)):
         if value is not None:
             raise ValueError(f"{key} = {value!r} (from the config file): --auto chooses it; unset it or leave --auto out")
-    cfg = dataclasses.replace(MODEL_PRESETS[run.model.preset], seq_len=run.model.seq_len)
-    if run.data.vocab_size is not None:
-        cfg = dataclasses.replace(cfg, vocab_size=run.data.vocab_size)
+    cfg = run.model_config()  # the model python -m train builds (train.job.validate)
     profile = load_profile("cpu")
     n, seq, batch = len(devices), run.model.seq_len, run.training.batch_size
     result = search(cfg, model=run.model.preset, devices=n, seq=seq, batch=batch, profile=profile, budget=profile.hbm_bytes,

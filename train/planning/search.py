@@ -187,11 +187,11 @@ def _formats(c: dict, block: int | None = 256) -> dict:
             "error_feedback": c.get("error_feedback", False), "block": block}
 
 
-def _fill(c: dict, pred, model: str, batch: int, seq: int, block: int | None = 256) -> dict:
+def _fill(c: dict, pred, model: str, batch: int, seq: int, block: int | None = 256, mixed_precision=None) -> dict:
     c.update(step_s=pred.step_s, tokens_per_s_per_device=pred.tokens_per_s_per_device, mfu=pred.mfu,
              bottleneck=pred.bottleneck,
              command=train_command(model, c["mesh"], c["strategy"], batch, seq, c["remat"], c["accumulation"],
-                                   formats=_formats(c, block)))
+                                   formats=_formats(c, block), mixed_precision=mixed_precision))
     return c
 
 
@@ -263,7 +263,8 @@ def search(cfg, *, model: str, devices: int, seq: int, batch: int, profile: Prof
     """Search the configurations of ``model`` (config ``cfg``) on ``devices`` devices for a global ``batch`` of
     sequences of ``seq`` tokens; ``budget``: device memory, bytes; ``compile_devices``: the devices to compile the
     finalists for (``None``: compile nothing, formulas only); ``mixed_precision``: the
-    ``zshard.MixedPrecision`` compiled (bf16 gathers and activations: 2 bytes in the formulas); ``formats``: the
+    ``zshard.MixedPrecision`` compiled (bf16 gathers and activations: 2 bytes in the formulas) and carried into
+    each candidate's ``command`` (``--param-dtype`` ..., :func:`train.planning.single.train_command`); ``formats``: the
     wire formats searched (``None`` unquantized, ``"int8"``, ...: :func:`enumerate_candidates`), each quantized
     reduction with ``error_feedback`` when set, ``block`` elements per scale (``None``: tensorwise).
 
@@ -295,7 +296,7 @@ def search(cfg, *, model: str, devices: int, seq: int, batch: int, profile: Prof
         traffic, hbm = _traffic(c, w, q, e, block)
         c["quant_bytes"] = hbm
         _fill(c, predict(w, traffic, profile, c["mesh"], strategy=c["strategy"], devices_per_node=devices_per_node,
-                         quant_bytes=hbm), model, batch, seq, block)
+                         quant_bytes=hbm), model, batch, seq, block, mixed_precision)
         c.update(floor_bytes=floor["total"], memory_bytes=int(est), compiled=False, fits=est <= budget,
                  pruned=floor["total"] > budget, reason=None)
         if c["pruned"]:
@@ -321,7 +322,7 @@ def search(cfg, *, model: str, devices: int, seq: int, batch: int, profile: Prof
             pred = predict(w, traffic_of_report(rep), profile, c["mesh"], strategy=c["strategy"],
                            state_bytes=rep.model_state_bytes["measured"]["total"], devices_per_node=devices_per_node,
                            quant_bytes=c["quant_bytes"])
-            _fill(c, pred, model, batch, seq, block)
+            _fill(c, pred, model, batch, seq, block, mixed_precision)
             fits = peak <= budget
             c.update(memory_bytes=int(peak), compiled=True, fits=fits,
                      reason=None if fits else f"compiled peak {peak / GB:.2f} GB > {budget / GB:g} GB")
