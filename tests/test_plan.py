@@ -232,8 +232,9 @@ def test_plan_without_the_cuda_plugin_says_so(monkeypatch, tmp_path):
     # the prediction is on the target asked for (train/planning), from the CPU program's collectives
     assert summary["prediction"]["profile"] == "h200" and "predicted on h200 (collective bytes from the cpu program)" in out
     assert summary["step_s"] > 0 and 0 < summary["mfu"] < 1 and summary["compiled"] and summary["fits"]
-    assert summary["command"] == "python -m train --model tiny-llama --mesh 1x2 --strategy FULL_SHARD --batch-size 2 " \
-        "--seq-len 16 --remat block"
+    # python -m train's own flags: the 2 devices (its default is 8) and the bf16 compute of a GPU target
+    assert summary["command"] == "python -m train --model tiny-llama --mesh 1x2 --devices 2 --strategy FULL_SHARD " \
+        "--batch-size 2 --seq-len 16 --remat block --param-dtype bfloat16 --reduce-dtype float32"
     assert summary["attention"]["kernel"] == "xla" and summary["memory"]["temp"] > 0
 
 
