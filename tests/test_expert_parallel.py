@@ -96,7 +96,12 @@ def mse(model, batch):
 
 
 def tx():
-    return optax.adam(1e-2)
+    # SGD with momentum (a sharded optimizer state, linear in the gradient), not Adam: Adam moves an element
+    # whose gradient is zero up to rounding (its tokens' terms cancel to about +-1e-10, one sign on one
+    # mesh, the other on another) by lr * g / (|g| + eps), about lr either way: measured 2.1e-4 on one
+    # expert's rows of FULL_SHARD 1x2x4 with accumulation, and hybrid-zero2-2x2x2-clip past 1e-5 on
+    # 2026-12-06's main. The 1e-5 comparison is then of rounding noise, not of the step.
+    return optax.sgd(1e-2, momentum=0.9)
 
 
 # --- one device against expert parallelism ---------------------------------------------------------------
@@ -116,7 +121,7 @@ REPEATED = ("zero2-1x4x2-accum", "hybrid-zero2-2x2x2-clip")  # the paths of the 
 
 @pytest.fixture(scope="module")
 def references():
-    """The single-device runs: plain Adam, and Adam after ``clip_by_global_norm`` (the step's ``clip_norm``)."""
+    """The single-device runs: SGD with momentum, and the same after ``clip_by_global_norm`` (the step's ``clip_norm``)."""
     return {
         None: reference_run(make, tx(), mse, DATA),
         CLIP: reference_run(make, optax.chain(optax.clip_by_global_norm(CLIP), tx()), mse, DATA),
@@ -144,7 +149,7 @@ def runs():
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.exhaustive) if n in REPEATED else n for n in CASES])
 def test_expert_parallel_trains_like_one_device(name, runs, references):
     """Losses, gradient norms (before clipping: each expert counted once) and every parameter after
-    3 Adam steps equal the single-device run within 1e-5 (fp32), with accumulation and clipping."""
+    3 steps of SGD with momentum equal the single-device run within 1e-5 (fp32), with accumulation and clipping."""
     run, want = runs[name], references[CASES[name][3]]
     np.testing.assert_allclose(run.losses, want.losses, rtol=1e-5)
     np.testing.assert_allclose(run.norms, want.grad_norms, rtol=1e-5)
@@ -210,9 +215,9 @@ def test_checkpoint_restores_across_expert_sizes(runs, tmp_path):
         got = flat_params(zshard.unshard(back))
         for path, ref in want.items():
             np.testing.assert_array_equal(got[path], ref, err_msg=str(path))
-        mu = lambda s: jax.device_get(s.plan.layouts[("blocks", 1, "w_out")].from_storage(  # noqa: E731
-            np.asarray(jax.device_get(s.opt_state[0].mu["blocks"][1]["w_out"])).reshape(-1)))
-        np.testing.assert_array_equal(mu(back), mu(state))
+        trace = lambda s: jax.device_get(s.plan.layouts[("blocks", 1, "w_out")].from_storage(  # noqa: E731  (the momentum)
+            np.asarray(jax.device_get(s.opt_state[0].trace["blocks"][1]["w_out"])).reshape(-1)))
+        np.testing.assert_array_equal(trace(back), trace(state))
 
 
 def test_fetch_params_and_forward_see_all_experts(runs):

@@ -17,6 +17,9 @@ from train.model import GPT, GPTConfig, cross_entropy_loss
 from zshard.inspection.hlo import parse_collectives
 from zshard.wire.quant import Quant
 
+# hpZ is bitwise the step without it under XLA:CPU's default fusion (tests/conftest.py, _FAST_COMPILE)
+pytestmark = pytest.mark.usefixtures("xla_default_cpu_fusion")
+
 MESH = (2, 4)  # replica (nodes) x shard (devices in a node)
 R, S = MESH
 STEPS = 3

@@ -26,6 +26,9 @@ import zshard
 import zshard.optim.offload as offload
 from train.model import GPT, GPTConfig, cross_entropy_loss
 
+# offload is bitwise the run without it under XLA:CPU's default fusion (tests/conftest.py, _FAST_COMPILE)
+pytestmark = pytest.mark.usefixtures("xla_default_cpu_fusion")
+
 BF16 = zshard.MixedPrecision(param_dtype="bfloat16")
 MESHES = {"1x8": (1, 8), "2x4": (2, 4)}
 STRATEGIES = [s.value for s in zshard.Strategy]
