@@ -281,33 +281,31 @@ def corpus(tmp_path_factory) -> Path:
 # file handed out last leaves the other worker idle at the end. pyproject.toml passes
 # ``--no-loadscope-reorder`` (pytest-xdist 3.8): without it pytest-xdist re-sorts the files by their
 # number of tests, which put test_preempt_mp.py (1 test, 95 s) and test_readme.py (1 test, 62 s)
-# last. Seconds: every file's, from one fresh-clone run on 2 cores with ``--durations`` (2026-12-03,
-# 947 tests, 2617 s over both workers); a new file not listed counts 2.76 s per test, that run's
-# mean. Replaying that run's per-test times through xdist's rule (the next file to the first free
-# worker): 1324 s for the earlier table (22 files, the rest estimated by their test count, which
-# put test_config.py, 61 tests of 11 s, fourth), 1309 s for this one, the bound (2617 / 2).
-# Updated 2026-12-06: the files whose subprocess runs became in-process calls (test_context, test_plan,
-# test_offload, test_memory, test_cli, test_hf_finetune, test_checkpoint, test_data) count their 12-03
-# seconds less the per-test reductions measured 2026-12-06 (-n 0, cold compilation cache); the expert-parallel
-# files are that day's single-file measurements (test_expert_parallel cold). test_train_presets.py: 18 s of CPU
-# cold (-n 0, ZSHARD_TEST_NO_CACHE=1; 40 s wall on a machine loaded 7.5 on 2 cores), 11 s warm.
+# last. Seconds: every file's, from one fresh-clone run on 2 idle cores with ``--junitxml``
+# (2026-12-07, 1216 tests, 2307 s over both workers, 1181 s wall: the bound 1153 s, so the
+# order loses 28 s at the end); a new file not listed counts 1.90 s per test, that run's mean.
+# (2026-12-03: 947 tests, 2617 s, 2.76 s per test; the older fusion pipeline above is most of the difference.)
 FILE_SECONDS = {
-    "test_tensor_parallel.py": 319, "test_context.py": 185, "test_optim.py": 165, "test_multiprocess.py": 153,
-    "test_hf_finetune.py": 105, "test_preempt_mp.py": 102, "test_offload.py": 79, "test_memory.py": 65,
-    "test_step.py": 70, "test_readme.py": 69, "test_zoo.py": 56, "test_checkpoint.py": 46, "test_scan.py": 50,
-    "test_quant.py": 49, "test_preempt.py": 49, "test_cli.py": 37, "test_strategies.py": 47, "test_main_job.py": 46,
-    "test_plan.py": 31, "test_hf.py": 46, "test_model_state.py": 46, "test_verify.py": 46, "test_data.py": 30,
-    "test_user_models.py": 42, "test_moe.py": 41, "test_remat.py": 40, "test_generate.py": 39,
-    "test_hybrid_opt.py": 39, "test_train.py": 37, "test_leaves.py": 37, "test_bench.py": 35,
-    "test_attention.py": 34, "test_main_eval.py": 34, "test_feedback.py": 33, "test_precision.py": 30,
-    "test_hpz.py": 28, "test_accum.py": 21, "test_shapes.py": 17, "test_tied.py": 15, "test_prefetch.py": 15,
-    "test_evaluate.py": 14, "test_global_view.py": 13, "test_config.py": 11, "test_flat.py": 6, "test_frozen.py": 5,
-    "test_units.py": 5, "test_mesh.py": 5, "test_structure.py": 3, "test_quant_context.py": 3, "test_forward.py": 3,
-    "test_collectives.py": 2, "test_launch.py": 1,
-    "test_expert_parallel.py": 95, "test_plan_search_formats.py": 40, "test_moe_op.py": 47, "test_cost_model.py": 5, "test_mixtral.py": 4,
-    "test_train_presets.py": 20,
+    "test_tensor_parallel.py": 147, "test_multiprocess.py": 133, "test_offload.py": 116, "test_context.py": 111,
+    "test_preempt_mp.py": 102, "test_readme.py": 85, "test_optim.py": 64, "test_plan.py": 62,
+    "test_hf_finetune.py": 62, "test_remat.py": 61, "test_preempt.py": 55, "test_checkpoint.py": 55,
+    "test_scan.py": 52, "test_strategies.py": 52, "test_memory.py": 52, "test_cli.py": 49, "test_bench.py": 49,
+    "test_quant.py": 48, "test_step.py": 45, "test_main_job.py": 44, "test_plan_search.py": 43,
+    "test_hybrid_opt.py": 42, "test_zoo.py": 41, "test_model_state.py": 39, "test_generate.py": 39,
+    "test_hpz.py": 38, "test_verify.py": 37, "test_user_models.py": 33, "test_hf.py": 32, "test_data.py": 31,
+    "test_leaves.py": 30, "test_sample.py": 30, "test_expert_parallel.py": 29, "test_main_eval.py": 28,
+    "test_attention.py": 27, "test_precision.py": 25, "test_moe.py": 23, "test_accum.py": 22,
+    "test_train_auto.py": 21, "test_plan_search_formats.py": 20, "test_feedback.py": 20, "test_evaluate.py": 18,
+    "test_gpu.py": 17, "test_plan_search_expert.py": 16, "test_prefetch.py": 15, "test_tied.py": 15,
+    "test_train.py": 15, "test_flat.py": 14, "test_train_presets.py": 11, "test_shapes.py": 10,
+    "test_bench_moe.py": 9, "test_moe_op.py": 9, "test_units.py": 8, "test_global_view.py": 8, "test_frozen.py":
+    7, "test_scale.py": 6, "test_mesh.py": 5, "test_router_metrics.py": 5, "test_structure.py": 4,
+    "test_cost_model.py": 3, "test_quant_context.py": 3, "test_install.py": 3, "test_forward.py": 3,
+    "test_collectives.py": 3, "test_mixtral.py": 2, "test_layout.py": 1, "test_expert_cli.py": 1,
+    "test_expert_plan.py": 1, "test_wire.py": 1, "test_launch.py": 1, "test_report.py": 0,
+    "test_expert_formulas.py": 0, "test_config.py": 0, "test_docs_numbers.py": 0, "test_aliases.py": 0,
 }  # fmt: skip
-MEAN_TEST_SECONDS = 2.76
+MEAN_TEST_SECONDS = 1.90
 
 
 def pytest_collection_modifyitems(config, items):
