@@ -128,13 +128,8 @@ def test_command_carries_the_train_flags():
     assert "format" not in plain
 
 
-@pytest.fixture
-def tiny_preset(monkeypatch):
-    monkeypatch.setitem(PLAN_PRESETS, "tiny-search", CFG)
-    return "tiny-search"
-
-
-def test_cli_json_has_the_formats(tiny_preset, tmp_path, capsys):
+def test_cli_json_has_the_formats(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(PLAN_PRESETS, tiny_preset := "tiny-search", CFG)
     out = tmp_path / "plan.json"
     rc = plan.main(["--model", tiny_preset, "--devices", "8", "--seq-len", str(SEQ), "--global-batch-tokens", str(BATCH * SEQ),
                     "--search", "--finalists", "0", "--remat", "block", "--formats", "none,int8,int4", "--error-feedback",
