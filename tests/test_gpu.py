@@ -32,7 +32,7 @@ from zshard.programs.step_config import default_prefetch
 
 # compile-only GPU executables cannot be read back from JAX's persistent cache (tests/conftest.py sets one)
 pytestmark = pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry:UserWarning")
-CUDA = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+CUDA = gpu.cuda_plugin()
 needs_cuda = pytest.mark.skipif(not CUDA, reason='JAX\'s CUDA plugin is not installed (pip install "zshard[cuda12]")')
 CFG = LlamaConfig(vocab_size=512, seq_len=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=512, scan=True)
 MP = zshard.MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
@@ -67,9 +67,15 @@ def test_target_errors_name_the_choices_and_the_fix():
         assert "Source: openxla/xla" in head and "Adjusted for jaxlib 0.10.2" in head
 
 
-def test_missing_cuda_plugin_names_the_extra(monkeypatch):
+def _no_jax_plugins(name):  # find_spec of a dotted name when the parent package is absent (the README's install)
+    raise ModuleNotFoundError("No module named 'jax_plugins'", name="jax_plugins")
+
+
+@pytest.mark.parametrize("absent", [lambda name: None, _no_jax_plugins], ids=["other-plugins", "no-jax_plugins"])
+def test_missing_cuda_plugin_names_the_extra(monkeypatch, absent):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jax_plugins.xla_cuda12" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: absent(name) if name == "jax_plugins.xla_cuda12" else real(name, *a))
+    assert gpu.cuda_plugin() is False
     with pytest.raises(ImportError, match=r'pip install "zshard\[cuda12\]"'):
         zshard.gpu_devices("h100")
 

@@ -1,6 +1,7 @@
 """Planning without hardware: abstract init, report on abstract inputs, `python -m train.plan`."""
 
 import contextlib
+import importlib.util
 import io
 import json
 import re
@@ -225,7 +226,15 @@ ENTRY %main (p: f32[8]) -> f32[64] {
 
 
 def test_plan_without_the_cuda_plugin_says_so(monkeypatch, tmp_path):
-    monkeypatch.setattr(plan, "cuda_plugin", lambda: False)
+    # as after the README's `pip install -e ".[train]"`: no jax_plugins package, so find_spec raises
+    real = importlib.util.find_spec
+
+    def find_spec(name, *a):
+        if name.startswith("jax_plugins"):
+            raise ModuleNotFoundError("No module named 'jax_plugins'", name="jax_plugins")
+        return real(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     out, summary, _ = _plan(monkeypatch, tmp_path, "--target", "h200", "--mesh", "1x2", "--seq-len", "16")
     assert "--target h200: jax's CUDA plugin is not installed (the cuda12 extra): compiling on 2 emulated CPU devices" in out
     assert summary["target"] == "cpu" and summary["mesh"] == {"replica": 1, "shard": 2, "tensor": 1, "context": 1}

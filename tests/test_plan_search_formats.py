@@ -154,6 +154,9 @@ def test_cli_json_has_the_formats(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--formats", "int3"], "--formats 'int3'"),
+    (["--formats", ""], "--formats ''"),
+    (["--formats", "none,,int8"], "--formats 'none,,int8'"),
+    (["--finalists", "-1"], "--finalists -1: must be 0 or more"),
     (["--formats", "int4", "--quant-block", "255"], "block must be even"),
     (["--gather-format", "int8"], "--gather-format: --search chooses the formats"),
     (["--error-feedback", "--formats", "none"], "--error-feedback corrects"),

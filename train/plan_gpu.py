@@ -19,7 +19,6 @@ inside a cuDNN call: cuDNN's attention is added by formula (:func:`attention_flo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import time
@@ -31,6 +30,7 @@ from flax import nnx
 
 import zshard
 from train.compiler_fsdp import fsdp_jit
+from zshard.gpu import cuda_plugin  # noqa: F401  (train.plan's check; in __all__)
 from train.models.core import head_size
 
 __all__ = ["TARGETS", "TARGET_MEMORY_GB", "attention_calls", "attention_flops", "compile_peer", "cuda_plugin",
@@ -39,11 +39,6 @@ __all__ = ["TARGETS", "TARGET_MEMORY_GB", "attention_calls", "attention_flops", 
 TARGETS = ("cpu", "h100", "h200", "a100")
 TARGET_MEMORY_GB = {"h100": 80.0, "h200": 141.0, "a100": 80.0}  # HBM of one GPU, vendor sheets (GB = 10^9 bytes)
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z\-]*)\((.*)$")
-
-
-def cuda_plugin() -> bool:
-    """Whether jax's CUDA plugin (the ``cuda12`` extra, ``jax[cuda12]``) is installed."""
-    return importlib.util.find_spec("jax_plugins.xla_cuda12")  # as zshard.gpu_devices checks is not None
 
 
 def target_devices(target: str, count: int) -> list:

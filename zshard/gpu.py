@@ -139,10 +139,20 @@ def gpu_devices(target: str, count: int = 8, devices_per_host: int = 8) -> list:
     if count > devices_per_host and count % devices_per_host:
         raise ValueError(f"gpu_devices: count={count} GPUs do not fill hosts of devices_per_host={devices_per_host}; "
                          f"give a multiple of {devices_per_host} (or count <= {devices_per_host}: one host)")
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not cuda_plugin():
         raise ImportError(f"gpu_devices({target!r}): compiling for a GPU target needs JAX's CUDA plugin, which is not "
                           f"installed: {CUDA_EXTRA} (jax[cuda12]: about 4.4 GB of wheels; no GPU or driver needed)")
     return list(_topology_devices(target, count, devices_per_host))
+
+
+def cuda_plugin() -> bool:
+    """Whether JAX's CUDA plugin (the ``cuda12`` extra, ``jax[cuda12]``) is installed. ``find_spec`` of
+    ``jax_plugins.xla_cuda12`` returns ``None`` when other plugins are installed and raises
+    ``ModuleNotFoundError`` when none is (no ``jax_plugins`` package: ``pip install ".[train]"``)."""
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _kind(platform_name: str, device_kind: str) -> str:

@@ -27,7 +27,7 @@ def parse_formats(text: str) -> tuple:
 
     Raises:
       ValueError: an unknown name (the known ones listed), or an empty list."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
+    names = [n.strip() for n in text.split(",")]  # an empty item ("", "none,,int8") is refused with the rest
     bad = [n for n in names if n not in FORMAT_NAMES]
     if bad or not names:
         raise ValueError(f"--formats {text!r}: choose a comma list of {', '.join(FORMAT_NAMES)}")

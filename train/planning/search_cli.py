@@ -36,7 +36,7 @@ def _checked(parser, args):
                         ("--batch-size", args.batch_size), ("--finalists", args.finalists), ("--device-memory-gb", args.device_memory_gb),
                         ("--devices-per-node", args.devices_per_node)):
         if value is not None and not value > 0 and not (flag == "--finalists" and value == 0):
-            parser.error(f"{flag} {value}: must be positive")
+            parser.error(f"{flag} {value}: must be " + ("0 or more" if flag == "--finalists" else "positive"))
     cfg = PLAN_PRESETS[args.model]
     seq = args.seq_len or cfg.seq_len
     if args.global_batch_tokens is not None:
@@ -66,7 +66,7 @@ def _checked_formats(parser, args):
             parser.error(f"--{flag.replace('_', '-')}: --search chooses the formats; give --formats LIST (none, int8, int4, "
                          "float8_e4m3fn, float8_e5m2)" + (" (replica_format is not searched)" if flag == "replica_format" else ""))
     try:
-        formats = parse_formats(args.formats or "none,int8")
+        formats = parse_formats("none,int8" if args.formats is None else args.formats)
     except ValueError as e:
         parser.error(str(e))
     if args.quant_block < 0:
@@ -124,7 +124,8 @@ def search_main(parser, args) -> int:
     on = "emulated CPU devices" if not gpu or fallback else f"XLA:GPU ({args.target}, no GPU needed)"
     print(f"searching {args.model} on {args.devices} devices ({profile.name} profile, {budget / GB:g} GB each): global batch "
           f"{batch} x {seq} tokens; wire formats {','.join(f or 'none' for f in formats)}"
-          + (" (error feedback)" if args.error_feedback else "") + f"; finalists compiled on {on}")
+          + (" (error feedback)" if args.error_feedback else "")
+          + (f"; up to {args.finalists} finalists compiled on {on}" if args.finalists else "; nothing compiled (--finalists 0)"))
     result = search(cfg, model=args.model, devices=args.devices, seq=seq, batch=batch, profile=profile, budget=budget,
                     compile_devices=devices, mixed_precision=mp, remats=remats, finalists=args.finalists,
                     devices_per_node=args.devices_per_node, formats=formats, error_feedback=args.error_feedback, block=block)
