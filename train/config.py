@@ -389,7 +389,7 @@ class Config:
         r.mesh.expert = self.expert() if self.expert() > 1 else None
         r.mesh.strategy, r.mesh.zero_stage = self.strategy(), None
         if r.model.scan is None:
-            r.model.scan = {**MODEL_PRESETS, **PLAN_PRESETS}[r.model.preset].scan
+            r.model.scan = self.model_config().scan
         r.optimizer.warmup = self.warmup_steps()
         if r.data.path is not None:
             r.data.path = str(Path(r.data.path).resolve())

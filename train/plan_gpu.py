@@ -30,8 +30,8 @@ from flax import nnx
 
 import zshard
 from train.compiler_fsdp import fsdp_jit
-from zshard.gpu import cuda_plugin  # noqa: F401  (train.plan's check; in __all__)
 from train.models.core import head_size
+from zshard.gpu import cuda_plugin  # noqa: F401  (train.plan's check; in __all__)
 
 __all__ = ["TARGETS", "TARGET_MEMORY_GB", "attention_calls", "attention_flops", "compile_peer", "cuda_plugin",
            "dot_flops", "overlap", "program_summary", "reduce_dtypes", "side_by_side", "target_devices", "write_json"]

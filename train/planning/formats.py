@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import zshard
+
 __all__ = ["FORMAT_NAMES", "Matrices", "element_bytes", "format_pairs", "parse_formats", "quant_hbm_bytes", "shard_devices"]
 
 FORMAT_NAMES = ("none", "int8", "int4", "float8_e4m3fn", "float8_e5m2")
 """``--formats`` names: ``none`` (unquantized: ``param_dtype`` gathers, ``reduce_dtype`` reduce-scatters) and
-zshard's formats (``zshard.wire.quant.FORMATS``)."""
-_BITS = {"int8": 8, "int4": 4, "float8_e4m3fn": 8, "float8_e5m2": 8}
+zshard's formats (``zshard.Quant``'s names)."""
 
 
 def parse_formats(text: str) -> tuple:
@@ -98,7 +99,7 @@ def element_bytes(fmt: str | None, block: int | None, plain: float) -> float:
     """Bytes per element on the wire: ``bits/8 + 4/B`` (one fp32 scale per block; tensorwise ~0), or ``plain``."""
     if fmt is None:
         return plain
-    return _BITS[fmt] / 8 + (4 / block if block else 0.0)
+    return zshard.Quant(fmt).bits / 8 + (4 / block if block else 0.0)  # zshard's wire bytes, per element
 
 
 def quant_hbm_bytes(psi_q: float, *, gather: str | None, reduce: str | None, feedback: bool, block: int | None,
