@@ -81,12 +81,15 @@ def test_zero_stage_errors():
 
 @pytest.fixture(scope="module")
 def reports():
-    """Report of every strategy on 1x8 and 2x4 for an 8-block model (root unit empty); the report
-    reads the compiled program, so the state is abstract (nothing built or placed)."""
+    """Report of every strategy on 1x8 and 2x4 for a 2-block model (root unit empty); the report
+    reads the compiled program, so the state is abstract (nothing built or placed). Two blocks, not
+    the 8 of before: every check is a ratio or a sum over units, the same per unit (measured with 2: every model-state and
+    communication ratio within 1.0005 of 1); the 14 unrolled steps compiled 2.5x
+    faster (7.0 -> 2.8 CPU s for 6 of them)."""
     out = {}
     for shape in ((1, 8), (2, 4)):
         for strategy in STRATEGIES:
-            state = zshard.init(lambda: BlocksOnly(100, 8, nnx.Rngs(0)), optax.adamw(1e-3), zshard.make_mesh(*shape), strategy=strategy,
+            state = zshard.init(lambda: BlocksOnly(100, 2, nnx.Rngs(0)), optax.adamw(1e-3), zshard.make_mesh(*shape), strategy=strategy,
                                 abstract=True)
             batch = (np.ones((16, 100), np.float32), np.zeros((16, 100), np.float32))
             out[strategy, shape] = zshard.report(zshard.make_train_step(mse_loss), state, batch)
