@@ -48,25 +48,39 @@ def test_formula_traffic_with_the_expert_axis():
         formula_traffic(w, mesh, "SHARD_OPT")
 
 
+def _picked(pick):
+    return [c for c in enumerate_candidates(8, CFG, SEQ, BATCH, ("block",))
+            if (c["mesh"]["expert"], c["mesh"]["replica"], c["strategy"]) in pick and c["accumulation"] == 1]
+
+
+def _check_floor(c, rep, peak):
+    w = Workload.of_config(CFG, global_batch=BATCH, seq_len=SEQ)
+    floor = memory_floor(c, CFG, w.psi, SEQ, expert_params=w.expert_params)["total"]
+    assert 0 < floor <= peak, (c, floor, peak)
+    assert any(x["kind"] == "all-to-all" for x in rep.collectives), c  # the program does dispatch over expert
+
+
 @pytest.fixture(scope="module")
 def brute():
     """The expert part of the space brute-forced (remat block, no accumulation, compiled): X = 2 on R = 1 with FULL_SHARD
-    and SHARD_GRAD_OP, X = 4 on R = 2 with HYBRID_SHARD and HYBRID_SHARD_ZERO2."""
-    pick = {(2, 1, "FULL_SHARD"), (2, 1, "SHARD_GRAD_OP"), (4, 2, "HYBRID_SHARD"), (4, 2, "HYBRID_SHARD_ZERO2")}
-    cands = [c for c in enumerate_candidates(8, CFG, SEQ, BATCH, ("block",))
-             if (c["mesh"]["expert"], c["mesh"]["replica"], c["strategy"]) in pick and c["accumulation"] == 1]
+    and SHARD_GRAD_OP, X = 4 on R = 2 with HYBRID_SHARD (HYBRID_SHARD_ZERO2: the exhaustive test below)."""
+    cands = _picked({(2, 1, "FULL_SHARD"), (2, 1, "SHARD_GRAD_OP"), (4, 2, "HYBRID_SHARD")})
     return [(c, *compile_candidate(c, CFG, SEQ, BATCH, jax.devices()[:8])[:2]) for c in cands]
+
+
+# its floor's terms are HYBRID_SHARD's shards (X = 4 on R = 2) and SHARD_GRAD_OP's gathered parameters (X = 2), both in brute
+@pytest.mark.exhaustive
+def test_floor_of_hybrid_shard_zero2_with_the_expert_axis():
+    (c,) = _picked({(4, 2, "HYBRID_SHARD_ZERO2")})
+    _check_floor(c, *compile_candidate(c, CFG, SEQ, BATCH, jax.devices()[:8])[:2])
 
 
 def test_floor_below_the_compiled_peak_and_pruning_keeps_what_fits(brute):
     """The floor never exceeds the compiled peak (so no budget prunes what fits), and a budget that one expert
     candidate just fits prunes others but keeps it."""
-    w = Workload.of_config(CFG, global_batch=BATCH, seq_len=SEQ)
-    assert len(brute) == 4
+    assert len(brute) == 3
     for c, rep, peak in brute:
-        floor = memory_floor(c, CFG, w.psi, SEQ, expert_params=w.expert_params)["total"]
-        assert 0 < floor <= peak, (c, floor, peak)
-        assert any(x["kind"] == "all-to-all" for x in rep.collectives), c  # the program does dispatch over expert
+        _check_floor(c, rep, peak)
     budget = min(p for _, _, p in brute)  # one expert candidate fits: the pruning must keep it
     res = search(CFG, model="tiny-moe", devices=8, seq=SEQ, batch=BATCH, profile=load_profile("cpu"), budget=budget,
                  compile_devices=None, remats=("block",))
