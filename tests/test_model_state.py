@@ -43,8 +43,17 @@ def dp_reference(make_model, tx, loss_fn, batches, world: int, grad_accum: int =
     def device_step(model, batch):
         return nnx.value_and_grad(loss_fn)(model, batch)
 
+    # The arithmetic between the device steps, jitted too: op by op, each operation compiled its own
+    # program per shape (the zoo's Llama reference: 110 compiles, 13 s; the numbers are the same).
+    @jax.jit
     def fold(key, d):
         return jax.vmap(lambda k: jax.random.fold_in(k, d))(key.reshape(-1)).reshape(key.shape)
+
+    add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
+
+    @nnx.jit(static_argnums=3)
+    def update(opt, model, grads, n):
+        opt.update(model, jax.tree.map(lambda g: g / n, grads))
 
     losses = []
     for batch in batches:
@@ -58,7 +67,7 @@ def dp_reference(make_model, tx, loss_fn, batches, world: int, grad_accum: int =
                 lo = (d * grad_accum + j) * n
                 l, g = device_step(model, jax.tree.map(lambda x: jnp.asarray(x)[lo : lo + n], batch))
                 loss += float(l) / (world * grad_accum)
-                grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+                grads = g if grads is None else add(grads, g)
             after.append({p: v.get_raw_value() for p, v in _others(model).items()})
         for p, v in _others(model).items():
             if isinstance(v, nnx.RngKey):
@@ -67,7 +76,7 @@ def dp_reference(make_model, tx, loss_fn, batches, world: int, grad_accum: int =
                 v.set_raw_value(sum(a[p] for a in after) / world)
             else:
                 v.set_raw_value(max((a[p] for a in after), key=lambda x: int(jnp.max(x))))
-        opt.update(model, jax.tree.map(lambda g: g / (world * grad_accum), grads))
+        update(opt, model, grads, world * grad_accum)
         losses.append(loss)
     return losses, model
 
