@@ -129,7 +129,8 @@ def mesh(r, s, c, t=1):
 
 
 @functools.cache
-def reference(impl, window, segments, weight, loss="mean"):
+def reference(window, segments, weight, loss="mean"):
+    """One device's run (its attention is the same whatever the sharded step's impl: one run for both)."""
     fn = token_mean if loss == "token" else loss_fn
     return reference_run(make("allgather", window), optax.adamw(1e-3), fn, batches(segments=segments, weight=weight))
 
@@ -177,12 +178,24 @@ def test_head_tail_order():
 # --- numbers: 10 steps equal to one device ------------------------------------------------------------
 
 
+@functools.cache
+def _train_step(segments: bool, remat: str, options: tuple = ()) -> zshard.TrainStep:
+    """The step of the training cases (and of the report's, which compile the same program: one
+    step object, one compile): packed documents with a token mean, or rows weighted by ``weight``."""
+    axes = {"tokens": 1, "targets": 1, "segments": 1, "mask": 1} if segments else {"tokens": 1, "targets": 1, "weight": None}
+    return zshard.make_train_step(token_loss if segments else loss_fn, sequence_axis=axes, remat=remat, prefetch=1, **dict(options))
+
+
 CASES = [  # strategy, mesh, impl, remat, sliding window, packed documents, step options, tensor plan
     ("FULL_SHARD", (1, 4, 2), "allgather", "block", None, False, {}, None),
-    ("HYBRID_SHARD", (2, 2, 2), "ring", "none", None, False, {}, None),
-    ("FULL_SHARD", (1, 2, 4), "allgather", "block", None, True, {"grad_accum": 2}, None),
+    # the program of test_report_context_row_is_the_formula[ring-none-False-1] (replica 2 with a context
+    # axis, HYBRID_SHARD 2x2x2, meets one device in test_train_models_equal_one_device[gpt-...])
+    ("FULL_SHARD", (1, 2, 4), "ring", "none", None, False, {}, None),
+    # the program of test_report_context_row_is_the_formula[allgather-block-True-2] (_train_step: compiled once)
+    ("FULL_SHARD", (1, 2, 4), "allgather", "block", None, True, {}, None),
     ("HYBRID_SHARD", (1, 2, 4), "ring", "block", 48, False, {"clip_norm": 0.5}, None),
-    ("FULL_SHARD", (1, 2, 2, 2), "allgather", "none", 48, True, {}, TP_PLAN),
+    # gradient accumulation of a token mean over split sequences (here since the case above is the report's)
+    ("FULL_SHARD", (1, 2, 2, 2), "allgather", "none", 48, True, {"grad_accum": 2}, TP_PLAN),
     ("HYBRID_SHARD", (1, 2, 2, 2), "ring", "block", None, False, {}, TP_PLAN),
 ]
 
@@ -194,13 +207,12 @@ def test_training_equals_one_device(strategy, shape, impl, remat, window, segmen
     clip = options.get("clip_norm")
     loss = "token" if segments else "mean"
     if clip is None:
-        want = reference(impl, window, segments, not segments, loss)
+        want = reference(window, segments, not segments, loss)
     else:
         want = reference_run(make("allgather", window), optax.chain(optax.clip_by_global_norm(clip), optax.adamw(1e-3)), loss_fn,
                              batches(segments=segments, weight=not segments))
     state = zshard.init(built(impl, window), optax.adamw(1e-3), mesh(*shape), strategy=strategy, tensor_parallel=tp)
-    axes = {"tokens": 1, "targets": 1, "segments": 1, "mask": 1} if segments else {"tokens": 1, "targets": 1, "weight": None}
-    step = zshard.make_train_step(token_loss if segments else loss_fn, sequence_axis=axes, remat=remat, prefetch=1, **options)
+    step = _train_step(segments, remat, tuple(sorted(options.items())))
     losses, norms = [], []
     for b in batches(segments=segments, weight=not segments):
         state, m = step(state, b)
@@ -242,12 +254,10 @@ def test_eval_step_gives_the_single_device_loss():
 
 @functools.cache
 def _report(impl, remat, segments):
+    """The report of the training cases' step (prefetch 1; a batch as theirs) on FULL_SHARD 1x2x4:
+    the programs two of test_training_equals_one_device's cases compiled (one compile for both)."""
     state = zshard.init(make(impl), optax.adamw(1e-3), mesh(1, 2, 4), strategy="FULL_SHARD", abstract=True)  # compiled only
-    fn, axes = (token_loss, 1) if segments else (loss_fn, {"tokens": 1, "targets": 1})
-    step = zshard.make_train_step(fn, sequence_axis=axes, remat=remat, prefetch=0)
-    b = batches(1, segments=segments)[0]
-    b = b if segments else {"tokens": b["tokens"], "targets": b["targets"]}
-    return zshard.report(step, state, b)
+    return zshard.report(_train_step(segments, remat), state, batches(1, segments=segments, weight=not segments)[0])
 
 
 @pytest.mark.parametrize("impl,remat,segments,passes", [("allgather", "block", True, 2), ("ring", "none", False, 1)])

@@ -70,6 +70,14 @@ def built(scan: bool) -> nnx.Module:
 
 
 @functools.cache
+def _train_step(remat: str, options: tuple = ()) -> zshard.TrainStep:
+    """The training cases' step (prefetch 1), shared with the tests that compile the same program
+    (the HLO, memory and checkpoint tests use FULL_SHARD 1x4x2 remat block's): one step object, one
+    compile."""
+    return zshard.make_train_step(loss_fn, remat=remat, prefetch=1, **dict(options))
+
+
+@functools.cache
 def reference():
     return reference_run(make, tx_for(False), loss_fn, DATA)
 
@@ -100,12 +108,16 @@ def test_mesh_with_a_tensor_axis():
 
 
 @pytest.mark.parametrize("strategy,shape,remat,scan,options", [
-    ("FULL_SHARD", (1, 4, 2), "block", False, dict(grad_accum=2)),
+    ("FULL_SHARD", (1, 4, 2), "block", False, dict()),  # _collectives((1, 4, 2), "block")'s program: one compile
     ("FULL_SHARD", (1, 4, 2), "none", True, dict()),
-    ("FULL_SHARD", (1, 8, 1), "none", False, dict(clip_norm=0.5)),
+    # T = 1 (tensor_plan(CFG, 1) is {}): FULL_SHARD on 1x8 without a tensor axis, whose clipped
+    # training test_accum.py's test_clip_norm_equals_optax_clip_on_one_device[FULL_SHARD-mesh0]
+    # checks against one device, and "a plan on T = 1 splits nothing" test_checkpoints_move_...
+    # below (restored onto 1x8x1 with PLAN): -m exhaustive
+    pytest.param("FULL_SHARD", (1, 8, 1), "none", False, dict(clip_norm=0.5), marks=pytest.mark.exhaustive),
     ("HYBRID_SHARD", (2, 2, 2), "none", False, dict(clip_norm=0.5)),
     ("HYBRID_SHARD", (2, 2, 2), "block", True, dict(grad_accum=2)),
-    ("SHARD_GRAD_OP", (1, 2, 4), "block", False, dict()),
+    ("SHARD_GRAD_OP", (1, 2, 4), "block", False, dict(grad_accum=2)),
     ("SHARD_GRAD_OP", (1, 2, 4), "none", True, dict(clip_norm=0.5)),
     ("HYBRID_SHARD_OPT", (2, 2, 2), "block", False, dict(grad_accum=2, clip_norm=0.5)),
     ("HYBRID_SHARD_OPT", (2, 1, 4), "none", True, dict()),
@@ -120,7 +132,7 @@ def test_training_equals_one_device(strategy, shape, remat, scan, options):
     want = (scanned_reference() if scan else reference()) if clip is None else _clipped_reference(clip, scan)
     state = zshard.init(built(scan), tx_for(scan), mesh(*shape), strategy=strategy, tensor_parallel=tensor_plan(CFG, shape[2]))
     assert bool(state.plan.tensor_split) == (shape[2] > 1)
-    step = zshard.make_train_step(loss_fn, remat=remat, prefetch=1, **options)
+    step = _train_step(remat, tuple(sorted(options.items())))
     losses, norms = [], []
     for b in DATA:
         state, m = step(state, b)
@@ -152,8 +164,9 @@ def _tiny_grad_norm() -> float:
     """One device's gradient norm of the ``tiny`` GPT on its batch, computed once for both
     prefetch cases (jitted: op by op it took 7.6 s, with the same norm to the last bit)."""
     _, _, batch = _tiny()
-    _, grads = nnx.jit(nnx.value_and_grad(loss_fn))(_tiny_built(), tuple(jnp.asarray(x) for x in batch))
-    return float(optax.global_norm(grads))
+    # the norm inside the jit too (op by op, optax.global_norm compiled ~30 small programs)
+    norm = nnx.jit(lambda model, b: optax.global_norm(nnx.grad(loss_fn)(model, b)))
+    return float(norm(_tiny_built(), tuple(jnp.asarray(x) for x in batch)))
 
 
 @pytest.mark.parametrize("prefetch", [0, 1])
@@ -261,8 +274,7 @@ def test_bad_plans_are_refused_before_anything_is_placed():
 def _collectives(shape, remat):
     # abstract: the program and its report read shapes and shardings only; nothing is built
     state = zshard.init(make, optax.adamw(1e-3), mesh(*shape), strategy="FULL_SHARD", tensor_parallel=PLAN, abstract=True)
-    step = zshard.make_train_step(loss_fn, remat=remat, prefetch=0)
-    compiled = step.lower(state, DATA[0]).compile()
+    compiled = _train_step(remat).lower(state, DATA[0]).compile()  # (1, 4, 2) "block": a training case's program
     return state, compiled, parse_collectives(compiled.as_text(), state.plan.mesh)
 
 
@@ -298,7 +310,7 @@ def test_hlo_fsdp_collectives_shrink_by_T_and_tensor_all_reduces_are_megatrons(r
 
 def test_state_memory_matches_the_formula():
     state, compiled, _ = _collectives((1, 4, 2), "block")
-    rep = zshard.report(zshard.make_train_step(loss_fn, prefetch=0), state, DATA[0])
+    rep = zshard.report(_train_step("block"), state, DATA[0])
     assert abs(rep.model_state_bytes["ratio"] - 1) < 0.01, rep.model_state_bytes
     T, N = 2, 4
     split = sum(int(np.prod(r.logical_shape)) for r in state.plan.layouts.values() if r.split)
@@ -316,8 +328,9 @@ def _flat(state) -> dict:
 
 def test_checkpoints_move_between_tensor_and_data_meshes_bitwise(tmp_path):
     tx = optax.adamw(1e-3)
-    state = zshard.init(make, tx, mesh(1, 4, 2), strategy="FULL_SHARD", tensor_parallel=PLAN)
-    step = zshard.make_train_step(loss_fn, prefetch=0)
+    # built(False): placed without compiling initialisers; the step: _collectives((1, 4, 2), "block")'s
+    state = zshard.init(built(False), tx, mesh(1, 4, 2), strategy="FULL_SHARD", tensor_parallel=PLAN)
+    step = _train_step("block")
     for b in DATA[:2]:
         state, _ = step(state, b)
     saved = jax.tree.map(np.asarray, (state.params, state.opt_state))
@@ -325,10 +338,13 @@ def test_checkpoints_move_between_tensor_and_data_meshes_bitwise(tmp_path):
     # onto meshes without a tensor axis (the plan validated, nothing split), and back
     flat8, _ = zshard.restore(tmp_path / "tp", mesh(1, 8, 1), model=make, tx=tx, strategy="FULL_SHARD", tensor_parallel=PLAN)
     hyb, _ = zshard.restore(tmp_path / "tp", mesh(2, 4, 1), model=make, tx=tx, strategy="HYBRID_SHARD")
+    trained = _flat(state)  # unsharded once per state (it was once per parameter: 46 unshards, 96 slice compiles)
     for other in (flat8, hyb):
         assert not other.plan.tensor_split
-        for path, want in _flat(state).items():
-            np.testing.assert_array_equal(_flat(other)[path], want)
+        got = _flat(other)
+        assert got.keys() == trained.keys()
+        for path, want in trained.items():
+            np.testing.assert_array_equal(got[path], want)
     zshard.save(hyb, tmp_path / "hyb")
     back, _ = zshard.restore(tmp_path / "hyb", mesh(1, 4, 2), model=make, tx=tx, strategy="FULL_SHARD", tensor_parallel=PLAN)
     assert back.params["blocks"][0]["attn"]["qkv"]["kernel"].sharding.spec == P("tensor", ("replica", "shard"))
