@@ -96,8 +96,8 @@ def all_gather_last(b: jax.Array, axes: tuple[str, ...], *, invariant: bool = Fa
     already whole (XLA refuses a zero gather dimension)."""
     if not axes or not b.shape[-1]:
         return b
-    if invariant:
-        return jax.lax.all_gather(b, axes, axis=b.ndim - 1, tiled=True, to="invarying")
+    if invariant:  # jax 0.12 refuses this gather of a value typed the same on every device: vary it first (no data moves)
+        return jax.lax.all_gather(vary(b, axes), axes, axis=b.ndim - 1, tiled=True, to="invarying")
     return jax.lax.all_gather(b, axes, axis=b.ndim - 1, tiled=True)
 
 
