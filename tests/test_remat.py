@@ -38,7 +38,9 @@ def reference():
         ("FULL_SHARD", (1, 8), jax.checkpoint_policies.nothing_saveable),
         ("HYBRID_SHARD", (2, 4), "dots"),
         ("SHARD_GRAD_OP", (2, 4), "block"),
-        ("HYBRID_SHARD_ZERO2", (4, 2), "dots"),
+        # remat is a model path (conftest.REPEATED_MODEL_PATH): HYBRID_SHARD_ZERO2 runs SHARD_GRAD_OP's
+        # (the "block" case above) within a shard group, with HYBRID_SHARD's reduction ("dots" above)
+        pytest.param("HYBRID_SHARD_ZERO2", (4, 2), "dots", marks=pytest.mark.exhaustive),
         ("FULL_SHARD", (1, 8), "offload"),  # XLA:CPU keeps "host" memory in RAM: the numbers of "dots"
     ],
 )
