@@ -314,7 +314,7 @@ def test_launch_runs_python_m_train_with_rank_0_writing(tmp_path):
     want = {r["step"]: r["loss"] for r in records if "loss" in r}
     ckpts = out / "checkpoints"
     assert sorted(int(d.name) for d in ckpts.iterdir()) == [1, 2, 3, 4]
-    resume = flags + ["--resume"]
+    resume = flags + ["--resume", "--sample-tokens", "0"]  # the 2-process sample: the run above
 
     def resumed_from(step, cmd):
         for d in ckpts.iterdir():
