@@ -120,7 +120,8 @@ def test_config_errors_are_one_line(tmp_path, capsys):
     # python -m train's checks in this process (tests/test_train.py's ``refused``: exit 2, one line starting
     # "python -m train: error: "); a process's whole stderr being that one line, jax imported and the devices
     # made: tests/test_train.py's test_empty_data_file_is_refused
-    for args, needle in [(["--steps", "ten"], "expected an integer, got 'ten'"), (["--mesh", "3x3"], "'3x3' is 3x3 = 9 devices")]:
+    for args, needle in [(["--steps", "ten"], "expected an integer, got 'ten'"), (["--mesh", "3x3"], "'3x3' is 3x3 = 9 devices"),
+                         (["--sample-tokens", "-1"], "logging.sample_tokens (--sample-tokens): must be >= 0")]:  # 0: no samples
         err = refused([*args, "--out", str(tmp_path / "run")], capsys)
         assert needle in err and not (tmp_path / "run").exists(), err
 
