@@ -16,7 +16,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 NANO = ["--model", "nano", "--seq-len", "16", "--batch-size", "8", "--eval-every", "0", "--eval-batches", "1",
-        "--sample-tokens", "4", "--no-tensorboard", "--warmup", "2"]
+        "--sample-tokens", "0", "--no-tensorboard", "--warmup", "2"]
+"""A nano run without samples (``--sample-tokens 0``: no generation programs compiled); the trainer's
+samples: tests/test_cli.py, tests/test_main_eval.py, tests/test_multiprocess.py's launch, tests/test_readme.py."""
 
 
 def env() -> dict:

@@ -211,7 +211,7 @@ def test_token_file_resume_is_bitwise(tmp_path, capfd):
     want = _losses(out)
     assert [s for s, loss, _ in want if loss is not None] == list(range(1, 9))
     shutil.rmtree(out / "checkpoints" / "8")
-    res = train(capfd, *args, "--resume")
+    res = train(capfd, *args, "--resume", "--sample-tokens", "0")  # the samples: the first run
     assert res.returncode == 0, res.stderr[-3000:]
     assert "continuing from step 4" in res.stderr
     assert _losses(out) == want

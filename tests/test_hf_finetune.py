@@ -51,12 +51,12 @@ def by_class(names):
 @pytest.mark.parametrize("name", by_class(FAMILIES))
 def test_init_from_fine_tunes(name, tokens, tmp_path):
     out = tmp_path / "run"
-    sample = SAMPLED.get(name, "0")  # sampling of every family: test_sharded_generation_equals_single_device
+    sample = SAMPLED.get(name, "0")  # "0": no sample; sampling of every family: test_sharded_generation_equals_single_device
     # python -m train's main in this process (tests/runs.py's train_main: a subprocess per family spent seconds
     # importing jax and the trainer; the process and its exit status: tests/test_main_job.py)
     assert train_main(["--init-from", FIXTURES / name, "--data", tokens, "--vocab-size", VOCAB, "--seq-len", "16", "--batch-size", "8",
                        "--steps", "4", "--mesh", "2x4", "--strategy", "HYBRID_SHARD", "--lr", "1e-2", "--eval-every", "4",
-                       "--eval-batches", "1", "--sample-every", sample, "--sample-tokens", "4", "--prompt", "3 10 17", "--out", out]) == 0
+                       "--eval-batches", "1", "--sample-every", "4", "--sample-tokens", sample, "--prompt", "3 10 17", "--out", out]) == 0
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in steps if "loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0], losses
@@ -69,6 +69,8 @@ def test_init_from_fine_tunes(name, tokens, tmp_path):
     assert summary["init_from"] == str(FIXTURES / name)
     if sample != "0":
         assert "=== step 4: 4 tokens after a 3-token prompt" in (out / "samples.txt").read_text()
+    else:
+        assert not (out / "samples.txt").exists()
     assert (out / "model.safetensors").is_file()
 
 

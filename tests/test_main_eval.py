@@ -1,5 +1,7 @@
 """``python -m train`` evaluates and samples on the sharded state, and fine-tunes Hugging Face
-checkpoints (``--init-from``). Each run is a subprocess with its own 8 emulated devices."""
+checkpoints (``--init-from``). Each run is ``python -m train``'s main in this process, on its 8 emulated
+devices (tests/runs.py's ``train_main``: a subprocess per run spent seconds importing jax and the trainer;
+the process and its exit status: tests/test_train.py, tests/test_main_job.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from safetensors.numpy import load_file, save_file
 
 import zshard
 from conftest import ROOT, rel_l2
-from test_train import refused, run
+from runs import train_main
+from test_train import refused
 from train import data
 from train.model import cross_entropy_loss, from_hf
 
@@ -21,10 +24,9 @@ FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 
 def test_eval_and_sampling_fit_a_bound_the_whole_model_exceeds(tmp_path, corpus):
     out = tmp_path / "run"
-    res = run(tmp_path, "--model", "tiny", "--steps", "2", "--seq-len", "32", "--batch-size", "16", "--mesh", "1x8",
-              "--data", str(corpus), "--eval-every", "2", "--eval-batches", "1", "--sample-every", "2",
-              "--sample-tokens", "20", "--prefetch", "0", "--out", str(out))
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert train_main(["--model", "tiny", "--steps", "2", "--seq-len", "32", "--batch-size", "16", "--mesh", "1x8",
+                       "--data", corpus, "--eval-every", "2", "--eval-batches", "1", "--sample-every", "2",
+                       "--sample-tokens", "20", "--prefetch", "0", "--out", out]) == 0
     summary = json.loads((out / "summary.json").read_text())
     model, ev = summary["model_bytes"], summary["eval_per_device_bytes"]
     assert model == 4 * summary["num_params"]
@@ -40,8 +42,7 @@ def test_init_from_hf_checkpoint(tmp_path, corpus):
     args = ["--init-from", str(FIXTURES / "gpt2"), "--steps", "2", "--seq-len", "32", "--batch-size", "16",
             "--mesh", "2x4", "--strategy", "HYBRID_SHARD", "--data", str(corpus), "--eval-every", "2",
             "--eval-batches", "2", "--sample-every", "2", "--sample-tokens", "40", "--lr", "1e-3", "--out", str(out)]
-    res = run(tmp_path, *args)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert train_main(args) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["init_from"] == str(FIXTURES / "gpt2") and summary["model"]["config"]["qkv_bias"] is True
     # the model trained is the checkpoint's, not the default preset

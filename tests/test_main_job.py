@@ -1,6 +1,6 @@
 """``python -m train`` as people live with it: run folders and ``--overwrite``, Ctrl-C while
-compiling, one-line errors, and the weights saved at the end. Subprocess runs of the nano
-model on a small corpus."""
+compiling, one-line errors, and the weights saved at the end. Runs of the nano model on a small
+corpus: subprocesses, and ``python -m train``'s main in this process where the process is not what is checked."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +18,11 @@ from flax import nnx
 
 import zshard
 from conftest import ROOT
+from runs import train_main
 from test_train import refused
 
 TINY = ["--model", "nano", "--steps", "2", "--seq-len", "16", "--batch-size", "8", "--eval-every", "0",
-        "--eval-batches", "1", "--sample-tokens", "4", "--no-tensorboard"]
+        "--eval-batches", "1", "--sample-tokens", "0", "--no-tensorboard"]  # no samples but in the weights' test
 
 
 def train(*args, cwd=ROOT, timeout=600):
@@ -28,9 +30,12 @@ def train(*args, cwd=ROOT, timeout=600):
     return subprocess.run([sys.executable, "-m", "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_each_run_gets_its_own_folder_latest_links_the_newest_and_nothing_is_overwritten(tmp_path, corpus, capsys):
-    first = train(*TINY, "--data", str(corpus), cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+def test_each_run_gets_its_own_folder_latest_links_the_newest_and_nothing_is_overwritten(tmp_path, corpus, capsys, monkeypatch):
+    # the first and the --overwrite run: python -m train's main in this process, in tmp_path (tests/runs.py's
+    # train_main: a subprocess spent seconds importing jax and the trainer); the second: a process of its own
+    monkeypatch.chdir(tmp_path)
+    assert train_main([*TINY, "--data", corpus]) == 0
+    first = capsys.readouterr()
     time.sleep(1.1)  # folders are named by the second
     second = train(*TINY, "--data", str(corpus), "--steps", "3", cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -39,7 +44,10 @@ def test_each_run_gets_its_own_folder_latest_links_the_newest_and_nothing_is_ove
     assert [json.loads((r / "summary.json").read_text())["steps"] for r in runs] == [2, 3]
     for r in runs:  # the weights of each run, saved at its end and named in its last line
         assert (r / "model.safetensors").exists()
+        assert not (r / "samples.txt").exists()  # --sample-tokens 0: no sample written or printed
     assert f"model.safetensors in {runs[1].relative_to(tmp_path)}" in second.stderr.splitlines()[-1]
+    assert "samples.txt" not in second.stderr.splitlines()[-1]
+    assert "=== step" not in first.out + first.err + second.stdout + second.stderr
 
     before = {p.name: p.stat().st_mtime_ns for p in runs[0].iterdir()}
     # refused by python -m train's checks, run in this process (tests/test_train.py's ``refused``: exit 2, one line)
@@ -47,19 +55,21 @@ def test_each_run_gets_its_own_folder_latest_links_the_newest_and_nothing_is_ove
     assert "holds an earlier run" in again and "--overwrite" in again, again
     assert {p.name: p.stat().st_mtime_ns for p in runs[0].iterdir()} == before  # untouched
     (runs[0] / "notes.txt").write_text("mine")
-    over = train(*TINY, "--data", str(corpus), "--out", str(runs[0]), "--overwrite", "--steps", "1", cwd=tmp_path)
-    assert over.returncode == 0, over.stderr[-3000:]
+    assert train_main([*TINY, "--data", corpus, "--out", runs[0], "--overwrite", "--steps", "1"]) == 0
     assert json.loads((runs[0] / "summary.json").read_text())["steps"] == 1
     assert (runs[0] / "notes.txt").read_text() == "mine"  # only the run's own files are replaced
     assert (tmp_path / "runs" / "latest").resolve() == runs[1].resolve()  # --out runs do not move the link
 
 
-def test_weights_at_the_end_load_into_the_model(tmp_path, corpus):
+def test_weights_at_the_end_load_into_the_model(tmp_path, corpus, capsys):
     from train.model import GPT, MODEL_PRESETS
 
     out = tmp_path / "run"
-    res = train(*TINY, "--data", str(corpus), "--out", str(out), "--ckpt-every", "1", "--keep", "1")
-    assert res.returncode == 0, res.stderr[-3000:]
+    capsys.readouterr()
+    code = train_main([*TINY, "--sample-tokens", "4", "--data", corpus, "--out", out, "--ckpt-every", "1", "--keep", "1"])
+    said = capsys.readouterr()  # in this process (tests/runs.py's train_main)
+    res = types.SimpleNamespace(stdout=said.out, stderr=said.err)
+    assert code == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     # checkpoint 1 was saved, then deleted by --keep 1: the summary lists what is on disk
     assert summary["weights"] == str(out / "model.safetensors") and summary["checkpoints"] == [str(out / "checkpoints" / "2")]
@@ -67,6 +77,7 @@ def test_weights_at_the_end_load_into_the_model(tmp_path, corpus):
     last = res.stderr.strip().splitlines()[-1]
     for name in ("metrics.jsonl", "summary.json", "config.toml", "samples.txt", "checkpoints/", "model.safetensors"):
         assert name in last, last
+    assert "=== step 2: 4 bytes after" in res.stdout + res.stderr and (out / "samples.txt").exists()  # test 1: none with 0
     assert "step 2: saving checkpoint" in res.stderr
     # the first save's time (its compile) is reported apart and left out of the throughput
     assert "step 1: saving checkpoint" in res.stderr and "this first save held the loop" in res.stderr
@@ -105,12 +116,14 @@ def test_ctrl_c_while_compiling_exits_130_with_one_line_and_writes_nothing(tmp_p
     assert not out.exists()
 
 
-def test_config_errors_are_one_line(tmp_path):
-    for args, needle in [(["--steps", "ten"], "expected an integer, got 'ten'"), (["--mesh", "3x3"], "'3x3' is 3x3 = 9 devices")]:
-        res = train(*args, "--out", str(tmp_path / "run"), timeout=300)
-        assert res.returncode == 2 and needle in res.stderr
-        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
-        assert res.stderr.startswith("python -m train: error: ")
+def test_config_errors_are_one_line(tmp_path, capsys):
+    # python -m train's checks in this process (tests/test_train.py's ``refused``: exit 2, one line starting
+    # "python -m train: error: "); a process's whole stderr being that one line, jax imported and the devices
+    # made: tests/test_train.py's test_empty_data_file_is_refused
+    for args, needle in [(["--steps", "ten"], "expected an integer, got 'ten'"), (["--mesh", "3x3"], "'3x3' is 3x3 = 9 devices"),
+                         (["--sample-tokens", "-1"], "logging.sample_tokens (--sample-tokens): must be >= 0")]:  # 0: no samples
+        err = refused([*args, "--out", str(tmp_path / "run")], capsys)
+        assert needle in err and not (tmp_path / "run").exists(), err
 
 
 def test_too_few_devices_names_the_emulation_switch(tmp_path):

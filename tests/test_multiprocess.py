@@ -16,12 +16,14 @@ import os
 import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import mp_worker
 import numpy as np
 import pytest
 from conftest import reference_run, rel_l2, zshard_run
+from runs import train_main
 
 import zshard
 from train import data
@@ -279,7 +281,7 @@ def test_process_slices_make_the_same_global_batches_and_cover_each_epoch_once(p
 
 
 @pytest.mark.multiprocess
-def test_launch_runs_python_m_train_with_rank_0_writing(tmp_path):
+def test_launch_runs_python_m_train_with_rank_0_writing(tmp_path, capsys):
     # The numbers of 2 processes x 4 against 1 x 8 and the reference are checked above on a
     # small model (two_by_four); this is the CLI path: flags, per-process data, rank 0 output.
     corpus = tmp_path / "corpus.txt"
@@ -314,13 +316,18 @@ def test_launch_runs_python_m_train_with_rank_0_writing(tmp_path):
     want = {r["step"]: r["loss"] for r in records if "loss" in r}
     ckpts = out / "checkpoints"
     assert sorted(int(d.name) for d in ckpts.iterdir()) == [1, 2, 3, 4]
-    resume = flags + ["--resume"]
+    resume = flags + ["--resume", "--sample-tokens", "0"]  # the 2-process sample: the run above
 
     def resumed_from(step, cmd):
         for d in ckpts.iterdir():
             if int(d.name) > step:
                 subprocess.run(["rm", "-r", str(d)], check=True)
-        res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        if cmd[0] == "main":  # python -m train's main in this process (tests/runs.py's train_main: no import of jax again)
+            code = train_main(cmd[1:])
+            said = capsys.readouterr()
+            res = types.SimpleNamespace(returncode=code, stdout=said.out, stderr=said.err)
+        else:
+            res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
         assert f"--resume: continuing from step {step} " in res.stdout + res.stderr
         got = {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
@@ -328,6 +335,6 @@ def test_launch_runs_python_m_train_with_rank_0_writing(tmp_path):
         for k in want:
             assert abs(got[k] - want[k]) <= 1e-5 * abs(want[k]), (step, k, got[k], want[k])
 
-    one = [PY, "-m", "train", *resume, "--devices", "8", "--mesh", "1x8", "--strategy", "FULL_SHARD"]
+    one = ["main", *resume, "--devices", "8", "--mesh", "1x8", "--strategy", "FULL_SHARD"]
     resumed_from(1, one)
     resumed_from(3, [PY, "-m", "zshard.launch", "--nproc", "2", "--devices-per-proc", "4", "--", "python", "-m", "train", *resume])

@@ -12,9 +12,12 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import re
 import subprocess
 import sys
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -97,10 +100,53 @@ def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
 
 PROGRAMS = ["train", "train.plan", "train.bench", "train.plot", "train.scale", "train.sample", "zshard.verify", "zshard.launch"]
 
+_HELP = """
+import os, runpy, sys, tempfile, traceback
+import jax  # noqa: F401  (what every program imports first, once: each program runs in a fork of this process)
+for module in sys.argv[1:]:
+    out, err = (tempfile.TemporaryFile() for _ in range(2))
+    sys.stdout.flush()  # else the child's stdout would start with this process's unwritten lines
+    pid = os.fork()
+    if pid == 0:  # the child: ``python -m MODULE --help``, its stdout and stderr to the files
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.argv = [module, "--help"]
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:  # as the interpreter ends: None is 0, a message is printed and 1
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else print(e.code, file=sys.stderr) or 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    out.seek(0)
+    err.seek(0)
+    print(repr((module, status, out.read().decode(), err.read().decode())))
+"""
+
+
+@functools.cache
+def _helps() -> dict:
+    """``python -m MODULE --help`` of every program, each in a process of its own: ``{module: (exit status,
+    stdout, stderr)}``. One interpreter imports jax, then forks a child per program that runs it as
+    ``python -m`` does (``runpy``, ``__main__``); a fresh interpreter per program spent ~2 s of CPU
+    on importing jax each."""
+    res = subprocess.run([sys.executable, "-c", _HELP, *PROGRAMS, "train.generate"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    helps = {m: (status, out, err) for m, status, out, err in map(ast.literal_eval, res.stdout.splitlines())}
+    assert list(helps) == [*PROGRAMS, "train.generate"], res.stdout[-3000:]
+    return helps
+
 
 @pytest.mark.parametrize("module", [*PROGRAMS, "train.generate"])
 def test_help_prints_the_usage_and_exits_0(module):
-    res = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    returncode, stdout, stderr = _helps()[module]
+    res = types.SimpleNamespace(returncode=returncode, stdout=stdout, stderr=stderr)
     if module == "train.generate":  # the library: no command line of its own, it names the one to use
         assert res.returncode == 2 and "python -m train.sample" in res.stderr and not res.stdout, res
         return

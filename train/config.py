@@ -262,7 +262,7 @@ class Config:
         if lg.out is not None and not lg.out:
             raise ConfigError(key_of("logging.out"), "is empty; give a directory path, or leave it unset for a new runs/<date-time>")
         at_least("logging.sample_every", lg.sample_every, 0)
-        at_least("logging.sample_tokens", lg.sample_tokens, 1)
+        at_least("logging.sample_tokens", lg.sample_tokens, 0)
         at_least("logging.temperature", lg.temperature, 0)
         if lg.prompt is not None and not lg.prompt:
             raise ConfigError(key_of("logging.prompt"), "is empty; give some text, or leave it unset for the held-out split's start")

@@ -4,7 +4,8 @@ due every step, are ``train/metrics.py``).
 - :class:`Evaluate`: the held-out loss every ``training.eval_every`` steps and after the last,
   on the sharded state (``zshard.make_eval_step``).
 - :class:`Sample`: text every ``logging.sample_every`` steps and after the last
-  (``train.generate``, sharded), to the terminal and ``OUT/samples.txt``.
+  (``train.generate``, sharded), to the terminal and ``OUT/samples.txt``; none when
+  ``logging.sample_tokens`` is 0.
 - :class:`Checkpoint`: ``OUT/checkpoints/<step>`` every ``checkpoint.ckpt_every`` steps, after
   the last, when Ctrl-C stops the run (if checkpointing is on) and when SIGTERM / SIGUSR1 does
   (always) (``train/checkpointing.py``, asynchronous).
@@ -89,7 +90,8 @@ class Sample:
     ids of a token file) or the first ``min(64, seq_len / 2)`` held-out tokens. The context is
     at most ``seq_len`` tokens: when it is full, generation continues from the last
     ``seq_len // 2``. Greedy when ``temperature == 0``; the draws depend only on the seed
-    ``training.seed + step`` (and the chunk).
+    ``training.seed + step`` (and the chunk). ``logging.sample_tokens == 0``: never due (no
+    sample, no ``samples.txt``).
     """
 
     kind = "sample"
@@ -111,7 +113,7 @@ class Sample:
         return continue_tokens(state, prompt, n, seq_len=self.seq_len, temperature=temperature, seed=seed, prefetch=self.prefetch)
 
     def due(self, step: int, stopping: Stop = Stop.NONE) -> bool:
-        return not stopping and every(self.every, self.steps, step)
+        return self.n > 0 and not stopping and every(self.every, self.steps, step)
 
     def __call__(self, state, step: int, rec: dict, metrics: Metrics) -> None:
         new = self.sample(state, self.prompt, self.n, self.temperature, self.seed + step)

@@ -187,7 +187,7 @@ class LoggingConfig:
     prompt: str | None = None
     """text the samples start from; unset: the first min(64, seq_len / 2) bytes of the held-out split"""
     sample_tokens: int = 128
-    """tokens (bytes) generated per sample"""
+    """tokens (bytes) generated per sample; 0: no samples (no OUT/samples.txt, no generation programs compiled)"""
     temperature: float = 0.8
     """sampling temperature; 0: greedy (argmax)"""
 
