@@ -41,6 +41,19 @@ def reference(q, k, v, causal, segments, window, cap=None):
                                         local_window_size=None if window is None else (window - 1, window - 1))
 
 
+# The reference and its gradients as one jitted program per case (op by op, each operation of the
+# eager reference and of its backward compiled a program of its own per shape: most of this file's compiles)
+STATIC = ("causal", "segments", "window", "cap")
+reference_jit = jax.jit(reference, static_argnames=STATIC)
+
+
+@functools.partial(jax.jit, static_argnames=STATIC)
+def reference_grads(q, k, v, causal, segments, window, cap=None):
+    """Gradients of ``sum(W * reference**2)`` with respect to q, k, v."""
+    loss = lambda q, k, v: jnp.sum(W[None, :, None, None] * reference(q, k, v, causal, segments, window, cap) ** 2)  # noqa: E731
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
 def rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
@@ -96,22 +109,21 @@ SPLIT_CASES = [
 
 @pytest.mark.parametrize("C,impl,causal,segments,window,tile", SPLIT_CASES)
 def test_on_a_split_sequence_forward_and_gradients_equal_one_device(C, impl, causal, segments, window, tile):
-    def loss(q, k, v):
-        return jnp.sum(W[None, :, None, None] * reference(q, k, v, causal, segments, window) ** 2)
-
-    want_grads = jax.grad(loss, argnums=(0, 1, 2))(Q, K, VV)
+    opts = dict(causal=causal, segments=segments, window=window)
+    want_grads = reference_grads(Q, K, VV, **opts)
     got, grads = _split_program(C, impl, causal, segments, window, tile=tile)
-    assert rel(got, reference(Q, K, VV, causal, segments, window)) <= 1e-6
+    assert rel(got, reference_jit(Q, K, VV, **opts)) <= 1e-6
     for name, g, w in zip("qkv", grads, want_grads):
         assert rel(g, w) <= 1e-6, (name, rel(g, w))
 
 
 def test_softcap_equals_the_written_out_formula_on_one_device_and_on_a_split():
-    want = reference(Q, K, VV, True, True, 12, cap=2.0)
-    assert rel(zshard.attention(Q, K, VV, segment_ids=SEG, sliding_window=12, softcap=2.0), want) <= 1e-6
-    assert rel(zshard.attention(Q, K, VV, segment_ids=SEG, sliding_window=12), want) > 1e-3  # the cap matters here
-    want_grads = jax.grad(lambda q, k, v: jnp.sum(W[None, :, None, None] * reference(q, k, v, True, True, 12, 2.0) ** 2),
-                          argnums=(0, 1, 2))(Q, K, VV)
+    want = reference_jit(Q, K, VV, causal=True, segments=True, window=12, cap=2.0)
+    capped = jax.jit(lambda q, k, v, cap: zshard.attention(q, k, v, segment_ids=SEG, sliding_window=12, softcap=cap),
+                     static_argnums=3)  # one program each, not op by op
+    assert rel(capped(Q, K, VV, 2.0), want) <= 1e-6
+    assert rel(capped(Q, K, VV, None), want) > 1e-3  # the cap matters here
+    want_grads = reference_grads(Q, K, VV, causal=True, segments=True, window=12, cap=2.0)
     # one device, 64 tokens in tiles of 16 (the soft-capped path is the tiled block): forward and gradients
     one = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(W[None, :, None, None] * zshard.attention(
         q, k, v, segment_ids=SEG, sliding_window=12, softcap=2.0, tile=16) ** 2), argnums=(0, 1, 2)))

@@ -29,20 +29,31 @@ def _model():
     return ResMLP(13, 19, 3, n_blocks=3, rngs=nnx.Rngs(0))
 
 
+@functools.cache
+def _state(strategy, r, s):
+    """``_model()`` built eagerly (copied to the shards, not compiled: a builder's initialisers
+    compile per mesh and strategy; the builder path: test_strategies) and placed once per mesh:
+    an eval step leaves its state as it was (checked below), so the tests share it."""
+    return zshard.init(_model(), optax.adamw(1e-3), zshard.make_mesh(r, s), strategy=strategy)
+
+
+_loss_one_device = nnx.jit(mse_loss)  # the reference in one program, not op by op
+
+
 @pytest.mark.parametrize("strategy,r,s", CASES, ids=[f"{c[0]}-{c[1]}x{c[2]}" for c in CASES])
 def test_eval_loss_matches_single_device(strategy, r, s):
-    state = zshard.init(_model, optax.adamw(1e-3), zshard.make_mesh(r, s), strategy=strategy)
+    state = _state(strategy, r, s)
     ev = zshard.make_eval_step(mse_loss)
     ref = _model()
     for batch in mlp_batches(2, batch=16):
         got = ev(state, batch)
-        want = mse_loss(ref, jax.tree.map(jnp.asarray, batch))
+        want = _loss_one_device(ref, jax.tree.map(jnp.asarray, batch))
         assert set(got) == {"loss"}
         assert rel_l2(got["loss"], want) < 1e-5, (float(got["loss"]), float(want))
 
 
 def test_eval_token_weighted_and_state_unchanged():
-    state = zshard.init(_model, optax.adamw(1e-3), zshard.make_mesh(2, 4))
+    state = _state("FULL_SHARD", 2, 4)
     before = jax.tree.map(np.asarray, state.params)
     x, y = mlp_batches(1, batch=16)[0]
     mask = np.zeros((16,), np.float32)
@@ -62,7 +73,7 @@ def test_eval_token_weighted_and_state_unchanged():
 
 
 def test_eval_bad_batch_names_sizes():
-    state = zshard.init(_model, optax.adamw(1e-3), zshard.make_mesh(1, 8))
+    state = _state("FULL_SHARD", 1, 8)
     x, y = mlp_batches(1, batch=12)[0]
     with pytest.raises(ValueError, match=r"batch\[0\] has shape \(12, 13\).*multiple of 8"):
         zshard.make_eval_step(mse_loss)(state, (x, y))
@@ -73,7 +84,7 @@ L, D = 4, 512  # a block: 512*512 + 512 fp32 = 1.05 MB
 
 @functools.cache
 def _compiled(strategy, r, s, n_blocks=L, prefetch=1):
-    state = zshard.init(lambda: ResMLP(64, D, 64, n_blocks=n_blocks, rngs=nnx.Rngs(0)), optax.sgd(1e-3),
+    state = zshard.init(ResMLP(64, D, 64, n_blocks=n_blocks, rngs=nnx.Rngs(0)), optax.sgd(1e-3),
                         zshard.make_mesh(r, s), strategy=strategy)
     compiled = zshard.make_eval_step(mse_loss, prefetch=prefetch).lower(state, mlp_batches(1, 16, 64, 64)[0]).compile()
     return state, compiled
@@ -165,15 +176,15 @@ def test_eval_runs_the_model_in_evaluation_mode(strategy, r, s):
     the loss equals the single-device evaluation-mode loss and is not the training-mode one
     (the eval step used to run dropout, the same mask on every call)."""
     make = lambda: _DropNormNet(nnx.Rngs(0))  # noqa: E731
-    state = zshard.init(make, optax.sgd(0.1), zshard.make_mesh(r, s), strategy=strategy)
+    state = zshard.init(make(), optax.sgd(0.1), zshard.make_mesh(r, s), strategy=strategy)
     got = zshard.make_eval_step(mse_loss)(state, next(iter(mlp_batches(1, batch=16))))
     ref = make()
     batch = jax.tree.map(jnp.asarray, next(iter(mlp_batches(1, batch=16))))
     ref.eval()
-    want = mse_loss(ref, batch)
+    want = _loss_one_device(ref, batch)
     assert rel_l2(got["loss"], want) < 1e-5, (float(got["loss"]), float(want))
     ref.train()
-    assert rel_l2(got["loss"], mse_loss(ref, batch)) > 1e-2  # training mode really differs here
+    assert rel_l2(got["loss"], _loss_one_device(ref, batch)) > 1e-2  # training mode really differs here
 
     def train_mode(model, batch):
         model.train()

@@ -134,7 +134,9 @@ class _Runs(dict):
 
     def __missing__(self, name):
         strategy, (r, s, x), accum, clip = CASES[name]
-        state0 = zshard.init(make, tx(), zshard.make_mesh(r, s, expert=x), strategy=strategy, expert_parallel=PLAN)
+        # make() built eagerly: copied to the shards, not compiled (a builder's initialisers compile per
+        # mesh and strategy); the builder path with experts: test_scanned_experts_train_like_one_device
+        state0 = zshard.init(make(), tx(), zshard.make_mesh(r, s, expert=x), strategy=strategy, expert_parallel=PLAN)
         step = zshard.make_train_step(mse, prefetch=1, grad_accum=accum, clip_norm=clip)
         state, losses, norms = run_steps(step, state0, DATA)
         self[name] = types.SimpleNamespace(state=state, step=step, losses=losses, norms=norms, clip=clip)

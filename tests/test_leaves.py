@@ -60,6 +60,8 @@ MODELS = {
     "remat": (lambda: RematMLP(rngs=nnx.Rngs(0)), r"blocks\.0\.lin\.bias"),
 }
 MESHES = {"FULL_SHARD": (1, 8), "HYBRID_SHARD": (2, 4)}
+# Modules are built eagerly and passed to zshard (copied to the shards, not compiled): a builder's
+# initialisers would compile again for every mesh and strategy. The builder path: test_strategies.
 
 
 def leaves_l2(model, batch):
@@ -84,7 +86,7 @@ def root_leaves_l2(model, batch):
 @pytest.mark.parametrize("model", list(MODELS))
 def test_leaves_penalty_is_refused_before_compiling(model, strategy):
     make, path = MODELS[model]
-    state = zshard.init(make, optax.sgd(0.1), zshard.make_mesh(*MESHES[strategy]), strategy=strategy)
+    state = zshard.init(make(), optax.sgd(0.1), zshard.make_mesh(*MESHES[strategy]), strategy=strategy)  # built eagerly: not compiled
     step = zshard.make_train_step(leaves_l2, prefetch=1)
     with pytest.raises(ValueError, match=rf"parameter '{path}' of block unit 'blocks(\.0)?': the raw padded shard") as err:
         step(state, mlp_batches(1)[0])
@@ -112,7 +114,7 @@ def test_without_the_check_the_number_is_silently_wrong(monkeypatch):
     data = mlp_batches(1)
     want = reference_run(lambda: ResMLP(rngs=nnx.Rngs(0)), optax.sgd(0.1), leaves_l2, data)
     monkeypatch.setattr(zshard.programs.program, "check_traced", lambda *a, **k: None)
-    got = zshard_run(lambda: ResMLP(rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(2, 4), "FULL_SHARD", leaves_l2, data)
+    got = zshard_run(ResMLP(rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(2, 4), "FULL_SHARD", leaves_l2, data)
     assert abs(got.losses[0] - want.losses[0]) > 1e-3 * abs(want.losses[0]), (got.losses, want.losses)
 
 
@@ -122,7 +124,7 @@ def test_penalty_read_through_variables_is_exact(model, strategy):
     make, _ = MODELS[model]
     data = mlp_batches(2)
     want = reference_run(make, optax.adamw(1e-2), variables_l2, data)
-    got = zshard_run(make, optax.adamw(1e-2), zshard.make_mesh(*MESHES[strategy]), strategy, variables_l2, data)
+    got = zshard_run(make(), optax.adamw(1e-2), zshard.make_mesh(*MESHES[strategy]), strategy, variables_l2, data)
     assert_same_training(got, want)
 
 
@@ -131,12 +133,12 @@ def test_root_parameters_walked_as_leaves_are_exact(strategy):
     make = lambda: ResMLP(rngs=nnx.Rngs(0))  # noqa: E731
     data = mlp_batches(2)
     want = reference_run(make, optax.adamw(1e-2), root_leaves_l2, data)
-    got = zshard_run(make, optax.adamw(1e-2), zshard.make_mesh(*MESHES[strategy]), strategy, root_leaves_l2, data)
+    got = zshard_run(make(), optax.adamw(1e-2), zshard.make_mesh(*MESHES[strategy]), strategy, root_leaves_l2, data)
     assert_same_training(got, want)
 
 
 def test_eval_step_refuses_it_too():
-    state = zshard.init(lambda: ResMLP(rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="FULL_SHARD")
+    state = zshard.init(ResMLP(rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="FULL_SHARD")
     ev = zshard.make_eval_step(leaves_l2)
     with pytest.raises(ValueError, match=r"parameter 'blocks\.0\.lin\.bias' of block unit 'blocks\.0'"):
         ev(state, mlp_batches(1)[0])
@@ -145,7 +147,7 @@ def test_eval_step_refuses_it_too():
 
 def test_other_raw_walks_are_refused_too():
     """``optax.global_norm`` of the raw leaves, and leaves concatenated first."""
-    state = zshard.init(lambda: RematMLP(rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
+    state = zshard.init(RematMLP(rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
     norm = lambda m, b: mse_loss(m, b) + optax.global_norm(nnx.state(m.blocks, nnx.Param))  # noqa: E731
     flat = lambda m, b: mse_loss(m, b) + jnp.linalg.norm(jnp.concatenate([p.ravel() for p in jax.tree.leaves(nnx.state(m.blocks))]))  # noqa: E731
     for fn in (norm, flat):

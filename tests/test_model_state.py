@@ -81,9 +81,11 @@ def dp_reference(make_model, tx, loss_fn, batches, world: int, grad_accum: int =
     return losses, model
 
 
-def run(make_model, tx, loss_fn, batches, strategy, shape, grad_accum=1, **kw):
+def run(make_model, tx, loss_fn, batches, strategy, shape, grad_accum=1, step=None, **kw):
+    """``make_model``: a callable (built under jit) or a module built once (copied, not compiled;
+    left as it was, so a cached one serves several runs). ``step``: a train step to reuse."""
     state = zshard.init(make_model, tx, zshard.make_mesh(*shape), strategy=strategy, **kw)
-    step = zshard.make_train_step(loss_fn, grad_accum=grad_accum)
+    step = step or zshard.make_train_step(loss_fn, grad_accum=grad_accum)
     losses = []
     for b in batches:
         state, m = step(state, b)
@@ -139,11 +141,12 @@ def test_dropout_streams_per_device(strategy, shape, k):
     make = lambda: DropNet(rngs=nnx.Rngs(0, dropout=1))  # noqa: E731
     tx = optax.adam(1e-2)
     batches = mlp_batches(3)
-    losses, state = run(make, tx, mse_loss, batches, strategy, shape, grad_accum=k)
+    module, step = make(), zshard.make_train_step(mse_loss, grad_accum=k)  # built eagerly, one compiled step for both runs
+    losses, state = run(module, tx, mse_loss, batches, strategy, shape, step=step)
     ref_losses, ref_model = dp_reference(make, tx, mse_loss, batches, 8, grad_accum=k)
     assert_close(losses, ref_losses, zshard.unshard(state), ref_model)
     # the same seed and mesh: the same run
-    again, _ = run(make, tx, mse_loss, batches, strategy, shape, grad_accum=k)
+    again, _ = run(module, tx, mse_loss, batches, strategy, shape, step=step)
     assert again == losses
     # and not the single-device masks copied to every device
     same_masks, _ = dp_reference(make, tx, mse_loss, batches, 1)
@@ -238,7 +241,7 @@ class BNNet(nnx.Module):
 def test_sync_batchnorm_equals_single_device_global_batch(strategy, shape):
     tx = optax.sgd(0.05)  # not Adam: the bias before a BatchNorm has a zero gradient, which Adam scales to noise
     batches = mlp_batches(3)
-    losses, state = run(lambda: BNNet(AXES, rngs=nnx.Rngs(0)), tx, mse_loss, batches, strategy, shape)
+    losses, state = run(BNNet(AXES, rngs=nnx.Rngs(0)), tx, mse_loss, batches, strategy, shape)  # built eagerly: not compiled
     ref = reference_run(lambda: BNNet(None, rngs=nnx.Rngs(0)), tx, mse_loss, batches)
     np.testing.assert_allclose(losses, ref.losses, rtol=1e-5)
     model = zshard.unshard(state)
@@ -255,7 +258,7 @@ def test_local_batchnorm_statistics_are_averaged_and_replicated(strategy, shape)
     # 8 rows per device: with 2 (batch 16) a feature's variance is near zero, and rounding
     # differences reached 5.5e-05 relative on inp/kernel (SHARD_GRAD_OP, 2026-12-01)
     batches = mlp_batches(2, batch=64)
-    losses, state = run(make, tx, mse_loss, batches, strategy, shape)
+    losses, state = run(make(), tx, mse_loss, batches, strategy, shape)
     ref_losses, ref_model = dp_reference(make, tx, mse_loss, batches, 8)
     assert_close(losses, ref_losses, zshard.unshard(state), ref_model)
     mean = state.variables["bn"]["mean"]
@@ -308,10 +311,14 @@ def test_counters_and_sow_intermediates():
     state = zshard.init(make, optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
     step = zshard.make_train_step(loss_aux, has_aux=True, grad_accum=2)
     ref = make()
+
+    @nnx.jit  # the reference forward in one program, not op by op
+    def ref_forward(ref, b):
+        return mse_loss(ref, b), nnx.pop(ref, nnx.Intermediate)
+
     for b in batches:
         state, m = step(state, b)
-        ref_loss = mse_loss(ref, jax.tree.map(jnp.asarray, b))
-        acts = nnx.pop(ref, nnx.Intermediate)
+        ref_loss, acts = ref_forward(ref, jax.tree.map(jnp.asarray, b))
         np.testing.assert_allclose(float(m["aux"]["act0"]), float(acts["blocks"][0]["act"][0]), rtol=1e-5)
         np.testing.assert_allclose(float(m["loss"]), float(ref_loss), rtol=1e-5)
         nnx.update(ref, nnx.state(zshard.unshard(state), nnx.Param))  # follow the trained parameters
@@ -330,7 +337,7 @@ class PmapBlock(nnx.Module):  # code written for pmap: reduces over its axis nam
 
 
 def _pmap_error(make, needles):
-    state = zshard.init(make, optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="FULL_SHARD")
+    state = zshard.init(make(), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="FULL_SHARD")
     step = zshard.make_train_step(mse_loss)
     with pytest.raises(ValueError) as info:  # not jax's bare AssertionError from inside pmean
         step(state, mlp_batches(1)[0])
@@ -443,10 +450,11 @@ def test_checkpoint_resume_continues_streams_and_statistics_on_another_mesh(tmp_
     make = lambda: BNDropNet(rngs=nnx.Rngs(0, dropout=3))  # noqa: E731
     tx = optax.adam(1e-2)
     batches = mlp_batches(4)
-    straight, _ = run(make, tx, mse_loss, batches, "FULL_SHARD", (1, 8))
+    module = make()  # built once, eagerly (copied, not compiled); the callable path: restore below
+    step = zshard.make_train_step(mse_loss)  # one compiled step for the straight run and the first half
+    straight, _ = run(module, tx, mse_loss, batches, "FULL_SHARD", (1, 8), step=step)
 
-    state = zshard.init(make, tx, zshard.make_mesh(1, 8))
-    step = zshard.make_train_step(mse_loss)
+    state = zshard.init(module, tx, zshard.make_mesh(1, 8))
     for b in batches[:2]:
         state, _ = step(state, b)
     zshard.save(state, tmp_path / "ckpt")

@@ -20,6 +20,13 @@ def gpt():
     return GPT(GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2), rngs=nnx.Rngs(0))
 
 
+@functools.cache
+def built():
+    """``gpt()`` built once, eagerly, for every ``zshard.init`` here (copied to the shards, not
+    compiled, and left as it was); the builder path: test_strategies, test_verify."""
+    return gpt()
+
+
 BF16 = zshard.MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
 
 
@@ -35,7 +42,7 @@ def test_bf16_compute_tracks_fp32_reference(strategy, mesh):
     # AdamW steps the loss stays within 2% of the fp32 run.
     data = gpt_batches(20)
     want = fp32_reference()
-    state = zshard.init(gpt, optax.adamw(3e-3), zshard.make_mesh(*mesh), strategy=strategy, mixed_precision=BF16)
+    state = zshard.init(built(), optax.adamw(3e-3), zshard.make_mesh(*mesh), strategy=strategy, mixed_precision=BF16)
     step = zshard.make_train_step(cross_entropy_loss)
     losses = []
     for b in data:
@@ -48,6 +55,7 @@ def test_bf16_compute_tracks_fp32_reference(strategy, mesh):
     assert jnp.dtype("float32") in {x.dtype for x in jax.tree.leaves(state.opt_state)}
 
 
+@functools.cache  # BF16 on HYBRID_SHARD 2x4: read by two tests, emitted once
 def _program(mp, strategy="FULL_SHARD", mesh=(1, 8)):
     """The step as zshard emits it (HLO before XLA's optimisation passes) and its collectives.
 
@@ -55,7 +63,7 @@ def _program(mp, strategy="FULL_SHARD", mesh=(1, 8)):
     (the CPU runtime has no bf16 all-gather); GPU backends keep them. The emitted program is
     what carries zshard's choice of dtype, so the dtype and byte checks read it.
     """
-    state = zshard.init(gpt, optax.sgd(0.1), zshard.make_mesh(*mesh), strategy=strategy, mixed_precision=mp)
+    state = zshard.init(built(), optax.sgd(0.1), zshard.make_mesh(*mesh), strategy=strategy, mixed_precision=mp)
     step = zshard.make_train_step(cross_entropy_loss)
     hlo = step.lower(state, gpt_batches(1)[0]).as_text(dialect="hlo")
     return hlo, parse_collectives(hlo, state.plan.mesh)
@@ -85,8 +93,8 @@ def test_bf16_halves_the_gather_bytes():
 
 
 def test_report_formula_counts_gathers_in_param_dtype():
-    state = zshard.init(gpt, optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=BF16)
-    fp32 = zshard.init(gpt, optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
+    state = zshard.init(built(), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=BF16)
+    fp32 = zshard.init(built(), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
     step = zshard.make_train_step(cross_entropy_loss)
     r16, r32 = (zshard.report(step, s, gpt_batches(1)[0]) for s in (state, fp32))
     # gathers halve, the fp32 reduce-scatter and replica all-reduce do not
@@ -96,7 +104,7 @@ def test_report_formula_counts_gathers_in_param_dtype():
 
 
 def test_fp32_masters_keep_updates_below_bf16_resolution():
-    state = zshard.init(gpt, optax.sgd(1e-6), zshard.make_mesh(1, 8), mixed_precision=BF16)
+    state = zshard.init(built(), optax.sgd(1e-6), zshard.make_mesh(1, 8), mixed_precision=BF16)
     before = nnx.state(zshard.unshard(state), nnx.Param).to_pure_dict()
     step = zshard.make_train_step(cross_entropy_loss)
     for b in gpt_batches(3):

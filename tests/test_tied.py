@@ -45,6 +45,14 @@ def tied():
 
 
 @functools.cache
+def built():
+    """``tied()`` built once, eagerly: copied to the shards without compiling (the shared weight
+    stays one object), where a builder's initialisers compile again per mesh and strategy;
+    the builder path: test_strategies."""
+    return tied()
+
+
+@functools.cache
 def reference():
     """5 AdamW steps of ``TiedMLP`` on one device, computed once: the cases differ only on the zshard side."""
     return reference_run(tied, optax.adamw(1e-2), mse_loss, mlp_batches(5))
@@ -54,7 +62,7 @@ def reference():
 def test_a_weight_tied_across_units_trains_like_the_reference(strategy, mesh):
     data = mlp_batches(5)
     want = reference()
-    state = zshard.init(tied, optax.adamw(1e-2), zshard.make_mesh(*mesh), strategy=strategy)
+    state = zshard.init(built(), optax.adamw(1e-2), zshard.make_mesh(*mesh), strategy=strategy)
     # one parameter, owned by the root unit (the blocks' common parent), read by every block
     root = state.plan.units[0]
     assert ("blocks", 0, "shared", "kernel") in [s.path for s in root.slots]
@@ -74,7 +82,7 @@ def test_a_weight_tied_across_units_trains_like_the_reference(strategy, mesh):
 
 
 def test_the_tied_weight_is_gathered_and_reduce_scattered_once_per_step():
-    state = zshard.init(tied, optax.sgd(0.1), zshard.make_mesh(1, 8))
+    state = zshard.init(built(), optax.sgd(0.1), zshard.make_mesh(1, 8))
     colls = parse_collectives(zshard.make_train_step(mse_loss).lower(state, mlp_batches(1)[0]).compile().as_text(), state.plan.mesh)
     count = lambda kind: sum(c.trips for c in colls if c.kind == kind and c.buffer_bytes > 64)  # noqa: E731
     # one collective per parameter (collectives._gather_all): the root's (tied weight
@@ -124,7 +132,7 @@ def test_integer_parameters_in_a_unit_are_gathered_frozen_and_keep_their_dtype(s
         o.update(m, grads)
         return loss
 
-    state = zshard.init(lambda: PermMLP(rngs=nnx.Rngs(0)), optax.adam(1e-2), zshard.make_mesh(*mesh), strategy=strategy)
+    state = zshard.init(PermMLP(rngs=nnx.Rngs(0)), optax.adam(1e-2), zshard.make_mesh(*mesh), strategy=strategy)
     assert {f.dtype for f in state.plan.units[1].flats} == {np.dtype("float32"), np.dtype("int32")}
     step = zshard.make_train_step(mse_loss)
     for b in data:

@@ -7,6 +7,8 @@ with the plain single-device step (``conftest.reference_run``) within 1e-5.
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -61,6 +63,18 @@ MODES = ["jax.checkpoint", "nnx.remat", "lax.scan", "lax.fori_loop", "jax.vmap",
 MESHES = [("FULL_SHARD", (1, 8)), ("HYBRID_SHARD", (2, 4)), ("SHARD_GRAD_OP", (4, 2)), ("HYBRID_SHARD_ZERO2", (2, 4))]
 
 
+# zshard_run(make(), ...): a module built eagerly is copied to the shards without compiling, where a
+# builder's initialisers compile again for every mesh and strategy (about 1 s each); the builder path:
+# test_strategies, test_verify, and the abstract=True plans here.
+
+
+@functools.cache
+def sgd_loop_state():
+    """One ``Net("loop")`` state on 1x8 with SGD for the tests that only trace a step (and raise
+    before running it: nothing donated)."""
+    return zshard.init(Net("loop", rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(1, 8))
+
+
 def assert_same(z, ref, tol=1e-5):
     for a, b in zip(z.losses, ref.losses):
         assert abs(a - b) <= tol * abs(b), (z.losses, ref.losses)
@@ -73,7 +87,7 @@ def test_transforms_around_units_train_exactly(i, mode):
     strategy, shape = MESHES[i % len(MESHES)]
     make = lambda: Net(mode, rngs=nnx.Rngs(0))  # noqa: E731
     batches = mlp_batches(2)
-    z = zshard_run(make, optax.adam(1e-2), zshard.make_mesh(*shape), strategy, mse_loss, batches)
+    z = zshard_run(make(), optax.adam(1e-2), zshard.make_mesh(*shape), strategy, mse_loss, batches)
     assert_same(z, reference_run(make, optax.adam(1e-2), mse_loss, batches))
 
 
@@ -112,7 +126,7 @@ def test_other_methods_and_reads_outside_the_unit(unit, strategy, shape):
     make = lambda: Tied(rngs=nnx.Rngs(0))  # noqa: E731
     batches = token_batches(2)
     tx = optax.adam(1e-2)
-    z = zshard_run(make, tx, zshard.make_mesh(*shape), strategy, token_loss, batches, unit=unit)
+    z = zshard_run(make(), tx, zshard.make_mesh(*shape), strategy, token_loss, batches, unit=unit)
     assert_same(z, reference_run(make, tx, token_loss, batches))
 
 
@@ -124,7 +138,7 @@ def test_tied_gpt_with_size_based_units():
     make = lambda: GPT(cfg, rngs=nnx.Rngs(0))  # noqa: E731
     batches = gpt_batches(2, batch=8, seq_len=8)
     tx = optax.adam(1e-3)
-    z = zshard_run(make, tx, zshard.make_mesh(1, 8), "FULL_SHARD", cross_entropy_loss, batches, unit=3000)
+    z = zshard_run(make(), tx, zshard.make_mesh(1, 8), "FULL_SHARD", cross_entropy_loss, batches, unit=3000)
     assert len(zshard.init(make, tx, zshard.make_mesh(1, 8), unit=3000, abstract=True).plan.units) > 2
     assert_same(z, reference_run(make, tx, cross_entropy_loss, batches))
 
@@ -154,7 +168,7 @@ def test_nested_containers_default_policy_picks_called_modules(kind, expected):
     plan = zshard.init(make, tx, mesh, abstract=True).plan
     assert [u.name for u in plan.units[1:]] == expected
     batches = mlp_batches(2)
-    assert_same(zshard_run(make, tx, mesh, "HYBRID_SHARD", mse_loss, batches), reference_run(make, tx, mse_loss, batches))
+    assert_same(zshard_run(make(), tx, mesh, "HYBRID_SHARD", mse_loss, batches), reference_run(make, tx, mse_loss, batches))
 
 
 # --- control flow whose predicate differs between devices ------------------------------------------------
@@ -172,7 +186,7 @@ class Gated(nnx.Module):
 
 
 def test_device_dependent_cond_around_a_unit_is_refused_before_compiling():
-    state = zshard.init(lambda: Gated(rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(1, 4, devices=jax.devices()[:4]))
+    state = zshard.init(Gated(rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(1, 4, devices=jax.devices()[:4]))
 
     def loss(model, batch):
         x, flag = batch
@@ -198,7 +212,7 @@ def test_has_aux_is_exact_and_reduced():
         out = model(x)
         return jnp.mean((out - y) ** 2), {"scale": jnp.float32(0.25), "mean_out": jnp.mean(out), "rows": jnp.int32(x.shape[0])}
 
-    state = zshard.init(make, optax.adam(1e-2), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
+    state = zshard.init(make(), optax.adam(1e-2), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
     step = zshard.make_train_step(loss_aux, has_aux=True)
     for b, want in zip(batches, ref.losses):
         state, metrics = step(state, b)
@@ -212,7 +226,7 @@ def test_has_aux_is_exact_and_reduced():
 
 
 def test_ambiguous_tuple_and_vector_loss_are_refused():
-    state = zshard.init(lambda: Net("loop", rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(1, 8))
+    state = sgd_loop_state()
     b = mlp_batches(1)[0]
     pair = zshard.make_train_step(lambda m, b: (mse_loss(m, b), jnp.float32(0.25)))
     with pytest.raises(TypeError, match="has_aux=True.*TokenMean"):
@@ -223,7 +237,7 @@ def test_ambiguous_tuple_and_vector_loss_are_refused():
 
 
 def test_skipped_step_is_not_counted():
-    state = zshard.init(lambda: Net("loop", rngs=nnx.Rngs(0)), optax.adam(1e-2), zshard.make_mesh(1, 8))
+    state = zshard.init(Net("loop", rngs=nnx.Rngs(0)), optax.adam(1e-2), zshard.make_mesh(1, 8))
     step = zshard.make_train_step(mse_loss, skip_nonfinite=True)
     x, y = mlp_batches(1)[0]
     state, _ = step(state, (x, y))
@@ -246,14 +260,14 @@ def test_array_methods_on_a_parameter_read_outside_its_unit_are_gathered():
 
     make = lambda: Net("loop", rngs=nnx.Rngs(0))  # noqa: E731
     batches = mlp_batches(2)
-    z = zshard_run(make, optax.sgd(0.05), zshard.make_mesh(1, 8), "FULL_SHARD", loss, batches)
+    z = zshard_run(make(), optax.sgd(0.05), zshard.make_mesh(1, 8), "FULL_SHARD", loss, batches)
     assert_same(z, reference_run(make, optax.sgd(0.05), loss, batches))
 
 
 def test_unshard_runs_a_model_with_state(tmp_path):
     from test_model_state import BNDropNet  # noqa: PLC0415
 
-    state = zshard.init(lambda: BNDropNet(rngs=nnx.Rngs(0, dropout=1)), optax.sgd(0.1), zshard.make_mesh(1, 8))
+    state = zshard.init(BNDropNet(rngs=nnx.Rngs(0, dropout=1)), optax.sgd(0.1), zshard.make_mesh(1, 8))
     state, _ = zshard.make_train_step(mse_loss)(state, mlp_batches(1)[0])
     model = zshard.unshard(state)
     x = jnp.ones((4, 13))
@@ -262,7 +276,7 @@ def test_unshard_runs_a_model_with_state(tmp_path):
 
 
 def test_bad_returns_and_batches_are_named():
-    state = zshard.init(lambda: Net("loop", rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(1, 8))
+    state = sgd_loop_state()
     x, y = mlp_batches(1)[0]
     with pytest.raises(TypeError, match=r"array of shape \(\); with has_aux=True"):
         zshard.make_train_step(mse_loss, has_aux=True)(state, (x, y))

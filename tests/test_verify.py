@@ -38,7 +38,8 @@ def test_whole_batch_statistic_is_reported_as_a_mismatch(capsys):
 def test_result_numbers():
     from train.model import GPT, cross_entropy_loss
 
-    good = verify(lambda: GPT(CFG, rngs=nnx.Rngs(0)), optax.sgd(0.1), cross_entropy_loss, token_batch(),
+    # a built module (copied, not compiled); the builder path: test_a_built_module_with_rng_state_works_like_a_builder
+    good = verify(GPT(CFG, rngs=nnx.Rngs(0)), optax.sgd(0.1), cross_entropy_loss, token_batch(),
                   strategy="SHARD_GRAD_OP", mesh=zshard.make_mesh(4, 2), steps=2)
     assert good.passed and good.dtype == "float32" and good.tolerance == TOLERANCE["float32"] == 1e-5
     assert len(good.losses) == 2 and good.max_loss_diff <= 1e-5 and good.worst_param[1] <= 1e-5
@@ -100,7 +101,7 @@ def _shifted_loss(model, batch):
 def test_a_parameter_without_gradient_signal_is_judged_on_its_own_scale():
     rng = np.random.default_rng(0)
     batch = (rng.normal(size=(16, 8)).astype(np.float32), rng.integers(0, 5, 16).astype(np.int32))
-    res = verify(lambda: _Shifted(nnx.Rngs(0)), optax.adam(1e-2), _shifted_loss, batch,
+    res = verify(_Shifted(nnx.Rngs(0)), optax.adam(1e-2), _shifted_loss, batch,
                  strategy="FULL_SHARD", mesh=zshard.make_mesh(1, 8), steps=3)
     assert res.no_signal == ("shift",), res.no_signal  # every other parameter has a real gradient
     assert res.passed, res.table()

@@ -137,6 +137,15 @@ def make_resnet():
 
 
 @functools.cache
+def built(make):
+    """``make()`` built once, eagerly, for every strategy's run: ``zshard.init`` copies a module to
+    its shards without compiling (and leaves it as it was), where a callable's initialisers
+    compile again for every mesh and strategy. The callable path: test_strategies, and the
+    ``abstract=True`` plan below."""
+    return make()
+
+
+@functools.cache
 def llama_reference():
     """``(losses, model)`` of :func:`dp_reference` on 8 emulated devices; computed once per
     module (read-only: the tests compare against it), not once per strategy."""
@@ -154,13 +163,13 @@ def test_llama_style_model_with_its_own_scan_remat_and_dropout(strategy, shape):
     tx = optax.adamw(3e-3)
     plan = zshard.init(make_llama, tx, zshard.make_mesh(*shape), strategy=strategy, abstract=True).plan
     assert any(u.layers == L for u in plan.units)  # the stacked blocks are one unit, gathered per layer
-    losses, state = run(make_llama, tx, lm_loss, llama_batches(2), strategy, shape)
+    losses, state = run(built(make_llama), tx, lm_loss, llama_batches(2), strategy, shape)
     ref_losses, ref_model = llama_reference()
     assert_close(losses, ref_losses, zshard.unshard(state), ref_model)
 
 
 @pytest.mark.parametrize("strategy,shape", STRATEGIES)
 def test_resnet_style_model_with_batchnorm(strategy, shape):
-    losses, state = run(make_resnet, optax.sgd(0.05, momentum=0.9), image_loss, image_batches(2), strategy, shape)
+    losses, state = run(built(make_resnet), optax.sgd(0.05, momentum=0.9), image_loss, image_batches(2), strategy, shape)
     ref_losses, ref_model = resnet_reference()
     assert_close(losses, ref_losses, zshard.unshard(state), ref_model)
