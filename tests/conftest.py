@@ -285,31 +285,32 @@ def corpus(tmp_path_factory) -> Path:
 # file handed out last leaves the other worker idle at the end. pyproject.toml passes
 # ``--no-loadscope-reorder`` (pytest-xdist 3.8): without it pytest-xdist re-sorts the files by their
 # number of tests, which put test_preempt_mp.py (1 test, 95 s) and test_readme.py (1 test, 62 s)
-# last. Seconds: every file's, from one fresh-clone run on 2 idle cores with ``--junitxml``
-# (2026-12-07, 1216 tests, 2307 s over both workers, 1181 s wall: the bound 1153 s, so the
-# order loses 28 s at the end); a new file not listed counts 1.90 s per test, that run's mean.
-# (2026-12-03: 947 tests, 2617 s, 2.76 s per test; the older fusion pipeline above is most of the difference.)
+# last. Seconds: every file's, from one run with ``--junitxml`` on 2 cores (2026-12-07 late, 1216 tests,
+# 1948 s over both workers): the first four files above ran while another job shared the cores, so
+# theirs are the 12-07 early run's scaled by each file's own measured change, and 13 files changed
+# after that run are scaled by their user-CPU ratio (after / before, -n 0, cold cache); a new file
+# not listed counts 1.45 s per test, the mean of these. (12-07 early: 2307 s, 1.90 s per test;
+# 12-03: 947 tests, 2617 s, 2.76 s per test.)
 FILE_SECONDS = {
-    "test_tensor_parallel.py": 147, "test_multiprocess.py": 133, "test_offload.py": 116, "test_context.py": 111,
-    "test_preempt_mp.py": 102, "test_readme.py": 85, "test_optim.py": 64, "test_plan.py": 62,
-    "test_hf_finetune.py": 62, "test_remat.py": 61, "test_preempt.py": 55, "test_checkpoint.py": 55,
-    "test_scan.py": 52, "test_strategies.py": 52, "test_memory.py": 52, "test_cli.py": 49, "test_bench.py": 49,
-    "test_quant.py": 48, "test_step.py": 45, "test_main_job.py": 44, "test_plan_search.py": 43,
-    "test_hybrid_opt.py": 42, "test_zoo.py": 41, "test_model_state.py": 39, "test_generate.py": 39,
-    "test_hpz.py": 38, "test_verify.py": 37, "test_user_models.py": 33, "test_hf.py": 32, "test_data.py": 31,
-    "test_leaves.py": 30, "test_sample.py": 30, "test_expert_parallel.py": 29, "test_main_eval.py": 28,
-    "test_attention.py": 27, "test_precision.py": 25, "test_moe.py": 23, "test_accum.py": 22,
-    "test_train_auto.py": 21, "test_plan_search_formats.py": 20, "test_feedback.py": 20, "test_evaluate.py": 18,
-    "test_gpu.py": 17, "test_plan_search_expert.py": 16, "test_prefetch.py": 15, "test_tied.py": 15,
-    "test_train.py": 15, "test_flat.py": 14, "test_train_presets.py": 11, "test_shapes.py": 10,
-    "test_bench_moe.py": 9, "test_moe_op.py": 9, "test_units.py": 8, "test_global_view.py": 8, "test_frozen.py":
-    7, "test_scale.py": 6, "test_mesh.py": 5, "test_router_metrics.py": 5, "test_structure.py": 4,
-    "test_cost_model.py": 3, "test_quant_context.py": 3, "test_install.py": 3, "test_forward.py": 3,
-    "test_collectives.py": 3, "test_mixtral.py": 2, "test_layout.py": 1, "test_expert_cli.py": 1,
-    "test_expert_plan.py": 1, "test_wire.py": 1, "test_launch.py": 1, "test_report.py": 0,
-    "test_expert_formulas.py": 0, "test_config.py": 0, "test_docs_numbers.py": 0, "test_aliases.py": 0,
+    "test_tensor_parallel.py": 137, "test_multiprocess.py": 126, "test_preempt_mp.py": 116, "test_context.py": 102,
+    "test_offload.py": 100, "test_readme.py": 74, "test_preempt.py": 51, "test_checkpoint.py": 50,
+    "test_plan.py": 47, "test_optim.py": 45, "test_quant.py": 42, "test_hf_finetune.py": 41, "test_bench.py": 38,
+    "test_cli.py": 37, "test_memory.py": 36, "test_scan.py": 36, "test_remat.py": 31, "test_verify.py": 29,
+    "test_hybrid_opt.py": 28, "test_hpz.py": 27, "test_strategies.py": 26, "test_step.py": 26, "test_hf.py": 26,
+    "test_main_job.py": 25, "test_attention.py": 24, "test_data.py": 24, "test_moe.py": 23,
+    "test_user_models.py": 22, "test_model_state.py": 22, "test_feedback.py": 22, "test_main_eval.py": 19,
+    "test_plan_search.py": 18, "test_plan_search_formats.py": 18, "test_expert_parallel.py": 18, "test_zoo.py": 17,
+    "test_accum.py": 17, "test_generate.py": 17, "test_gpu.py": 15, "test_train_auto.py": 15, "test_sample.py": 13,
+    "test_train.py": 13, "test_precision.py": 13, "test_leaves.py": 12, "test_plan_search_expert.py": 12,
+    "test_train_presets.py": 11, "test_prefetch.py": 10, "test_evaluate.py": 10, "test_shapes.py": 9,
+    "test_bench_moe.py": 8, "test_tied.py": 8, "test_units.py": 8, "test_moe_op.py": 7, "test_global_view.py": 6,
+    "test_flat.py": 5, "test_frozen.py": 5, "test_mesh.py": 5, "test_scale.py": 4, "test_router_metrics.py": 4,
+    "test_structure.py": 3, "test_cost_model.py": 2, "test_install.py": 2, "test_collectives.py": 2,
+    "test_quant_context.py": 2, "test_forward.py": 2, "test_mixtral.py": 1, "test_layout.py": 1, "test_wire.py": 1,
+    "test_launch.py": 1, "test_expert_plan.py": 0, "test_expert_cli.py": 0, "test_expert_formulas.py": 0,
+    "test_report.py": 0, "test_config.py": 0, "test_docs_numbers.py": 0, "test_aliases.py": 0,
 }  # fmt: skip
-MEAN_TEST_SECONDS = 1.90
+MEAN_TEST_SECONDS = 1.45
 
 
 def pytest_collection_modifyitems(config, items):
