@@ -61,6 +61,7 @@ if not os.environ.get("ZSHARD_TEST_NO_CACHE"):
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", _SUBPROCESS_MIN_COMPILE_S)
 
 import collections  # noqa: E402
+import functools  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 from typing import Callable  # noqa: E402
@@ -187,6 +188,17 @@ def strong(x):
     if not isinstance(x, jax.Array) or jnp.issubdtype(x.dtype, jax.dtypes.prng_key) or not x.weak_type:
         return x
     return jax.lax.convert_element_type(x, x.dtype)
+
+
+@functools.cache
+def built(make: Callable[..., nnx.Module], *args) -> nnx.Module:
+    """``make(*args)`` built once per test process, eagerly, and shared read-only by the tests that
+    pass it to ``zshard.init`` (which copies a built module to its shards, without compiling, and
+    leaves it as it was). A builder callable instead compiles the model's initialisers under
+    ``jit`` for every mesh and strategy (about 1 s each for a 2-layer GPT, most of it threefry);
+    the builder path stays tested in tests/test_strategies.py, tests/test_scan.py and
+    tests/test_verify.py."""
+    return make(*args)
 
 
 def reference_run(make_model: Callable[[], nnx.Module], tx, loss_fn, batches) -> Trajectory:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ResMLP, mlp_batches, mse_loss, reference_run
+from conftest import ResMLP, built, mlp_batches, mse_loss, reference_run
 from flax import nnx
 
 import zshard
@@ -17,14 +17,6 @@ from zshard.report import parse_collectives
 
 def mlp():
     return ResMLP(13, 19, 3, n_blocks=2, rngs=nnx.Rngs(0))
-
-
-@functools.cache
-def built():
-    """``mlp()`` built once, eagerly, for every ``zshard.init`` here: copied to the shards without
-    compiling (and left as it was), where a builder's initialisers compile again for every mesh and
-    strategy. The builder path: test_strategies, test_verify."""
-    return mlp()
 
 
 @functools.cache
@@ -37,7 +29,7 @@ def whole_batch_reference():
 def test_accumulated_step_equals_whole_batch_step(strategy, mesh):
     data = mlp_batches(3, batch=32)
     want = whole_batch_reference()  # one step per whole batch of 32
-    state = zshard.init(built(), optax.sgd(0.1), zshard.make_mesh(*mesh), strategy=strategy)
+    state = zshard.init(built(mlp), optax.sgd(0.1), zshard.make_mesh(*mesh), strategy=strategy)
     step = zshard.make_train_step(mse_loss, grad_accum=4)  # 32 = 8 devices x 4 micro-batches of 1
     for b, loss in zip(data, want.losses):
         state, metrics = step(state, b)
@@ -48,7 +40,7 @@ def test_accumulated_step_equals_whole_batch_step(strategy, mesh):
 
 
 def test_accumulation_all_reduces_across_replica_once_per_step():
-    state = zshard.init(built(), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
+    state = zshard.init(built(mlp), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
     k = 4
     step = zshard.make_train_step(mse_loss, grad_accum=k)
     colls = parse_collectives(step.lower(state, mlp_batches(1, batch=32)[0]).compile().as_text(), state.plan.mesh)
@@ -78,7 +70,7 @@ def test_clip_norm_equals_optax_clip_on_one_device(strategy, mesh):
     data = mlp_batches(4)
     tx_ref = optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-3))
     want = reference_run(mlp, tx_ref, mse_loss, data)
-    state = zshard.init(built(), optax.adamw(1e-3), zshard.make_mesh(*mesh), strategy=strategy)
+    state = zshard.init(built(mlp), optax.adamw(1e-3), zshard.make_mesh(*mesh), strategy=strategy)
     step = zshard.make_train_step(mse_loss, clip_norm=0.05)
     norms = []
     for b in data:
@@ -95,7 +87,7 @@ def test_bad_accumulation_arguments():
         zshard.make_train_step(mse_loss, grad_accum=0)
     with pytest.raises(ValueError, match="clip_norm"):
         zshard.make_train_step(mse_loss, clip_norm=-1.0)
-    state = zshard.init(built(), optax.sgd(0.1), zshard.make_mesh(1, 8))
+    state = zshard.init(built(mlp), optax.sgd(0.1), zshard.make_mesh(1, 8))
     step = zshard.make_train_step(mse_loss, grad_accum=4)
     with pytest.raises(ValueError, match="grad_accum=4 micro-batches; use a global batch that is a multiple of 32"):
         step(state, mlp_batches(1, batch=16)[0])
@@ -122,7 +114,7 @@ def test_sum_count_loss_is_the_global_token_mean(strategy, mesh, k):
         mask[0] = 1.0
         data.append((x, y, mask))
     want = reference_run(mlp, optax.sgd(0.1), masked_mean, data)
-    state = zshard.init(built(), optax.sgd(0.1), zshard.make_mesh(*mesh), strategy=strategy)
+    state = zshard.init(built(mlp), optax.sgd(0.1), zshard.make_mesh(*mesh), strategy=strategy)
     step = zshard.make_train_step(masked_sum_count, grad_accum=k)
     for b, loss in zip(data, want.losses):
         state, metrics = step(state, b)
@@ -134,7 +126,7 @@ def test_sum_count_loss_is_the_global_token_mean(strategy, mesh, k):
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_nan_on_one_device_is_seen_by_all(skip):
-    state = zshard.init(built(), optax.adamw(1e-3), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
+    state = zshard.init(built(mlp), optax.adamw(1e-3), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
     step = zshard.make_train_step(mse_loss, skip_nonfinite=skip)
     good, bad = mlp_batches(2)
     state, metrics = step(state, good)
@@ -172,7 +164,7 @@ def test_optax_masks_and_labels_see_the_logical_tree(strategy, mesh):
 
     data = mlp_batches(4)
     want = reference_run(mlp, make_tx(), mse_loss, data)
-    state = zshard.init(built(), make_tx(), zshard.make_mesh(*mesh), strategy=strategy)
+    state = zshard.init(built(mlp), make_tx(), zshard.make_mesh(*mesh), strategy=strategy)
     head0 = np.asarray(nnx.state(zshard.unshard(state), nnx.Param).to_pure_dict()["head"]["kernel"])
     step = zshard.make_train_step(mse_loss)
     for b in data:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import gpt_batches
+from conftest import built, gpt_batches
 from flax import nnx, traverse_util
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -37,14 +37,6 @@ def gpt(scan=False):
     return GPT(GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, scan=scan), rngs=nnx.Rngs(0))
 
 
-@functools.cache
-def built(scan=False):
-    """``gpt(scan)`` built once, eagerly: copied to the shards without compiling (and left as it
-    was), where a builder's initialisers compile again per mesh and strategy; the builder path:
-    test_strategies, test_verify."""
-    return gpt(scan)
-
-
 def _host(tree):
     return jax.tree.map(lambda x: np.array(jax.device_get(x)), tree)
 
@@ -54,7 +46,7 @@ def _run(mesh_shape=(1, 8), strategy="FULL_SHARD", grad_accum=1, scan=False, mp=
     """``(plan, snapshots, losses, final state)``: each snapshot the host copy of
     ``(params, feedback)`` before a step, the last one after the last step."""
     mesh = zshard.make_mesh(*mesh_shape)
-    state = zshard.init(built(scan), optax.sgd(LR), mesh, strategy=strategy, mixed_precision=mp)
+    state = zshard.init(built(gpt, scan), optax.sgd(LR), mesh, strategy=strategy, mixed_precision=mp)
     step = zshard.make_train_step(cross_entropy_loss, grad_accum=grad_accum, prefetch=prefetch)
     snaps, losses = [], []
     for b in DATA[:steps]:

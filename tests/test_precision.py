@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import gpt_batches, reference_run
+from conftest import built, gpt_batches, reference_run
 from flax import nnx
 
 import zshard
@@ -18,13 +18,6 @@ from zshard.report import parse_collectives
 
 def gpt():
     return GPT(GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2), rngs=nnx.Rngs(0))
-
-
-@functools.cache
-def built():
-    """``gpt()`` built once, eagerly, for every ``zshard.init`` here (copied to the shards, not
-    compiled, and left as it was); the builder path: test_strategies, test_verify."""
-    return gpt()
 
 
 BF16 = zshard.MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
@@ -42,7 +35,7 @@ def test_bf16_compute_tracks_fp32_reference(strategy, mesh):
     # AdamW steps the loss stays within 2% of the fp32 run.
     data = gpt_batches(20)
     want = fp32_reference()
-    state = zshard.init(built(), optax.adamw(3e-3), zshard.make_mesh(*mesh), strategy=strategy, mixed_precision=BF16)
+    state = zshard.init(built(gpt), optax.adamw(3e-3), zshard.make_mesh(*mesh), strategy=strategy, mixed_precision=BF16)
     step = zshard.make_train_step(cross_entropy_loss)
     losses = []
     for b in data:
@@ -63,7 +56,7 @@ def _program(mp, strategy="FULL_SHARD", mesh=(1, 8)):
     (the CPU runtime has no bf16 all-gather); GPU backends keep them. The emitted program is
     what carries zshard's choice of dtype, so the dtype and byte checks read it.
     """
-    state = zshard.init(built(), optax.sgd(0.1), zshard.make_mesh(*mesh), strategy=strategy, mixed_precision=mp)
+    state = zshard.init(built(gpt), optax.sgd(0.1), zshard.make_mesh(*mesh), strategy=strategy, mixed_precision=mp)
     step = zshard.make_train_step(cross_entropy_loss)
     hlo = step.lower(state, gpt_batches(1)[0]).as_text(dialect="hlo")
     return hlo, parse_collectives(hlo, state.plan.mesh)
@@ -93,8 +86,8 @@ def test_bf16_halves_the_gather_bytes():
 
 
 def test_report_formula_counts_gathers_in_param_dtype():
-    state = zshard.init(built(), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=BF16)
-    fp32 = zshard.init(built(), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
+    state = zshard.init(built(gpt), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=BF16)
+    fp32 = zshard.init(built(gpt), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
     step = zshard.make_train_step(cross_entropy_loss)
     r16, r32 = (zshard.report(step, s, gpt_batches(1)[0]) for s in (state, fp32))
     # gathers halve, the fp32 reduce-scatter and replica all-reduce do not
@@ -104,7 +97,7 @@ def test_report_formula_counts_gathers_in_param_dtype():
 
 
 def test_fp32_masters_keep_updates_below_bf16_resolution():
-    state = zshard.init(built(), optax.sgd(1e-6), zshard.make_mesh(1, 8), mixed_precision=BF16)
+    state = zshard.init(built(gpt), optax.sgd(1e-6), zshard.make_mesh(1, 8), mixed_precision=BF16)
     before = nnx.state(zshard.unshard(state), nnx.Param).to_pure_dict()
     step = zshard.make_train_step(cross_entropy_loss)
     for b in gpt_batches(3):

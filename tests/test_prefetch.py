@@ -5,7 +5,7 @@ import re
 
 import optax
 import pytest
-from conftest import ResMLP, mlp_batches, mse_loss, reference_run
+from conftest import ResMLP, built, mlp_batches, mse_loss, reference_run
 from flax import nnx
 
 import zshard
@@ -16,13 +16,6 @@ D = 256
 
 def deep(n_blocks):
     return lambda: ResMLP(64, D, 64, n_blocks=n_blocks, rngs=nnx.Rngs(0))
-
-
-@functools.cache
-def built(make):
-    """``make()`` built once, eagerly: copied to the shards without compiling (and left as it was),
-    where a builder's initialisers compile again per mesh; the builder path: test_strategies."""
-    return make()
 
 
 @functools.cache  # 8 blocks with and without prefetch: read by both tests below, compiled once

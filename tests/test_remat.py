@@ -5,7 +5,7 @@ import functools
 import jax
 import optax
 import pytest
-from conftest import gpt_batches, reference_run, rel_l2
+from conftest import built, gpt_batches, reference_run, rel_l2
 from flax import nnx
 from test_structure import parse_collectives
 
@@ -23,14 +23,6 @@ def gpt(cfg=CFG):
 
 def small_gpt():
     return gpt(SMALL)
-
-
-@functools.cache
-def initial():
-    """``small_gpt`` built once, eagerly, as the reference builds it: every case's ``zshard.init`` copies
-    its weights (the same initial weights as the reference's; no initialiser compiles per mesh and
-    strategy; init from a callable: every other test of the suite)."""
-    return small_gpt()
 
 
 @functools.cache
@@ -55,7 +47,7 @@ def reference():
 def test_every_policy_trains_like_the_reference(strategy, mesh, remat):
     data = gpt_batches(3, batch=8, seq_len=32, vocab=64)
     want = reference()
-    state = zshard.init(initial(), optax.adamw(1e-3), zshard.make_mesh(*mesh), strategy=strategy)
+    state = zshard.init(built(small_gpt), optax.adamw(1e-3), zshard.make_mesh(*mesh), strategy=strategy)
     step = zshard.make_train_step(cross_entropy_loss, remat=remat)
     for b, loss in zip(data, want.losses):
         state, metrics = step(state, b)

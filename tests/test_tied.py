@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import mlp_batches, mse_loss, reference_run
+from conftest import built, mlp_batches, mse_loss, reference_run
 from flax import nnx
 
 import zshard
@@ -45,14 +45,6 @@ def tied():
 
 
 @functools.cache
-def built():
-    """``tied()`` built once, eagerly: copied to the shards without compiling (the shared weight
-    stays one object), where a builder's initialisers compile again per mesh and strategy;
-    the builder path: test_strategies."""
-    return tied()
-
-
-@functools.cache
 def reference():
     """5 AdamW steps of ``TiedMLP`` on one device, computed once: the cases differ only on the zshard side."""
     return reference_run(tied, optax.adamw(1e-2), mse_loss, mlp_batches(5))
@@ -62,7 +54,7 @@ def reference():
 def test_a_weight_tied_across_units_trains_like_the_reference(strategy, mesh):
     data = mlp_batches(5)
     want = reference()
-    state = zshard.init(built(), optax.adamw(1e-2), zshard.make_mesh(*mesh), strategy=strategy)
+    state = zshard.init(built(tied), optax.adamw(1e-2), zshard.make_mesh(*mesh), strategy=strategy)
     # one parameter, owned by the root unit (the blocks' common parent), read by every block
     root = state.plan.units[0]
     assert ("blocks", 0, "shared", "kernel") in [s.path for s in root.slots]
@@ -82,7 +74,7 @@ def test_a_weight_tied_across_units_trains_like_the_reference(strategy, mesh):
 
 
 def test_the_tied_weight_is_gathered_and_reduce_scattered_once_per_step():
-    state = zshard.init(built(), optax.sgd(0.1), zshard.make_mesh(1, 8))
+    state = zshard.init(built(tied), optax.sgd(0.1), zshard.make_mesh(1, 8))
     colls = parse_collectives(zshard.make_train_step(mse_loss).lower(state, mlp_batches(1)[0]).compile().as_text(), state.plan.mesh)
     count = lambda kind: sum(c.trips for c in colls if c.kind == kind and c.buffer_bytes > 64)  # noqa: E731
     # one collective per parameter (collectives._gather_all): the root's (tied weight

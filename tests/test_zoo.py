@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import REPEATED_MODEL_PATH
+from conftest import REPEATED_MODEL_PATH, built
 from flax import nnx
 from test_model_state import assert_close, dp_reference, run
 
@@ -134,15 +134,6 @@ def make_llama():
 
 def make_resnet():
     return TinyResNet(rngs=nnx.Rngs(0))
-
-
-@functools.cache
-def built(make):
-    """``make()`` built once, eagerly, for every strategy's run: ``zshard.init`` copies a module to
-    its shards without compiling (and leaves it as it was), where a callable's initialisers
-    compile again for every mesh and strategy. The callable path: test_strategies, and the
-    ``abstract=True`` plan below."""
-    return make()
 
 
 @functools.cache
