@@ -1,7 +1,10 @@
-"""``python -m train`` on a cluster, one process: SIGTERM at several moments saves and resumes bit
-for bit, a run that cannot fit is refused before its first step, a ``--preempt-grace`` too
-short leaves nothing half-written; the watchdog, the fit check's numbers and the removal of
-half-written checkpoints as units. Multi-process: tests/test_preempt_mp.py."""
+"""``python -m train`` on a cluster, one process: SIGTERM at several moments saves, a ``--preempt-grace``
+too short leaves nothing half-written, and each resumes bit for bit (one chain of runs on one OUT); a run
+that cannot fit is refused before its first step; the watchdog, the fit check's numbers and the removal
+of half-written checkpoints as units. The processes are what is checked (exit statuses, last lines,
+signals), except the uninterrupted reference and the fit check's refusal, which run ``python -m train``'s
+main in this process (tests/runs.py's ``train_main``: the same numbers, bit for bit, tests/test_cli.py).
+Multi-process: tests/test_preempt_mp.py."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runs import NANO, Run, step_records, train_cmd
+from runs import NANO, Run, step_records, train_cmd, train_main
 
 import zshard
 from train import fit
@@ -33,10 +36,9 @@ def run_args(corpus: Path, out: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus):
-    """The uninterrupted run: ``{step: record}``."""
+    """The uninterrupted run (in this process, tests/runs.py's ``train_main``): ``{step: record}``."""
     out = tmp_path_factory.mktemp("ref") / "run"
-    r = Run(run_args(corpus, out))
-    assert r.finish() == 0, r.text[-3000:]
+    assert train_main(run_args(corpus, out)[3:]) == 0  # without [python, -m, train]
     return step_records(out)
 
 
@@ -51,7 +53,7 @@ def _complete(out: Path) -> list[int]:
     return zshard.Checkpointer(out / "checkpoints").all_steps()
 
 
-def test_sigterm_mid_step_while_compiling_and_during_a_save_then_resume_is_bit_for_bit(tmp_path, corpus, reference):
+def test_sigterm_mid_step_while_compiling_during_a_save_and_past_the_grace_then_resume_is_bit_for_bit(tmp_path, corpus, reference):
     out = tmp_path / "run"
     # 1. mid-step: the step in flight finishes, a checkpoint is saved (no --ckpt-every), exit 143, one line
     a = Run(run_args(corpus, out))
@@ -91,44 +93,45 @@ def test_sigterm_mid_step_while_compiling_and_during_a_save_then_resume_is_bit_f
     assert k2 > k and "preempted by SIGUSR1 after step" in c.lines[-1]
     assert _complete(out)[-1] == k2 and not [p for p in (out / "checkpoints").iterdir() if not p.name.isdigit()]
 
-    # 4. resumed to the end: the uninterrupted run's numbers, bit for bit
-    d = Run(run_args(corpus, out, "--resume"))
-    assert d.finish() == 0, d.text[-3000:]
-    assert f"--resume: continuing from step {k2} " in d.text
-    _same_numbers(step_records(out), reference)
-    assert (out / "model.safetensors").exists()
-
-
-def test_preempt_grace_too_short_leaves_nothing_half_written(tmp_path, corpus):
-    out = tmp_path / "run"
-    r = Run(run_args(corpus, out, "--ckpt-every", "2", "--preempt-grace", "0.05"))
-    r.wait_line(": saving checkpoint ")
-    r.wait_for(lambda: len(step_records(out)) >= 6, "6 steps")
-    r.signal(signal.SIGTERM)
-    assert r.finish() == 143, r.text[-3000:]
-    last = r.lines[-1]
-    assert last.startswith("python -m train: --preempt-grace 0.05 s after SIGTERM ran out: "), r.text[-3000:]
-    steps = _complete(out)
-    assert steps and f"the latest complete checkpoint is {out / 'checkpoints' / str(steps[-1])}" in last
+    # 4. a --preempt-grace too short for the save in flight: exit 143 with the deadline's line, nothing
+    # half-written (Orbax's temporary folders removed, the complete checkpoints kept)
+    e = Run(run_args(corpus, out, "--resume", "--ckpt-every", "2", "--preempt-grace", "0.05"))
+    e.wait_for(lambda: any(": saving checkpoint " in x for x in e.lines) and len(step_records(out)) >= k2 + 4, f"step {k2 + 4}")
+    e.signal(signal.SIGTERM)
+    assert e.finish() == 143, e.text[-3000:]
+    last = e.lines[-1]
+    assert last.startswith("python -m train: --preempt-grace 0.05 s after SIGTERM ran out: "), e.text[-3000:]
+    k3 = _complete(out)[-1]
+    assert k3 >= k2 and f"the latest complete checkpoint is {out / 'checkpoints' / str(k3)}" in last
     left = [p.name for p in (out / "checkpoints").iterdir() if not p.name.isdigit()]
     assert not left, left  # Orbax's temporary folders removed; the complete ones stay
     print(f"deadline line: {last}")
 
+    # 5. resumed to the end from the latest complete checkpoint: the uninterrupted run's numbers, bit for bit
+    d = Run(run_args(corpus, out, "--resume"))
+    assert d.finish() == 0, d.text[-3000:]
+    assert f"--resume: continuing from step {k3} " in d.text
+    _same_numbers(step_records(out), reference)
+    assert (out / "model.safetensors").exists()
 
-def test_fit_check_refuses_a_too_long_sequence_before_any_step(tmp_path):
+
+def test_fit_check_refuses_a_too_long_sequence_before_any_step(tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"  # one window of seq_len + 1 in the held-out 10%
     corpus.write_bytes(((Path(__file__).parent.parent / "README.md").read_bytes() * 200)[:1_200_000])
     out = tmp_path / "run"
     t0 = time.monotonic()
-    r = Run(train_cmd("--model", "nano", "--seq-len", "100000", "--data", str(corpus), "--out", str(out)))
-    assert r.finish() == 2, r.text[-3000:]
+    with pytest.raises(SystemExit) as exited:  # main in this process (train.cli.fail: SystemExit(2), as the process exits)
+        train_main(["--model", "nano", "--seq-len", "100000", "--data", str(corpus), "--out", str(out)])
+    said = capsys.readouterr()
+    text = said.out + said.err
+    assert exited.value.code == 2, text[-3000:]
     wall = time.monotonic() - t0
-    last = r.lines[-1]
-    assert last.startswith("python -m train: error: the run does not fit: the compiled step needs "), r.text[-3000:]
+    last = said.err.strip().splitlines()[-1]  # python -m train: error: ... is the last line on stderr, alone
+    assert last.startswith("python -m train: error: the run does not fit: the compiled step needs "), text[-3000:]
     for needle in ("GiB per device", "argument", "temp", "cpu devices", "the host's", "emulated devices", "temp (activations) is the largest part",
                    "--grad-accum 2", "--seq-len 50000", "--no-fit-check"):
         assert needle in last, (needle, last)
-    assert "compiled in" not in r.text and not out.exists()  # before the first evaluation and step: nothing written
+    assert "compiled in" not in text and not out.exists()  # before the first evaluation and step: nothing written
     print(f"fit check refusal {wall:.1f} s after start: {last}")
 
 
