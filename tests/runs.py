@@ -122,9 +122,17 @@ def train_cmd(*args: str) -> list[str]:
     return [PY, "-m", "train", *args]
 
 
+LAUNCH = [PY, "-c", f"import runpy; runpy.run_path({str(ROOT / 'zshard' / 'launch.py')!r}, run_name='__main__')"]
+"""``python -m zshard.launch`` without importing the zshard package: the launcher's own file (standard
+library only) run as ``__main__``, the same code and flags. ``python -m`` imports ``zshard/__init__.py``
+first (jax, flax, optax, orbax: 1.5 s of CPU a launch, nothing the launcher uses). The ``-m`` entry
+itself: tests/test_readme.py (README's command) and tests/test_multiprocess.py's launcher test."""
+
+
 def launch_cmd(*args: str, nproc: int = 2, devices: int = 4, launcher: tuple = ()) -> list[str]:
-    return [PY, "-m", "zshard.launch", "--nproc", str(nproc), "--devices-per-proc", str(devices), *launcher, "--",
-            "python", "-m", "train", *args]
+    """``python -m zshard.launch --nproc P --devices-per-proc D [launcher flags] -- python -m train ARGS``
+    (:data:`LAUNCH`)."""
+    return [*LAUNCH, "--nproc", str(nproc), "--devices-per-proc", str(devices), *launcher, "--", "python", "-m", "train", *args]
 
 
 def train_main(argv: list[str]) -> int:

@@ -4,7 +4,9 @@ Every test marked ``multiprocess`` starts real processes (``python -m zshard.lau
 hand) that join through ``zshard.distributed.initialize``; run them alone with
 ``pytest -m multiprocess``. Losses are checked against the plain single-device Optax step,
 never only against another sharded run (gloo reduce-scatter is reported wrong at MiB-sized
-chunks, jax-ml/jax#40830; the model here is ~1k parameters).
+chunks, jax-ml/jax#40830; the model here is ~1k parameters). ``python -m train`` under the launcher
+(rank 0 writing, checkpoints across process counts): tests/test_preempt_mp.py, whose one
+uninterrupted run serves that test and the preemption test's reference.
 """
 
 from __future__ import annotations
@@ -16,14 +18,13 @@ import os
 import signal
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import mp_worker
 import numpy as np
 import pytest
 from conftest import reference_run, rel_l2, zshard_run
-from runs import train_main
+from runs import LAUNCH
 
 import zshard
 from train import data
@@ -55,8 +56,8 @@ def _results(output: str) -> dict[int, dict]:
 def two_by_four():
     """``python -m zshard.launch --nproc 2 --devices-per-proc 4 -- python tests/mp_worker.py train``: each
     strategy of ``mp_worker.STRATEGIES`` on ``make_mesh()``, then the tensor mode's GPT on
-    ``make_mesh(2, 2, tensor=2)`` (one launch for the tests of both)."""
-    cmd = [PY, "-m", "zshard.launch", "--nproc", "2", "--devices-per-proc", "4", "--", PY, str(WORKER), "train"]
+    ``make_mesh(2, 2, tensor=2)`` (one launch for the tests of both; the launcher as tests/runs.py's ``LAUNCH``)."""
+    cmd = [*LAUNCH, "--nproc", "2", "--devices-per-proc", "4", "--", PY, str(WORKER), "train"]
     res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     results = _results(res.stdout)
@@ -278,63 +279,3 @@ def test_process_slices_make_the_same_global_batches_and_cover_each_epoch_once(p
     assert stream[:k] != stream[k : 2 * k]
     with pytest.raises(ValueError, match="--batch-size 6 does not divide by the 4 processes"):
         next(data.train_batches(corpus, 6, seq_len, seed=0, process_index=0, process_count=4))
-
-
-@pytest.mark.multiprocess
-def test_launch_runs_python_m_train_with_rank_0_writing(tmp_path, capsys):
-    # The numbers of 2 processes x 4 against 1 x 8 and the reference are checked above on a
-    # small model (two_by_four); this is the CLI path: flags, per-process data, rank 0 output.
-    corpus = tmp_path / "corpus.txt"
-    shakespeare = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-    corpus.write_bytes((shakespeare if shakespeare.exists() else ROOT / "README.md").read_bytes()[:60_000])
-    out = tmp_path / "run"
-    flags = ["--strategy", "HYBRID_SHARD", "--model", "nano", "--steps", "4", "--seq-len", "16", "--batch-size", "16",
-             "--eval-every", "0", "--eval-batches", "1", "--data", str(corpus), "--out", str(out), "--ckpt-every", "1",
-             "--sample-tokens", "4"]  # fmt: skip
-    cmd = [PY, "-m", "zshard.launch", "--nproc", "2", "--devices-per-proc", "4", "--", "python", "-m", "train", *flags]
-    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-4000:]
-    assert "[rank 1] python -m train: 4 steps; eval loss" in res.stdout and "rank 0 writes the files" in res.stdout
-    assert "[rank 0] python -m train: 4 steps; eval loss" in res.stdout and f"model.safetensors in {out}" in res.stdout
-    lines = [line for line in res.stdout.split("\n") if line]  # not splitlines(): samples may hold \x0b, \x1c, ...
-    assert all(line.startswith(("[rank 0] ", "[rank 1] ", "[zshard.launch] ")) for line in lines), res.stdout[-4000:]
-    assert not [line for line in lines if "[Gloo]" in line]  # library chatter hidden (--verbose shows it)
-    assert not any("step/s" in line or "s/step" in line for line in lines if line.startswith("[rank 1]"))  # one bar: rank 0's
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["processes"] == 2 and summary["devices"] == 8
-    assert summary["mesh"] == {"replica": 2, "shard": 4}  # replica = processes
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
-    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
-    finals = {line.split("]")[0]: line.split("->")[1].split()[0] for line in res.stdout.splitlines() if "nats/byte" in line}
-    assert len(finals) == 2 and len(set(finals.values())) == 1  # both ranks evaluated the same model
-
-    # Checkpoints across process counts: step 1 written by 2 processes resumes in 1 process
-    # (1x8 FULL_SHARD), whose step 3 resumes again in 2 processes; the losses stay those of
-    # the uninterrupted 2-process run. (A 2-process resume on the same mesh, bit for bit, is
-    # tests/test_preempt_mp.py's last run.)
-    want = {r["step"]: r["loss"] for r in records if "loss" in r}
-    ckpts = out / "checkpoints"
-    assert sorted(int(d.name) for d in ckpts.iterdir()) == [1, 2, 3, 4]
-    resume = flags + ["--resume", "--sample-tokens", "0"]  # the 2-process sample: the run above
-
-    def resumed_from(step, cmd):
-        for d in ckpts.iterdir():
-            if int(d.name) > step:
-                subprocess.run(["rm", "-r", str(d)], check=True)
-        if cmd[0] == "main":  # python -m train's main in this process (tests/runs.py's train_main: no import of jax again)
-            code = train_main(cmd[1:])
-            said = capsys.readouterr()
-            res = types.SimpleNamespace(returncode=code, stdout=said.out, stderr=said.err)
-        else:
-            res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
-        assert f"--resume: continuing from step {step} " in res.stdout + res.stderr
-        got = {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
-        assert got.keys() == want.keys()
-        for k in want:
-            assert abs(got[k] - want[k]) <= 1e-5 * abs(want[k]), (step, k, got[k], want[k])
-
-    one = ["main", *resume, "--devices", "8", "--mesh", "1x8", "--strategy", "FULL_SHARD"]
-    resumed_from(1, one)
-    resumed_from(3, [PY, "-m", "zshard.launch", "--nproc", "2", "--devices-per-proc", "4", "--", "python", "-m", "train", *resume])

@@ -1,22 +1,30 @@
-"""``python -m train`` on 2 processes under ``python -m zshard.launch`` (127.0.0.1, gloo): a SIGTERM
-reaching one process stops both after the same step with one checkpoint; a SIGTERM to the
-launcher while compiling stops both at once; a host that stops (SIGSTOP) is named by its peer's
-watchdog; each followed by a resume that ends with the uninterrupted 2-process run's numbers,
-bit for bit. One process: tests/test_preempt.py."""
+"""``python -m train`` on 2 processes under ``python -m zshard.launch`` (127.0.0.1, gloo). One uninterrupted
+run (the module's ``reference``) serves both tests: its output, files and samples are the launcher's CLI
+path (rank 0 writes, every line prefixed, both ranks evaluate the same model), its checkpoints resume in
+1 process and back in 2 (across process counts), and its numbers are what the preempted runs must end
+with. A SIGTERM reaching one process stops both after the same step with one checkpoint; a SIGTERM to the
+launcher while compiling stops both at once; a host that stops (SIGSTOP) is named by its peer's watchdog;
+each followed by a resume that ends with the uninterrupted 2-process run's numbers, bit for bit. One
+process: tests/test_preempt.py. The losses of 2 processes against 1 and the reference, on a small model:
+tests/test_multiprocess.py."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import signal
 import time
+import types
 from pathlib import Path
 
 import pytest
-from runs import NANO, Run, launch_cmd, step_records
+from runs import NANO, Run, launch_cmd, step_records, train_main
 
 import zshard
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 20  # part 3 freezes a process at step k + 6 (k: part 1's stop, about 5): room to spare
+CKPT_EVERY = 4
 FLAGS = [*NANO, "--strategy", "HYBRID_SHARD", "--steps", str(STEPS)]
 
 
@@ -31,16 +39,74 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
-def test_two_processes_stop_at_one_step_and_resume_bit_for_bit(tmp_path, corpus):
-    ref = tmp_path / "ref"
-    r = run(corpus, ref)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus):
+    """The uninterrupted 2-process run, a checkpoint every 4 steps and a sample after the last step
+    (neither changes the numbers): ``SimpleNamespace(run, out, want)``, ``want`` its ``{step: record}``
+    as written (the launch test below rewrites ``out``'s checkpoints and metrics afterwards)."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    r = run(corpus, out, "--ckpt-every", str(CKPT_EVERY), "--sample-tokens", "4")
     assert r.finish() == 0, r.text[-4000:]
-    want = step_records(ref)
+    return types.SimpleNamespace(run=r, out=out, want=step_records(out))
+
+
+def test_launch_runs_python_m_train_with_rank_0_writing(reference, corpus, capsys):
+    # The numbers of 2 processes x 4 against 1 x 8 and the reference are checked on a small model
+    # (tests/test_multiprocess.py's two_by_four); this is the CLI path: flags, per-process data, rank 0 output.
+    r, out = reference.run, reference.out
+    assert f"[rank 1] python -m train: {STEPS} steps; eval loss" in r.text and "rank 0 writes the files" in r.text
+    assert f"[rank 0] python -m train: {STEPS} steps; eval loss" in r.text and f"model.safetensors in {out}" in r.text
+    lines = [line for line in r.lines if line]  # whole lines (samples may hold \x0b, \x1c, ...: not splitlines())
+    assert all(line.startswith(("[rank 0] ", "[rank 1] ", "[zshard.launch] ")) for line in lines), r.text[-4000:]
+    assert not [line for line in lines if "[Gloo]" in line]  # library chatter hidden (--verbose shows it)
+    assert not any("step/s" in line or "s/step" in line for line in lines if line.startswith("[rank 1]"))  # one bar: rank 0's
+    assert (out / "samples.txt").read_text().strip()  # rank 0 wrote the 2-process sample
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["devices"] == 8
+    assert summary["mesh"] == {"replica": 2, "shard": 4}  # replica = processes
+    assert sorted(reference.want) == list(range(1, STEPS + 1))
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"]
+    finals = {line.split("]")[0]: line.split("->")[1].split()[0] for line in r.lines if "nats/byte" in line}
+    assert len(finals) == 2 and len(set(finals.values())) == 1  # both ranks evaluated the same model
+
+    # Checkpoints across process counts: step 12 written by 2 processes resumes in 1 process
+    # (1x8 FULL_SHARD), whose step 16 resumes again in 2 processes; the losses stay those of
+    # the uninterrupted 2-process run. (A 2-process resume on the same mesh, bit for bit, is
+    # the next test's last run.)
+    want = {s: rec["loss"] for s, rec in reference.want.items()}
+    ckpts = out / "checkpoints"
+    assert sorted(int(d.name) for d in ckpts.iterdir()) == list(range(CKPT_EVERY, STEPS + 1, CKPT_EVERY))
+    resume = [*FLAGS, "--data", str(corpus), "--out", str(out), "--ckpt-every", str(CKPT_EVERY), "--resume"]  # no sample
+
+    def resumed_from(step, one_process):
+        for d in ckpts.iterdir():
+            if int(d.name) > step:
+                shutil.rmtree(d)
+        if one_process:  # python -m train's main in this process (tests/runs.py's train_main: no import of jax again)
+            code = train_main([*resume, "--devices", "8", "--mesh", "1x8", "--strategy", "FULL_SHARD"])
+            said = capsys.readouterr()
+            res = types.SimpleNamespace(returncode=code, text=said.out + said.err)
+        else:
+            res = Run(launch_cmd(*resume), timeout=300)
+            res.returncode = res.finish()
+        assert res.returncode == 0, res.text[-4000:]
+        assert f"--resume: continuing from step {step} " in res.text
+        got = step_records(out)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert abs(got[k]["loss"] - want[k]) <= 1e-5 * abs(want[k]), (step, k, got[k]["loss"], want[k])
+
+    resumed_from(12, one_process=True)
+    resumed_from(16, one_process=False)
+
+
+def test_two_processes_stop_at_one_step_and_resume_bit_for_bit(tmp_path, corpus, reference):
+    want = reference.want
     out = tmp_path / "run"
 
     # 1. SIGTERM to rank 1 alone, while a checkpoint is being written: both stop after the same step
-    a = run(corpus, out, "--ckpt-every", "4")
-    a.wait_line("[rank 0] step 4: saving checkpoint ")
+    a = run(corpus, out, "--ckpt-every", str(CKPT_EVERY))
+    a.wait_line(f"[rank 0] step {CKPT_EVERY}: saving checkpoint ")
     t = a.signal(signal.SIGTERM, a.rank_pid(1))
     assert a.finish() == 143, a.text[-4000:]
     k = max(step_records(out))
