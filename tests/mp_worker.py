@@ -1,17 +1,18 @@
 """One process of a multi-process test run (``tests/test_multiprocess.py`` starts it).
 
-Run under ``python -m zshard.launch --nproc P --devices-per-proc D -- python tests/mp_worker.py MODE``.
-Importable (no side effects) so that the test builds the same model, batches and optimizer
-for its single-process runs.
+Run as P processes with ``ZSHARD_COORDINATOR`` / ``ZSHARD_NUM_PROCESSES`` / ``ZSHARD_PROCESS_ID``
+and D emulated devices each (by hand, or ``python -m zshard.launch --nproc P --devices-per-proc D --
+python tests/mp_worker.py MODE``). Importable (no side effects) so that the test builds the same model,
+batches and optimizer for its single-process runs.
 
 Modes:
   ``train``: train :func:`make_model` for :data:`STEPS` steps with FULL_SHARD and
     HYBRID_SHARD on ``zshard.make_mesh()`` (replica = processes), each process feeding only
-    its rows of every global batch; print one line ``RESULT {json}`` with the losses, gradient norms, the
-    final parameters (rank 0) and the collectives of each compiled step (kind, replica
-    groups as device ids) plus the device -> process map.
-  ``kill``: train with FULL_SHARD; rank 1 kills itself (SIGKILL) after 2 steps, the others
-    keep stepping (they must be stopped by the runtime, never hang).
+    its rows of every global batch; then the tensor mode's run; print one line ``RESULT {json}`` with the
+    losses, gradient norms, the final parameters (rank 0) and the collectives of each compiled step
+    (kind, replica groups as device ids) plus the device -> process map.
+  ``train-kill``: ``train``, then rank 1 kills itself (SIGKILL) and the others keep stepping with
+    FULL_SHARD (every step waits on the dead peer: they must be stopped by the runtime, never hang).
   ``tensor``: the tiny GPT of :func:`tensor_case` with its TP plan, HYBRID_SHARD on
     ``make_mesh(P, D/2, tensor=2)`` (each process's devices a shard x tensor block); print
     ``RESULT`` with the losses, gradient norms, the mesh's processes per tensor group and the
@@ -161,24 +162,18 @@ def main(mode: str) -> int:
     if mode == "tensor":
         print("RESULT " + json.dumps({**result, "tensor": _tensor(rank, procs)}), flush=True)
         return 0
-    for strategy in STRATEGIES if mode == "train" else ("FULL_SHARD",):
+    kept = {}  # strategy -> (step, state, first local batch): what train-kill keeps stepping
+    for strategy in STRATEGIES:
         mesh = zshard.make_mesh()
         state = zshard.init(make_model(), make_tx(), mesh, strategy=strategy)
         step = zshard.make_train_step(loss_fn)
         local = [local_rows(b, rank, procs) for b in batches()]
-        hlo = step.lower(state, local[0]).compile().as_text() if mode == "train" else ""
+        hlo = step.lower(state, local[0]).compile().as_text()
         losses, grad_norms = [], []
-        for i, b in enumerate(local):
-            if mode == "kill" and i == 2 and rank == 1:
-                print("rank 1 kills itself now", flush=True)
-                os.kill(os.getpid(), 9)
+        for b in local:
             state, metrics = step(state, b)
             losses.append(float(metrics["loss"]))
             grad_norms.append(float(metrics["grad_norm"]))
-        if mode == "kill":
-            for _ in range(1000):  # rank 0 keeps computing with a dead peer
-                state, metrics = step(state, local[0])
-                float(metrics["loss"])
         model = zshard.unshard(state)  # every process takes part (cross-process all-gather)
         params = {"/".join(map(str, p)): np.asarray(v).tolist() for p, v in traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
         result[strategy] = {
@@ -189,9 +184,17 @@ def main(mode: str) -> int:
             "params": params if rank == 0 else None,
             "collectives": collectives(hlo, mesh),
         }
-    if mode == "train":  # the tensor mode's run too: one launch of two processes for both tests
-        result["tensor"] = _tensor(rank, procs)
+        kept[strategy] = step, state, local[0]
+    result["tensor"] = _tensor(rank, procs)  # the tensor mode's run too: one start of the processes for all
     print("RESULT " + json.dumps(result), flush=True)
+    if mode == "train-kill":
+        if rank == 1:
+            print("rank 1 kills itself now", flush=True)
+            os.kill(os.getpid(), 9)
+        step, state, batch = kept["FULL_SHARD"]
+        for _ in range(1000):  # rank 0 keeps computing with a dead peer (FULL_SHARD: every gather crosses processes)
+            state, metrics = step(state, batch)
+            float(metrics["loss"])
     return 0
 
 

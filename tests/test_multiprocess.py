@@ -15,16 +15,17 @@ import functools
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import mp_worker
 import numpy as np
 import pytest
 from conftest import reference_run, rel_l2, zshard_run
-from runs import LAUNCH
 
 import zshard
 from train import data
@@ -42,27 +43,43 @@ def _env(**extra) -> dict:
     return env
 
 
-def _results(output: str) -> dict[int, dict]:
-    """``[rank i] RESULT {json}`` lines of the launcher's output -> ``{i: result}``."""
-    out = {}
-    for line in output.splitlines():
-        if line.startswith("[rank ") and "] RESULT " in line:
-            rank = int(line[len("[rank ") : line.index("]")])
-            out[rank] = json.loads(line.split("] RESULT ", 1)[1])
-    return out
+def _result(output: str) -> dict:
+    """The ``RESULT {json}`` line of one process's output."""
+    return json.loads(next(line for line in output.splitlines() if line.startswith("RESULT ")).split("RESULT ", 1)[1])
 
 
 @pytest.fixture(scope="module")
 def two_by_four():
-    """``python -m zshard.launch --nproc 2 --devices-per-proc 4 -- python tests/mp_worker.py train``: each
-    strategy of ``mp_worker.STRATEGIES`` on ``make_mesh()``, then the tensor mode's GPT on
-    ``make_mesh(2, 2, tensor=2)`` (one launch for the tests of both; the launcher as tests/runs.py's ``LAUNCH``)."""
-    cmd = [*LAUNCH, "--nproc", "2", "--devices-per-proc", "4", "--", PY, str(WORKER), "train"]
-    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    results = _results(res.stdout)
-    assert sorted(results) == [0, 1], res.stdout[-4000:]
-    return results
+    """``python tests/mp_worker.py train-kill`` as 2 processes x 4 devices, started by hand (the
+    ``ZSHARD_*`` variables the launcher sets, heartbeat timeout 10 s): each strategy of
+    ``mp_worker.STRATEGIES`` on ``make_mesh()``, then the tensor mode's GPT on ``make_mesh(2, 2, tensor=2)``;
+    then rank 1 kills itself and rank 0 keeps stepping (one start of two processes for the tests of all
+    three). ``SimpleNamespace(results={rank: RESULT}, killed=rank 1's status, peer=rank 0's status or None
+    when it still ran DEAD_PEER_LIMIT_S after rank 1 died, out=rank 0's output)``."""
+    port, procs = free_port(), []
+    try:
+        for rank in range(2):
+            flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)  # the suite's own kept
+            env = _env(
+                ZSHARD_COORDINATOR=f"127.0.0.1:{port}", ZSHARD_NUM_PROCESSES="2", ZSHARD_PROCESS_ID=str(rank),
+                ZSHARD_HEARTBEAT_TIMEOUT_S="10", XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=4".strip(),
+            )  # fmt: skip
+            procs.append(subprocess.Popen([PY, str(WORKER), "train-kill"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        out1, _ = procs[1].communicate(timeout=300)
+        try:
+            out0, _ = procs[0].communicate(timeout=DEAD_PEER_LIMIT_S)  # never hangs
+            peer = procs[0].returncode
+        except subprocess.TimeoutExpired:
+            procs[0].kill()
+            out0, peer = procs[0].communicate()[0], None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert "RESULT " in out0 and "RESULT " in out1, out0[-3000:] + out1[-3000:]
+    return types.SimpleNamespace(results={0: _result(out0), 1: _result(out1)}, killed=procs[1].returncode, peer=peer, out=out0)
 
 
 @functools.cache
@@ -77,7 +94,7 @@ def test_two_processes_train_like_one_process_and_the_reference(two_by_four, str
     batches = mp_worker.batches()
     want = _reference()
     one = zshard_run(mp_worker.make_model(), mp_worker.make_tx(), zshard.make_mesh(2, 4), strategy, mp_worker.loss_fn, batches)
-    got = {rank: r[strategy] for rank, r in two_by_four.items()}
+    got = {rank: r[strategy] for rank, r in two_by_four.results.items()}
     assert got[0]["mesh"] == {"replica": 2, "shard": 4}  # make_mesh(): replica = processes
     assert got[0]["losses"] == got[1]["losses"] and got[0]["grad_norms"] == got[1]["grad_norms"]
     np.testing.assert_allclose(got[0]["losses"], want.losses, rtol=1e-5)
@@ -92,7 +109,7 @@ def test_two_processes_train_like_one_process_and_the_reference(two_by_four, str
 
 @pytest.mark.multiprocess
 def test_hybrid_gathers_and_reduce_scatters_stay_inside_a_process(two_by_four):
-    result = two_by_four[0]
+    result = two_by_four.results[0]
     owner = {int(d): p for d, p in result["device_process"].items()}
 
     def processes(group):
@@ -119,7 +136,7 @@ def test_tensor_groups_stay_inside_a_process_and_train_like_one_device(two_by_fo
     """2 processes x 4 devices, ``make_mesh(2, 2, tensor=2)``: each tensor group is two devices
     of one process (the per-block all-reduces never cross a host), the GPT with its TP plan
     trains like one device, and a tensor group wider than a process is refused by name."""
-    got = {rank: r["tensor"] for rank, r in two_by_four.items()}
+    got = {rank: r["tensor"] for rank, r in two_by_four.results.items()}
     assert sorted(got) == [0, 1]
     make, tx, loss, _, data = mp_worker.tensor_case()
     want = reference_run(make, tx, loss, data)
@@ -132,28 +149,13 @@ def test_tensor_groups_stay_inside_a_process_and_train_like_one_device(two_by_fo
 
 
 @pytest.mark.multiprocess
-def test_killed_process_stops_its_peer_with_a_clear_error():
-    port, procs = free_port(), []
-    try:
-        for rank in range(2):
-            env = _env(
-                ZSHARD_COORDINATOR=f"127.0.0.1:{port}", ZSHARD_NUM_PROCESSES="2", ZSHARD_PROCESS_ID=str(rank),
-                ZSHARD_HEARTBEAT_TIMEOUT_S="10", XLA_FLAGS="--xla_force_host_platform_device_count=4",
-            )  # fmt: skip
-            procs.append(subprocess.Popen([PY, str(WORKER), "kill"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        _, _ = procs[1].communicate(timeout=240)
-        assert procs[1].returncode == -signal.SIGKILL
-        try:
-            out, _ = procs[0].communicate(timeout=DEAD_PEER_LIMIT_S)  # never hangs
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"rank 0 still running {DEAD_PEER_LIMIT_S} s after rank 1 was killed")
-        assert procs[0].returncode != 0
-        assert "another task died" in out and "stopped sending heartbeats" in out, out[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+def test_killed_process_stops_its_peer_with_a_clear_error(two_by_four):
+    # two_by_four's processes, once trained: rank 1 SIGKILLs itself, rank 0 keeps stepping with FULL_SHARD
+    assert two_by_four.killed == -signal.SIGKILL
+    if two_by_four.peer is None:
+        pytest.fail(f"rank 0 still running {DEAD_PEER_LIMIT_S} s after rank 1 was killed")
+    assert two_by_four.peer != 0
+    assert "another task died" in two_by_four.out and "stopped sending heartbeats" in two_by_four.out, two_by_four.out[-3000:]
 
 
 @pytest.mark.multiprocess
@@ -177,28 +179,49 @@ def test_launcher_prefixes_output_and_stops_the_others_when_one_fails(tmp_path):
     assert "rank 1 exited with status 3; stopping the other 2 running process(es)" in res.stdout
 
 
-def _train(*args, env=None, timeout=120):
-    return subprocess.run([PY, "-m", "train", *args], cwd=ROOT, env=env or _env(), capture_output=True, text=True, timeout=timeout)
+BAD_FLAGS = {  # id: (flags, the error's words); the coordinator 127.0.0.1:{port} unless given
+    "wrong-process-id": (["--num-processes", "2", "--process-id", "2"], "--process-id 2 is outside 0..1 (--num-processes 2)"),
+    "malformed-coordinator": (["--num-processes", "2", "--process-id", "1", "--coordinator", "localhost"],
+                              "--coordinator 'localhost': expected HOST:PORT"),
+    "unreachable-coordinator": (["--num-processes", "2", "--process-id", "1"],  # last: the only one that starts jax.distributed
+                                "could not reach the coordinator 127.0.0.1:{port} within 3 s"),
+}  # fmt: skip
+_MAINS = (  # python -m train's main once per argv, in one process; a process exits with main's SystemExit status
+    "import json, sys\n"
+    "from train.__main__ import main\n"
+    "for argv in json.loads(sys.argv[1]):\n"
+    "    try:\n"
+    "        code = main(argv)\n"
+    "    except SystemExit as e:\n"
+    "        code = e.code\n"
+    "    print(f'EXIT {code}', file=sys.stderr, flush=True)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def bad_flags(tmp_path_factory):
+    """Each :data:`BAD_FLAGS` case through ``python -m train``'s main, one after the other in one
+    process (one import of jax and the trainer for the three), ``ZSHARD_INIT_TIMEOUT_S=3``, nobody
+    listening on the port: ``(port, {id: (status, the case's stderr, its --out)})``."""
+    port, tmp = free_port(), tmp_path_factory.mktemp("bad_flags")
+    argvs = [[*([] if "--coordinator" in args else ["--coordinator", f"127.0.0.1:{port}"]), *args, "--out", str(tmp / case)]
+             for case, (args, _) in BAD_FLAGS.items()]  # fmt: skip
+    res = subprocess.run([PY, "-c", _MAINS, json.dumps(argvs)], cwd=ROOT, env=_env(ZSHARD_INIT_TIMEOUT_S="3"),
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    parts = re.split(r"^EXIT (\S+)\n", res.stderr, flags=re.M)  # [stderr 0, status 0, stderr 1, status 1, ...]
+    got = {case: (parts[2 * i + 1], parts[2 * i], tmp / case) for i, case in enumerate(BAD_FLAGS) if 2 * i + 1 < len(parts)}
+    assert len(got) == len(BAD_FLAGS), res.stdout[-2000:] + res.stderr[-3000:]
+    return port, got
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "args,needle",
-    [
-        (["--num-processes", "2", "--process-id", "2"], "--process-id 2 is outside 0..1 (--num-processes 2)"),
-        (["--num-processes", "2", "--process-id", "1", "--coordinator", "localhost"], "--coordinator 'localhost': expected HOST:PORT"),
-        (["--num-processes", "2", "--process-id", "1"], "could not reach the coordinator 127.0.0.1:{port} within 3 s"),
-    ],
-    ids=["wrong-process-id", "malformed-coordinator", "unreachable-coordinator"],
-)
-def test_bad_distributed_flags_are_clear_errors(tmp_path, args, needle):
-    port = free_port()  # nobody listens there
-    if "--coordinator" not in args:
-        args = ["--coordinator", f"127.0.0.1:{port}", *args]
-    res = _train(*args, "--out", str(tmp_path / "run"), env=_env(ZSHARD_INIT_TIMEOUT_S="3"))
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert needle.format(port=port) in res.stderr, res.stderr[-2000:]
-    assert not (tmp_path / "run").exists()
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_bad_distributed_flags_are_clear_errors(bad_flags, case):
+    port, got = bad_flags
+    status, stderr, out = got[case]
+    assert status == "2", stderr[-2000:]
+    assert BAD_FLAGS[case][1].format(port=port) in stderr, stderr[-2000:]
+    assert not out.exists()
 
 
 @pytest.mark.multiprocess
