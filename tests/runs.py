@@ -18,7 +18,7 @@ PY = sys.executable
 NANO = ["--model", "nano", "--seq-len", "16", "--batch-size", "8", "--eval-every", "0", "--eval-batches", "1",
         "--sample-tokens", "0", "--no-tensorboard", "--warmup", "2"]
 """A nano run without samples (``--sample-tokens 0``: no generation programs compiled); the trainer's
-samples: tests/test_cli.py, tests/test_main_eval.py, tests/test_multiprocess.py's launch, tests/test_readme.py."""
+samples: tests/test_cli.py, tests/test_main_eval.py, tests/test_preempt_mp.py's reference, tests/test_readme.py."""
 
 
 def env() -> dict:
