@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import ResMLP, Trajectory, assert_same_training, flat_params, gpt_batches, mlp_batches, mse_loss, reference_run, run_steps
+from conftest import ResMLP, Trajectory, assert_same_training, built, flat_params, gpt_batches, mlp_batches, mse_loss, reference_run, run_steps
 from flax import nnx
 
 import zshard
@@ -68,7 +68,7 @@ def _run(case: str, hpz: bool):
     if "tensor_parallel" in options:
         kw["tensor_parallel"] = options.pop("tensor_parallel")
     mesh = zshard.make_mesh(*options.pop("mesh", MESH), context=options.pop("context", 1))
-    state = zshard.init(make, optax.adam(1e-2), mesh, strategy="FULL_SHARD", **kw)
+    state = zshard.init(built(make), optax.adam(1e-2), mesh, strategy="FULL_SHARD", **kw)  # one eager model, hpZ or not
     step = zshard.make_train_step(loss_fn, hpz=hpz, **options)
     colls = parse_collectives(step.lower(state, data[0]).as_text(dialect="hlo"), state.plan.mesh)
     inside = "shard+context" if "context" in mesh.axis_names else "shard"

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ResMLP, gpt_batches, mlp_batches, mse_loss, reference_run, rel_l2
+from conftest import ResMLP, built, gpt_batches, mlp_batches, mse_loss, reference_run, rel_l2
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -48,10 +48,25 @@ def mlp():
     return ResMLP(13, 19, 3, n_blocks=2, rngs=nnx.Rngs(0))
 
 
+def mlp32():
+    return ResMLP(13, 32, 3, n_blocks=2, rngs=nnx.Rngs(0))
+
+
+def mlp64():
+    return ResMLP(13, 64, 3, n_blocks=2, rngs=nnx.Rngs(0))  # 13x64: 832 elements, padded to 1024
+
+
 @functools.cache
 def mlp_reference(tx_name="adam"):
     tx = optax.adam(1e-2) if tx_name == "adam" else optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
     return reference_run(mlp, tx, mse_loss, MLP_DATA)
+
+
+@functools.cache
+def _mlp_step(options: tuple = ()):
+    """``make_train_step(mse_loss, **dict(options))``, one object per set of options: a program the
+    strategy cases and the checkpoint test both run is traced and compiled once."""
+    return zshard.make_train_step(mse_loss, **dict(options))
 
 
 def _train(state, step, data=DATA):
@@ -249,8 +264,7 @@ def _collectives(hlo: str, op: str) -> list[tuple[str, list[str]]]:
 
 @functools.cache
 def _full_shard_program():
-    make = lambda: ResMLP(13, 64, 3, n_blocks=2, rngs=nnx.Rngs(0))  # noqa: E731  (13x64: 832 elements, padded to 1024)
-    state = zshard.init(make, optax.sgd(0.1), zshard.make_mesh(1, 8), strategy="FULL_SHARD", mixed_precision=ALL)
+    state = zshard.init(built(mlp64), optax.sgd(0.1), zshard.make_mesh(1, 8), strategy="FULL_SHARD", mixed_precision=ALL)
     lowered = zshard.make_train_step(mse_loss).lower(state, mlp_batches(1, batch=16)[0])
     return state, lowered.as_text(dialect="hlo"), lowered.compile().as_text()
 
@@ -298,7 +312,7 @@ def test_no_formats_emit_no_quantized_op():
     # formats None: the program is the one without formats (the numbers of 7 strategies, bf16 and
     # accumulation, were compared bitwise with the code before formats: docs/quantized.md)
     mp = zshard.MixedPrecision(param_dtype="bfloat16")
-    state = zshard.init(mlp, optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=mp)
+    state = zshard.init(built(mlp), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=mp)
     hlo = zshard.make_train_step(mse_loss).lower(state, MLP_DATA[0]).as_text(dialect="hlo")
     assert " all-to-all(" not in hlo and " u8[" not in hlo and "bitcast-convert(" not in hlo
     assert state.plan.layouts == zshard.init(mlp, optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD",
@@ -322,10 +336,10 @@ def _fake_quant(plan, fmt, params: dict) -> dict:
 
 def test_gather_format_is_fake_quantized_weights_with_a_straight_through_gradient():
     # odd sizes (13 -> 19 -> 3): every quantized matrix is padded to a multiple of N*B = 128
-    make = lambda: ResMLP(13, 19, 3, n_blocks=2, rngs=nnx.Rngs(0))  # noqa: E731
+    make = mlp
     fmt = Quant("int8", 16)
     mp = zshard.MixedPrecision(gather_format=fmt)
-    state = zshard.init(make, optax.sgd(0.05), zshard.make_mesh(1, 8), strategy="FULL_SHARD", mixed_precision=mp)
+    state = zshard.init(built(make), optax.sgd(0.05), zshard.make_mesh(1, 8), strategy="FULL_SHARD", mixed_precision=mp)
     plan = state.plan
     assert {zshard.path_str(p) for p in plan.layouts} - set(quant.coverage(plan)["gather"]["quantized"]) == {
         "inp.bias", "blocks.0.lin.bias", "blocks.1.lin.bias", "head.bias", "head.kernel"}  # 57 elements: 8 per device
@@ -367,8 +381,8 @@ def test_gather_format_is_fake_quantized_weights_with_a_straight_through_gradien
     ("SHARD_OPT", (2, 4), zshard.MixedPrecision(param_dtype="bfloat16", replica_format=Q16), dict()),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)
 def test_every_strategy_trains_close_to_one_device(strategy, shape, mp, options):
-    state = zshard.init(mlp, optax.adam(1e-2), zshard.make_mesh(*shape), strategy=strategy, mixed_precision=mp)
-    step = zshard.make_train_step(mse_loss, **options)
+    state = zshard.init(built(mlp), optax.adam(1e-2), zshard.make_mesh(*shape), strategy=strategy, mixed_precision=mp)
+    step = _mlp_step(tuple(sorted(options.items())))
     colls = parse_collectives(step.lower(state, MLP_DATA[0]).as_text(dialect="hlo"), state.plan.mesh)
     expect = {"FULL_SHARD": {"shard"}, "SHARD_GRAD_OP": {"world"}, "NO_SHARD": {"world"}, "SHARD_OPT": {"world"}}
     assert {c.axis for c in colls if c.kind == "all-to-all"} == expect.get(strategy, {"shard", "replica"})
@@ -380,7 +394,7 @@ def test_every_strategy_trains_close_to_one_device(strategy, shape, mp, options)
 
 
 def test_scanned_blocks_quantize_every_layer():
-    state = zshard.init(gpt_scan, optax.adamw(3e-3), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=HYB)
+    state = zshard.init(built(gpt_scan), optax.adamw(3e-3), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=HYB)
     step = zshard.make_train_step(cross_entropy_loss)
     hlo = step.lower(state, DATA[0]).as_text(dialect="hlo")
     comps = _computations(hlo)
@@ -398,9 +412,9 @@ def test_scanned_blocks_quantize_every_layer():
 
 
 def test_parameters_split_over_tensor_quantize_each_piece():
-    make = lambda: ResMLP(13, 32, 3, n_blocks=2, rngs=nnx.Rngs(0))  # noqa: E731
+    make = mlp32
     plan = {"blocks.*.lin.kernel": -1, "blocks.*.lin.bias": 0}  # column-parallel blocks: [32, 16] pieces
-    state = zshard.init(make, optax.adam(1e-2), zshard.make_mesh(1, 4, tensor=2), strategy="FULL_SHARD",
+    state = zshard.init(built(make), optax.adam(1e-2), zshard.make_mesh(1, 4, tensor=2), strategy="FULL_SHARD",
                         tensor_parallel=plan, mixed_precision=MLP_ALL)
     split = {zshard.path_str(p) for p in state.plan.tensor_split}
     assert split & set(quant.coverage(state.plan)["gather"]["quantized"]) == {"blocks.0.lin.kernel", "blocks.1.lin.kernel"}
@@ -414,7 +428,7 @@ def test_parameters_split_over_tensor_quantize_each_piece():
 def test_global_view_optimizer_reads_the_padded_shards():
     # a chain that needs the global view (clip_by_global_norm inside it) on parameters padded for blocks
     tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
-    state = zshard.init(mlp, tx, zshard.make_mesh(1, 8), strategy="FULL_SHARD", mixed_precision=MLP_ALL)
+    state = zshard.init(built(mlp), tx, zshard.make_mesh(1, 8), strategy="FULL_SHARD", mixed_precision=MLP_ALL)
     assert state.plan.opt_view is not None
     _, losses = _train(state, zshard.make_train_step(mse_loss), MLP_DATA)
     np.testing.assert_allclose(losses, mlp_reference("clipped").losses, rtol=1e-2)
@@ -424,7 +438,7 @@ def test_global_view_optimizer_reads_the_padded_shards():
 
 
 def test_report_shows_each_axis_with_its_format_against_the_formula():
-    make = lambda: ResMLP(13, 64, 3, n_blocks=2, rngs=nnx.Rngs(0))  # noqa: E731
+    make = built(mlp64)
     state = zshard.init(make, optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=MLP_HYB)
     plain = zshard.init(make, optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
     step = zshard.make_train_step(mse_loss)
@@ -443,8 +457,8 @@ def test_report_shows_each_axis_with_its_format_against_the_formula():
 
 def test_checkpoints_store_the_same_logical_arrays_with_or_without_formats(tmp_path):
     tx = optax.adam(1e-2)
-    state = zshard.init(mlp, tx, zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=MLP_HYB)
-    step = zshard.make_train_step(mse_loss)
+    state = zshard.init(built(mlp), tx, zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=MLP_HYB)
+    step = _mlp_step((("remat", "dots"),))  # test_every_strategy_...[HYBRID_SHARD-2x4-mp2-options2]'s program
     state, _ = _train(state, step, MLP_DATA[:2])
     zshard.save(state, tmp_path / "ckpt")
     # restored without formats (another padding), and back with them: the same numbers
