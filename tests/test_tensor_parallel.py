@@ -63,10 +63,11 @@ def tx_for(scan: bool):
 
 @functools.cache
 def built(scan: bool) -> nnx.Module:
-    """The reference GPT built once (eagerly, the values ``make()`` gives) for the training cases (and the other tests that place it):
-    ``zshard.init`` copies a module to its shards without compiling, where a callable's
-    initialisers compile again for every mesh and strategy (0.5 to 2 s each). The callable path
-    with a tensor axis: test_storage_of_split_and_replicated_parameters (placed) and the abstract ones."""
+    """The reference GPT built once (eagerly, the values ``make()`` gives) for the training cases
+    and the other tests that place it: ``zshard.init`` copies a module to its shards without
+    compiling, where a callable's initialisers compile again for every mesh and strategy (0.5 to
+    2 s each). The callable path with a tensor axis: test_storage_of_split_and_replicated_parameters
+    (placed) and the abstract inits."""
     return make_scanned() if scan else make()
 
 
