@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import ResMLP, assert_same_training, flat_params, mlp_batches, mse_loss, reference_run, rel_l2, zshard_run
+from conftest import ResMLP, assert_same_training, built, flat_params, mlp_batches, mse_loss, reference_run, rel_l2, zshard_run
 from flax import nnx
 from test_structure import describe, count, groups_of, parse_collectives
 
@@ -53,7 +53,7 @@ def adamw_reference():
 def test_matches_single_device(mesh_shape):
     data = mlp_batches(10)
     want = adamw_reference()
-    got = zshard_run(uneven_mlp, optax.adamw(1e-3), zshard.make_mesh(*mesh_shape), NAME, mse_loss, data)
+    got = zshard_run(built(uneven_mlp), optax.adamw(1e-3), zshard.make_mesh(*mesh_shape), NAME, mse_loss, data)
     assert_same_training(got, want)
 
 
@@ -100,11 +100,14 @@ class Stacked(nnx.Module):
         return self.head(body(self.inp(x), self.blocks))
 
 
+def stacked():
+    return Stacked(nnx.Rngs(0))
+
+
 def test_stacked_layers_match_single_device():
     data = mlp_batches(4)
-    make = lambda: Stacked(nnx.Rngs(0))  # noqa: E731
-    want = reference_run(make, optax.adamw(1e-3), mse_loss, data)
-    got = zshard_run(make, optax.adamw(1e-3), zshard.make_mesh(2, 4), NAME, mse_loss, data)
+    want = reference_run(stacked, optax.adamw(1e-3), mse_loss, data)
+    got = zshard_run(built(stacked), optax.adamw(1e-3), zshard.make_mesh(2, 4), NAME, mse_loss, data)
     np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)
     for path, ref in want.params.items():
         assert rel_l2(got.params[path], ref) <= 1e-5, path
@@ -117,7 +120,9 @@ def test_stacked_layers_match_single_device():
 L, D = 2, 64  # blocks (counted per unit below; 4 compiled slower), width: every size divisible by 8, so no padding in the byte counts
 
 
+@functools.cache
 def _state(r, s, strategy=NAME):
+    """Placed once per mesh and strategy; the tests below only lower and report on it."""
     model = ResMLP(16, D, 16, n_blocks=L, rngs=nnx.Rngs(0))
     return zshard.init(model, optax.adamw(1e-3), zshard.make_mesh(r, s), strategy=strategy)
 
@@ -134,7 +139,7 @@ def _elements(ops):
 def test_collectives_in_the_hlo(r, s):
     state = _state(r, s)
     plan = state.plan
-    hlo = zshard.make_train_step(mse_loss).lower(state, mlp_batches(1, 16, 16, 16)[0]).compile().as_text()
+    hlo = _step().lower(state, mlp_batches(1, 16, 16, 16)[0]).compile().as_text()  # the report test's program
     ops = parse_collectives(hlo)
     shard, replica = groups_of(plan.mesh, ("shard",)), groups_of(plan.mesh, ("replica",))
     units = [(u, f) for u in plan.units for f in u.flats]
@@ -165,14 +170,14 @@ def test_collectives_in_the_hlo(r, s):
 @pytest.mark.parametrize("r,s", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
 def test_report_bytes_and_model_state_formula(r, s):
     state = _state(r, s)
-    rep = zshard.report(zshard.make_train_step(mse_loss), state, mlp_batches(1, 16, 16, 16)[0])
+    rep = zshard.report(_step(), state, mlp_batches(1, 16, 16, 16)[0])
     psi = state.plan.num_params()
     # Cross-replica bytes: reduce-scatter + all-gather of G/S = the all-reduce 2 (G/S)(R-1)/R
     # that HYBRID_SHARD sends (ring algorithm), measured in the HLO and equal to the formula.
     all_reduce = 2 * (4 * psi / s) * (r - 1) / r
     rp = rep.comm_bytes_per_step["replica"]
     assert rp["formula"] == pytest.approx(all_reduce) and rp["measured"] == pytest.approx(all_reduce), rp
-    hybrid = zshard.report(zshard.make_train_step(mse_loss), _state(r, s, "HYBRID_SHARD"), mlp_batches(1, 16, 16, 16)[0])
+    hybrid = zshard.report(_step(), _state(r, s, "HYBRID_SHARD"), mlp_batches(1, 16, 16, 16)[0])
     assert hybrid.comm_bytes_per_step["replica"]["measured"] == pytest.approx(rp["measured"])
     assert rep.comm_bytes_per_step["shard"]["ratio"] == pytest.approx(1.0)
     # Model state per device (fp32 AdamW, ZeRO arXiv 1910.02054 section 5.1 with the two
@@ -213,6 +218,16 @@ OTHERS = [(1, 8, "FULL_SHARD"), (2, 4, "HYBRID_SHARD"), (4, 2, "HYBRID_SHARD_ZER
           (1, 8, "SHARD_OPT"), (2, 4, "SHARD_GRAD_OP"), (4, 2, NAME)]
 
 
+def default_mlp():
+    return ResMLP(rngs=nnx.Rngs(0))
+
+
+@functools.cache
+def _step():
+    """The checkpoint tests' train step: one object, so each plan's program is traced once for all of them."""
+    return zshard.make_train_step(mse_loss)
+
+
 def _mesh(r, s):
     return zshard.make_mesh(r, s, devices=jax.devices()[: r * s])
 
@@ -235,8 +250,8 @@ def _same_logical(a, b):
 def trained(tmp_path_factory):
     """Three AdamW steps on 2x4 HYBRID_SHARD_OPT, saved."""
     directory = tmp_path_factory.mktemp("hso") / "run"
-    state = zshard.init(lambda: ResMLP(rngs=nnx.Rngs(0)), TX, _mesh(2, 4), strategy=NAME)
-    step = zshard.make_train_step(mse_loss)
+    state = zshard.init(built(default_mlp), TX, _mesh(2, 4), strategy=NAME)
+    step = _step()
     for b in mlp_batches(3):
         state, _ = step(state, b)
     zshard.save(state, directory)
@@ -246,7 +261,7 @@ def trained(tmp_path_factory):
 @pytest.mark.parametrize("r,s,strategy", OTHERS, ids=[f"{st}-{r}x{s}" for r, s, st in OTHERS])
 def test_checkpoint_to_and_from_every_strategy_is_bitwise(trained, tmp_path, r, s, strategy):
     directory, before = trained
-    make = lambda: ResMLP(rngs=nnx.Rngs(0))  # noqa: E731
+    make = default_mlp
     other, _ = zshard.restore(directory, _mesh(r, s), model=make, tx=TX, strategy=strategy)
     assert other.plan.strategy.value == strategy and int(other.step) == 3
     _same_logical(_leaves(other), before)  # parameters and optimizer state in the other layout
@@ -257,7 +272,7 @@ def test_checkpoint_to_and_from_every_strategy_is_bitwise(trained, tmp_path, r, 
         assert x.shape == y.shape and x.dtype == y.dtype
         np.testing.assert_array_equal(x, y)
     # and training continues identically from either layout
-    step = zshard.make_train_step(mse_loss)
+    step = _step()
     batch = mlp_batches(4)[3]
     _, m_back = step(back, batch)
     _, m_other = step(other, batch)

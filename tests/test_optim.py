@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import optax.contrib
 import pytest
-from conftest import ResMLP, mlp_batches, mse_loss, reference_run, rel_l2, zshard_run
+from conftest import ResMLP, built, mlp_batches, mse_loss, reference_run, rel_l2, zshard_run
 from flax import nnx
 from optim_cases import net
 
@@ -94,11 +94,16 @@ def _reference(name):
     return reference_run(net, TXS[name](), mse_loss, batches(name))
 
 
+@functools.cache
+def _run(name, strategy, mesh):
+    """zshard's run of ``TXS[name]`` on ``strategy`` and ``mesh`` (one eager model), once for the tests that read it."""
+    return zshard_run(built(net), TXS[name](), zshard.make_mesh(*mesh), strategy, mse_loss, batches(name))
+
+
 @pytest.mark.parametrize("name,strategy,mesh", CASES, ids=[f"{n}-{s}-{m[0]}x{m[1]}" for n, s, m in CASES])
 def test_optimizer_matches_single_device(name, strategy, mesh):
-    data = batches(name)
     want = _reference(name)
-    got = zshard_run(net, TXS[name](), zshard.make_mesh(*mesh), strategy, mse_loss, data)
+    got = _run(name, strategy, mesh)
     np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)  # NaN where the reference has NaN
     np.testing.assert_allclose(got.grad_norms, want.grad_norms, rtol=1e-5)
     if name in CLIPPED:  # every finite raw gradient norm exceeds 0.05: clip_by_global_norm(0.05) clips each step
@@ -115,13 +120,19 @@ def test_each_case_leaves_the_elementwise_path(name):
     assert state.plan.opt_view is not None
 
 
-def test_add_noise_is_the_single_device_noise_and_reproducible():
+@pytest.mark.parametrize("strategy,mesh", [
+    ("SHARD_OPT", (2, 4)),  # the run of the case add_noise-SHARD_OPT-2x4: its optimizer slices are 1/8, over replica x shard
+    # the same optimizer path on the same 8-way slices (FULL_SHARD's optimizer axes are shard's 8 devices):
+    # its own compile of another step program, -m exhaustive
+    pytest.param("FULL_SHARD", (1, 8), marks=pytest.mark.exhaustive),
+], ids=["SHARD_OPT-2x4", "FULL_SHARD-1x8"])
+def test_add_noise_is_the_single_device_noise_and_reproducible(strategy, mesh):
     """add_noise draws each element's noise from the counter of its logical index (threefry,
     partitionable): the same numbers as the single-device run, so independent per element
     and per device, and reproducible for a key; another key gives other numbers. The key-7 single-device
     run is ``_reference("add_noise")``, the one the case add_noise-SHARD_OPT-2x4 compares with."""
     data = batches("add_noise")
-    got = zshard_run(net, TXS["add_noise"](), zshard.make_mesh(1, 8), "FULL_SHARD", mse_loss, data)
+    got = _run("add_noise", strategy, mesh)
     want = _reference("add_noise")
     other = reference_run(net, optax.chain(optax.add_noise(1.0, 0.55, key=8), optax.sgd(1e-2)), mse_loss, data)
     np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)
@@ -132,10 +143,10 @@ def test_add_noise_is_the_single_device_noise_and_reproducible():
 
 
 def test_clip_norm_of_the_step_equals_the_chain_form():
-    data = mlp_batches(4)
-    mesh = zshard.make_mesh(2, 4)
-    chain = zshard_run(net, optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)), mesh, "HYBRID_SHARD", mse_loss, data)
-    state = zshard.init(net, optax.adam(1e-2), mesh, strategy="HYBRID_SHARD")
+    # the chain form: the case clip_by_global_norm-HYBRID_SHARD-2x4's run (clip_by_global_norm(0.05), adamw(1e-2))
+    data = batches("clip_by_global_norm")
+    chain = _run("clip_by_global_norm", "HYBRID_SHARD", (2, 4))
+    state = zshard.init(built(net), optax.adamw(1e-2), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
     step = zshard.make_train_step(mse_loss, clip_norm=0.05)
     for b in data:
         state, _ = step(state, b)

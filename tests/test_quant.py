@@ -11,13 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ResMLP, gpt_batches, mlp_batches, mse_loss, reference_run, rel_l2
+from conftest import ResMLP, built, gpt_batches, mlp_batches, mse_loss, reference_run, rel_l2
 from flax import nnx
+from optim_cases import Net
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import zshard
-from train.model import GPT, GPTConfig, cross_entropy_loss
+from train.model import GPT, GPTConfig
 from zshard.wire import quant
 from zshard.params.flat import ParamLayout
 from zshard.wire.quant import Quant
@@ -33,10 +34,6 @@ def gpt():
     return GPT(GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2), rngs=nnx.Rngs(0))
 
 
-def gpt_scan():
-    return GPT(GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, scan=True), rngs=nnx.Rngs(0))
-
-
 DATA = gpt_batches(4, batch=16)
 Q16 = Quant("int8", 16)  # ResMLP(13 -> 19 -> 3): its 13x19 and 19x19 kernels have 31 and 46 elements per device
 MLP_ALL = zshard.MixedPrecision(gather_format=Q16, reduce_format=Q16)
@@ -48,10 +45,25 @@ def mlp():
     return ResMLP(13, 19, 3, n_blocks=2, rngs=nnx.Rngs(0))
 
 
+def mlp32():
+    return ResMLP(13, 32, 3, n_blocks=2, rngs=nnx.Rngs(0))
+
+
+def mlp64():
+    return ResMLP(13, 64, 3, n_blocks=2, rngs=nnx.Rngs(0))  # 13x64: 832 elements, padded to 1024
+
+
 @functools.cache
 def mlp_reference(tx_name="adam"):
     tx = optax.adam(1e-2) if tx_name == "adam" else optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
     return reference_run(mlp, tx, mse_loss, MLP_DATA)
+
+
+@functools.cache
+def _mlp_step(options: tuple = ()):
+    """``make_train_step(mse_loss, **dict(options))``, one object per set of options: a program the
+    strategy cases and the checkpoint test both run is traced and compiled once."""
+    return zshard.make_train_step(mse_loss, **dict(options))
 
 
 def _train(state, step, data=DATA):
@@ -249,8 +261,7 @@ def _collectives(hlo: str, op: str) -> list[tuple[str, list[str]]]:
 
 @functools.cache
 def _full_shard_program():
-    make = lambda: ResMLP(13, 64, 3, n_blocks=2, rngs=nnx.Rngs(0))  # noqa: E731  (13x64: 832 elements, padded to 1024)
-    state = zshard.init(make, optax.sgd(0.1), zshard.make_mesh(1, 8), strategy="FULL_SHARD", mixed_precision=ALL)
+    state = zshard.init(built(mlp64), optax.sgd(0.1), zshard.make_mesh(1, 8), strategy="FULL_SHARD", mixed_precision=ALL)
     lowered = zshard.make_train_step(mse_loss).lower(state, mlp_batches(1, batch=16)[0])
     return state, lowered.as_text(dialect="hlo"), lowered.compile().as_text()
 
@@ -298,7 +309,7 @@ def test_no_formats_emit_no_quantized_op():
     # formats None: the program is the one without formats (the numbers of 7 strategies, bf16 and
     # accumulation, were compared bitwise with the code before formats: docs/quantized.md)
     mp = zshard.MixedPrecision(param_dtype="bfloat16")
-    state = zshard.init(mlp, optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=mp)
+    state = zshard.init(built(mlp), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=mp)
     hlo = zshard.make_train_step(mse_loss).lower(state, MLP_DATA[0]).as_text(dialect="hlo")
     assert " all-to-all(" not in hlo and " u8[" not in hlo and "bitcast-convert(" not in hlo
     assert state.plan.layouts == zshard.init(mlp, optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD",
@@ -322,10 +333,10 @@ def _fake_quant(plan, fmt, params: dict) -> dict:
 
 def test_gather_format_is_fake_quantized_weights_with_a_straight_through_gradient():
     # odd sizes (13 -> 19 -> 3): every quantized matrix is padded to a multiple of N*B = 128
-    make = lambda: ResMLP(13, 19, 3, n_blocks=2, rngs=nnx.Rngs(0))  # noqa: E731
+    make = mlp
     fmt = Quant("int8", 16)
     mp = zshard.MixedPrecision(gather_format=fmt)
-    state = zshard.init(make, optax.sgd(0.05), zshard.make_mesh(1, 8), strategy="FULL_SHARD", mixed_precision=mp)
+    state = zshard.init(built(make), optax.sgd(0.05), zshard.make_mesh(1, 8), strategy="FULL_SHARD", mixed_precision=mp)
     plan = state.plan
     assert {zshard.path_str(p) for p in plan.layouts} - set(quant.coverage(plan)["gather"]["quantized"]) == {
         "inp.bias", "blocks.0.lin.bias", "blocks.1.lin.bias", "head.bias", "head.kernel"}  # 57 elements: 8 per device
@@ -367,8 +378,8 @@ def test_gather_format_is_fake_quantized_weights_with_a_straight_through_gradien
     ("SHARD_OPT", (2, 4), zshard.MixedPrecision(param_dtype="bfloat16", replica_format=Q16), dict()),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)
 def test_every_strategy_trains_close_to_one_device(strategy, shape, mp, options):
-    state = zshard.init(mlp, optax.adam(1e-2), zshard.make_mesh(*shape), strategy=strategy, mixed_precision=mp)
-    step = zshard.make_train_step(mse_loss, **options)
+    state = zshard.init(built(mlp), optax.adam(1e-2), zshard.make_mesh(*shape), strategy=strategy, mixed_precision=mp)
+    step = _mlp_step(tuple(sorted(options.items())))
     colls = parse_collectives(step.lower(state, MLP_DATA[0]).as_text(dialect="hlo"), state.plan.mesh)
     expect = {"FULL_SHARD": {"shard"}, "SHARD_GRAD_OP": {"world"}, "NO_SHARD": {"world"}, "SHARD_OPT": {"world"}}
     assert {c.axis for c in colls if c.kind == "all-to-all"} == expect.get(strategy, {"shard", "replica"})
@@ -379,10 +390,17 @@ def test_every_strategy_trains_close_to_one_device(strategy, shape, mp, options)
     assert losses != want and losses[-1] < losses[0]
 
 
+def mlp_scan():
+    """Two 19-wide blocks stacked (``nnx.vmap``) and run by ``nnx.scan``: one stacked unit, [2, 361] kernels."""
+    return Net(13, 19, 3, layers=2, rngs=nnx.Rngs(0))
+
+
 def test_scanned_blocks_quantize_every_layer():
-    state = zshard.init(gpt_scan, optax.adamw(3e-3), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=HYB)
-    step = zshard.make_train_step(cross_entropy_loss)
-    hlo = step.lower(state, DATA[0]).as_text(dialect="hlo")
+    # a stacked unit's gathers and gradient all-to-alls quantized inside the loop body (this was a scanned GPT,
+    # d 32, 2 layers, int8/32: the same stacked-unit path; its step and reference compiles took 4.4 s)
+    state = zshard.init(built(mlp_scan), optax.adamw(3e-3), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=MLP_HYB)
+    step = zshard.make_train_step(mse_loss)
+    hlo = step.lower(state, MLP_DATA[0]).as_text(dialect="hlo")
     comps = _computations(hlo)
     inside, todo = set(), re.findall(r"body=%?([\w.\-]+)", hlo)  # the scan's loop body and what it calls
     while todo:
@@ -392,15 +410,15 @@ def test_scanned_blocks_quantize_every_layer():
             todo += [c for line in comps.get(name, []) for c in re.findall(r"(?:calls|to_apply|body)=%?([\w.\-]+)", line)]
     body = "\n".join(line for name in inside for line in comps.get(name, []))
     assert re.search(r"= u8\[\d+\]\S* all-gather\(", body) and re.search(r"u8\[[\d,]+\]\S* all-to-all\(", body)
-    want = reference_run(gpt_scan, optax.adamw(3e-3), cross_entropy_loss, DATA[:3]).losses
-    _, losses = _train(state, step, DATA[:3])
+    want = reference_run(mlp_scan, optax.adamw(3e-3), mse_loss, MLP_DATA[:3]).losses
+    _, losses = _train(state, step, MLP_DATA[:3])
     np.testing.assert_allclose(losses, want, rtol=5e-3)
 
 
 def test_parameters_split_over_tensor_quantize_each_piece():
-    make = lambda: ResMLP(13, 32, 3, n_blocks=2, rngs=nnx.Rngs(0))  # noqa: E731
+    make = mlp32
     plan = {"blocks.*.lin.kernel": -1, "blocks.*.lin.bias": 0}  # column-parallel blocks: [32, 16] pieces
-    state = zshard.init(make, optax.adam(1e-2), zshard.make_mesh(1, 4, tensor=2), strategy="FULL_SHARD",
+    state = zshard.init(built(make), optax.adam(1e-2), zshard.make_mesh(1, 4, tensor=2), strategy="FULL_SHARD",
                         tensor_parallel=plan, mixed_precision=MLP_ALL)
     split = {zshard.path_str(p) for p in state.plan.tensor_split}
     assert split & set(quant.coverage(state.plan)["gather"]["quantized"]) == {"blocks.0.lin.kernel", "blocks.1.lin.kernel"}
@@ -414,7 +432,7 @@ def test_parameters_split_over_tensor_quantize_each_piece():
 def test_global_view_optimizer_reads_the_padded_shards():
     # a chain that needs the global view (clip_by_global_norm inside it) on parameters padded for blocks
     tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
-    state = zshard.init(mlp, tx, zshard.make_mesh(1, 8), strategy="FULL_SHARD", mixed_precision=MLP_ALL)
+    state = zshard.init(built(mlp), tx, zshard.make_mesh(1, 8), strategy="FULL_SHARD", mixed_precision=MLP_ALL)
     assert state.plan.opt_view is not None
     _, losses = _train(state, zshard.make_train_step(mse_loss), MLP_DATA)
     np.testing.assert_allclose(losses, mlp_reference("clipped").losses, rtol=1e-2)
@@ -424,7 +442,7 @@ def test_global_view_optimizer_reads_the_padded_shards():
 
 
 def test_report_shows_each_axis_with_its_format_against_the_formula():
-    make = lambda: ResMLP(13, 64, 3, n_blocks=2, rngs=nnx.Rngs(0))  # noqa: E731
+    make = built(mlp64)
     state = zshard.init(make, optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=MLP_HYB)
     plain = zshard.init(make, optax.sgd(0.1), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD")
     step = zshard.make_train_step(mse_loss)
@@ -443,8 +461,8 @@ def test_report_shows_each_axis_with_its_format_against_the_formula():
 
 def test_checkpoints_store_the_same_logical_arrays_with_or_without_formats(tmp_path):
     tx = optax.adam(1e-2)
-    state = zshard.init(mlp, tx, zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=MLP_HYB)
-    step = zshard.make_train_step(mse_loss)
+    state = zshard.init(built(mlp), tx, zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=MLP_HYB)
+    step = _mlp_step((("remat", "dots"),))  # test_every_strategy_...[HYBRID_SHARD-2x4-mp2-options2]'s program
     state, _ = _train(state, step, MLP_DATA[:2])
     zshard.save(state, tmp_path / "ckpt")
     # restored without formats (another padding), and back with them: the same numbers
