@@ -18,17 +18,25 @@ import pytest
 from flax import nnx
 
 import zshard
-from conftest import ResMLP, mlp_batches, mse_loss
+from conftest import ResMLP, built, mlp_batches, mse_loss
 
 F32 = 4
 
 
 @functools.cache
+def _mlp(d_in, d, d_out, n_blocks):
+    """A builder of ``ResMLP(d_in, d, d_out, n_blocks)`` (one function per size: conftest.built's key)."""
+    return lambda: ResMLP(d_in, d, d_out, n_blocks=n_blocks, rngs=nnx.Rngs(0))
+
+
+@functools.cache
 def _compiled(strategy, r, s, d_in, d, d_out, n_blocks, batch=16, prefetch=1, abstract=False):
     """``(state, batch, compiled step, its memory analysis)``; ``abstract``: the state's shapes and
-    shardings only (no initialiser compiles or runs), for a test that reads the compiled program only."""
+    shardings only (no initialiser compiles or runs), for a test that reads the compiled program only;
+    else the model built once, eagerly, and copied to the shards (the builder's path, every strategy on
+    both meshes: tests/test_strategies.py)."""
     state = zshard.init(
-        lambda: ResMLP(d_in, d, d_out, n_blocks=n_blocks, rngs=nnx.Rngs(0)),
+        _mlp(d_in, d, d_out, n_blocks) if abstract else built(_mlp(d_in, d, d_out, n_blocks)),
         optax.adamw(1e-3),
         zshard.make_mesh(r, s),
         strategy=strategy,
@@ -281,7 +289,10 @@ def test_units_with_ends_matches_single_device(arch, mesh):
 
     data = gpt_batches(3)
     want = _ends_reference(arch)
-    got = zshard_run(make, optax.sgd(0.5), zshard.make_mesh(*mesh), "HYBRID_SHARD_OPT", cross_entropy_loss, data,
+    # the tied GPT from its builder (initialised under jit: the tied GPT's builder path, tests/test_plan.py's
+    # presets test names this one); the Llama and the scanned GPT built once, eagerly, and copied (their
+    # builders' paths: tests/test_plan.py's test_abstract_init_matches_concrete, tests/test_scan.py)
+    got = zshard_run(make if arch == "gpt-tied" else built(_ends_model, arch), optax.sgd(0.5), zshard.make_mesh(*mesh), "HYBRID_SHARD_OPT", cross_entropy_loss, data,
                      unit=units_with_ends)
     units = [u.name for u in zshard.init(make, optax.adamw(3e-3), zshard.make_mesh(*mesh), strategy="HYBRID_SHARD_OPT",
                                          unit=units_with_ends, abstract=True).plan.units]
