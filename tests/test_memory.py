@@ -291,7 +291,8 @@ def test_units_with_ends_matches_single_device(arch, mesh):
     want = _ends_reference(arch)
     # the tied GPT from its builder (initialised under jit: the tied GPT's builder path, tests/test_plan.py's
     # presets test names this one); the Llama and the scanned GPT built once, eagerly, and copied (their
-    # builders' paths: tests/test_plan.py's test_abstract_init_matches_concrete, tests/test_scan.py)
+    # builders' paths: tests/test_plan.py's test_abstract_init_matches_concrete[FULL_SHARD],
+    # tests/test_scan.py)
     got = zshard_run(make if arch == "gpt-tied" else built(_ends_model, arch), optax.sgd(0.5), zshard.make_mesh(*mesh), "HYBRID_SHARD_OPT", cross_entropy_loss, data,
                      unit=units_with_ends)
     units = [u.name for u in zshard.init(make, optax.adamw(3e-3), zshard.make_mesh(*mesh), strategy="HYBRID_SHARD_OPT",
