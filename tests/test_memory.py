@@ -179,16 +179,14 @@ def _loss_models():
     }
 
 
-@pytest.mark.parametrize("arch,chunk", [("llama", None), ("llama", 6), ("gemma-softcap", 7), ("gpt-tied", 5),
-                                        pytest.param("gemma-softcap", None, marks=pytest.mark.exhaustive)])
-def test_chunked_loss_equals_the_logits_loss(arch, chunk):
-    # the chunked loss (hidden states and head, no [tokens, V] logits) against token_nll of model(tokens):
-    # the value and every parameter's gradient, fp32 (48 tokens: one chunk, 8 of 6, or padded chunks of 5 and 7)
+@functools.cache
+def _logits_loss(arch):
+    """``(graphdef, params, tokens, targets, (loss, gradients))`` of token_nll of model(tokens), fp32: computed
+    once per model (read-only), for each of its chunk sizes."""
     import jax.numpy as jnp
     import numpy as np
 
     from train.model import _token_nll
-    from train.models.loss import chunked_token_nll
 
     rng = np.random.default_rng(0)
     tokens, targets = (jnp.asarray(rng.integers(0, 97, (3, 16)), jnp.int32) for _ in range(2))
@@ -197,11 +195,24 @@ def test_chunked_loss_equals_the_logits_loss(arch, chunk):
     def plain(p):
         return _token_nll(nnx.merge(graphdef, p)(tokens).astype(jnp.float32), targets)
 
+    return graphdef, params, tokens, targets, jax.jit(jax.value_and_grad(plain))(params)
+
+
+@pytest.mark.parametrize("arch,chunk", [("llama", None), ("llama", 6), ("gemma-softcap", 7), ("gpt-tied", 5),
+                                        pytest.param("gemma-softcap", None, marks=pytest.mark.exhaustive)])
+def test_chunked_loss_equals_the_logits_loss(arch, chunk):
+    # the chunked loss (hidden states and head, no [tokens, V] logits) against token_nll of model(tokens):
+    # the value and every parameter's gradient, fp32 (48 tokens: one chunk, 8 of 6, or padded chunks of 5 and 7)
+    import numpy as np
+
+    from train.models.loss import chunked_token_nll
+
+    graphdef, params, tokens, targets, (want, want_g) = _logits_loss(arch)
+
     def chunked(p):
         model = nnx.merge(graphdef, p)
         return chunked_token_nll(model.hidden(tokens), model.output_head(), targets, chunk=chunk)
 
-    want, want_g = jax.jit(jax.value_and_grad(plain))(params)
     got, got_g = jax.jit(jax.value_and_grad(chunked))(params)
     assert float(got) == pytest.approx(float(want), rel=2e-7)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree.leaves(want_g)):
