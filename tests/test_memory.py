@@ -18,17 +18,25 @@ import pytest
 from flax import nnx
 
 import zshard
-from conftest import ResMLP, mlp_batches, mse_loss
+from conftest import ResMLP, built, mlp_batches, mse_loss
 
 F32 = 4
 
 
 @functools.cache
+def _mlp(d_in, d, d_out, n_blocks):
+    """A builder of ``ResMLP(d_in, d, d_out, n_blocks)`` (one function per size: conftest.built's key)."""
+    return lambda: ResMLP(d_in, d, d_out, n_blocks=n_blocks, rngs=nnx.Rngs(0))
+
+
+@functools.cache
 def _compiled(strategy, r, s, d_in, d, d_out, n_blocks, batch=16, prefetch=1, abstract=False):
     """``(state, batch, compiled step, its memory analysis)``; ``abstract``: the state's shapes and
-    shardings only (no initialiser compiles or runs), for a test that reads the compiled program only."""
+    shardings only (no initialiser compiles or runs), for a test that reads the compiled program only;
+    else the model built once, eagerly, and copied to the shards (the builder's path, every strategy on
+    both meshes: tests/test_strategies.py)."""
     state = zshard.init(
-        lambda: ResMLP(d_in, d, d_out, n_blocks=n_blocks, rngs=nnx.Rngs(0)),
+        _mlp(d_in, d, d_out, n_blocks) if abstract else built(_mlp(d_in, d, d_out, n_blocks)),
         optax.adamw(1e-3),
         zshard.make_mesh(r, s),
         strategy=strategy,
@@ -171,16 +179,14 @@ def _loss_models():
     }
 
 
-@pytest.mark.parametrize("arch,chunk", [("llama", None), ("llama", 6), ("gemma-softcap", 7), ("gpt-tied", 5),
-                                        pytest.param("gemma-softcap", None, marks=pytest.mark.exhaustive)])
-def test_chunked_loss_equals_the_logits_loss(arch, chunk):
-    # the chunked loss (hidden states and head, no [tokens, V] logits) against token_nll of model(tokens):
-    # the value and every parameter's gradient, fp32 (48 tokens: one chunk, 8 of 6, or padded chunks of 5 and 7)
+@functools.cache
+def _logits_loss(arch):
+    """``(graphdef, params, tokens, targets, (loss, gradients))`` of token_nll of model(tokens), fp32: computed
+    once per model (read-only), for each of its chunk sizes."""
     import jax.numpy as jnp
     import numpy as np
 
     from train.model import _token_nll
-    from train.models.loss import chunked_token_nll
 
     rng = np.random.default_rng(0)
     tokens, targets = (jnp.asarray(rng.integers(0, 97, (3, 16)), jnp.int32) for _ in range(2))
@@ -189,11 +195,24 @@ def test_chunked_loss_equals_the_logits_loss(arch, chunk):
     def plain(p):
         return _token_nll(nnx.merge(graphdef, p)(tokens).astype(jnp.float32), targets)
 
+    return graphdef, params, tokens, targets, jax.jit(jax.value_and_grad(plain))(params)
+
+
+@pytest.mark.parametrize("arch,chunk", [("llama", None), ("llama", 6), ("gemma-softcap", 7), ("gpt-tied", 5),
+                                        pytest.param("gemma-softcap", None, marks=pytest.mark.exhaustive)])
+def test_chunked_loss_equals_the_logits_loss(arch, chunk):
+    # the chunked loss (hidden states and head, no [tokens, V] logits) against token_nll of model(tokens):
+    # the value and every parameter's gradient, fp32 (48 tokens: one chunk, 8 of 6, or padded chunks of 5 and 7)
+    import numpy as np
+
+    from train.models.loss import chunked_token_nll
+
+    graphdef, params, tokens, targets, (want, want_g) = _logits_loss(arch)
+
     def chunked(p):
         model = nnx.merge(graphdef, p)
         return chunked_token_nll(model.hidden(tokens), model.output_head(), targets, chunk=chunk)
 
-    want, want_g = jax.jit(jax.value_and_grad(plain))(params)
     got, got_g = jax.jit(jax.value_and_grad(chunked))(params)
     assert float(got) == pytest.approx(float(want), rel=2e-7)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree.leaves(want_g)):
@@ -281,7 +300,11 @@ def test_units_with_ends_matches_single_device(arch, mesh):
 
     data = gpt_batches(3)
     want = _ends_reference(arch)
-    got = zshard_run(make, optax.sgd(0.5), zshard.make_mesh(*mesh), "HYBRID_SHARD_OPT", cross_entropy_loss, data,
+    # the tied GPT from its builder (initialised under jit: the tied GPT's builder path, tests/test_plan.py's
+    # presets test names this one); the Llama and the scanned GPT built once, eagerly, and copied (their
+    # builders' paths: tests/test_plan.py's test_abstract_init_matches_concrete[FULL_SHARD],
+    # tests/test_scan.py)
+    got = zshard_run(make if arch == "gpt-tied" else built(_ends_model, arch), optax.sgd(0.5), zshard.make_mesh(*mesh), "HYBRID_SHARD_OPT", cross_entropy_loss, data,
                      unit=units_with_ends)
     units = [u.name for u in zshard.init(make, optax.adamw(3e-3), zshard.make_mesh(*mesh), strategy="HYBRID_SHARD_OPT",
                                          unit=units_with_ends, abstract=True).plan.units]

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import gpt_batches, reference_run, zshard_run
+from conftest import built, gpt_batches, reference_run, zshard_run
 from flax import nnx
 
 import zshard
@@ -32,7 +32,9 @@ def tied_gpt():
 def test_plan_presets_architectures_match_single_device(make):
     data = gpt_batches(4)
     want = reference_run(make, optax.sgd(0.5), cross_entropy_loss, data)
-    got = zshard_run(make, optax.sgd(0.5), zshard.make_mesh(2, 4), "HYBRID_SHARD", cross_entropy_loss, data)
+    # a built module (copied to the shards, no initialiser compiled); the builders' path: the Llama's in
+    # test_abstract_init_matches_concrete[FULL_SHARD], the tied GPT's in tests/test_memory.py's test_units_with_ends_matches_single_device
+    got = zshard_run(built(make), optax.sgd(0.5), zshard.make_mesh(2, 4), "HYBRID_SHARD", cross_entropy_loss, data)
     np.testing.assert_allclose(got.losses, want.losses, rtol=1e-5)
     np.testing.assert_allclose(got.grad_norms, want.grad_norms, rtol=1e-5)  # the tied weight counts once
     for path, ref in want.params.items():
@@ -42,7 +44,10 @@ def test_plan_presets_architectures_match_single_device(make):
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "HYBRID_SHARD", "SHARD_OPT"])
 def test_abstract_init_matches_concrete(strategy):
     mesh = zshard.make_mesh(2, 4)
-    concrete = zshard.init(small_llama, optax.adamw(1e-3), mesh, strategy=strategy)
+    # FULL_SHARD's concrete state from the builder (its initialisers compiled under jit: the Llama's builder
+    # path), the others' from the model built once, eagerly, and copied to the shards (the same layouts)
+    concrete = zshard.init(small_llama if strategy == "FULL_SHARD" else built(small_llama), optax.adamw(1e-3), mesh,
+                           strategy=strategy)
     abstract = zshard.init(small_llama, optax.adamw(1e-3), mesh, strategy=strategy, abstract=True)
     c_leaves, c_def = jax.tree.flatten(concrete)
     a_leaves, a_def = jax.tree.flatten(abstract)

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import zshard
 from conftest import (
     ResMLP,
+    built,
     gpt_batches,
     mlp_batches,
     mse_loss,
@@ -75,8 +76,8 @@ def reference(model_name: str, opt_name: str):
 def run_zshard(model_name, opt_name, strategy, r, s, init_with: str):
     build, loss_fn, batches = MODELS[model_name]
     make_tx, steps = OPTIMIZERS[opt_name]
-    # a built module (copied to the shards from host) or a zero-arg callable (built under jit)
-    init_arg = build() if init_with == "module" else build
+    # a built module (copied to the shards from host; built once, conftest.built) or a zero-arg callable (built under jit)
+    init_arg = built(build) if init_with == "module" else build
     return zshard_run(init_arg, make_tx(), zshard.make_mesh(r, s), strategy, loss_fn, batches(steps))
 
 
@@ -143,13 +144,13 @@ def test_full_shard_on_2x4_matches_reference():
 def test_init_module_and_callable_agree(strategy, r, s):
     mesh = zshard.make_mesh(r, s)
     tx = optax.adamw(1e-3)
-    a = zshard.init(make_gpt(), tx, mesh, strategy=strategy)
+    a = zshard.init(built(make_gpt), tx, mesh, strategy=strategy)  # built once, eagerly, for the three meshes
     b = zshard.init(make_gpt, tx, mesh, strategy=strategy)
     chex.assert_trees_all_equal_shapes_and_dtypes(a.params, b.params)
     chex.assert_trees_all_close(a.params, b.params, rtol=1e-6, atol=1e-7)
     assert jax.tree.map(lambda x: x.sharding, a.params) == jax.tree.map(lambda x: x.sharding, b.params)
-    # and both unshard to the model they came from
-    ref = make_gpt()
+    # and both unshard to the model they came from (the built one: init leaves it as it was, test_init_does_not_touch_the_model)
+    ref = built(make_gpt)
     for state in (a, b):
         model = zshard.unshard(state)
         chex.assert_trees_all_close(

@@ -7,7 +7,7 @@ import chex
 import numpy as np
 import optax
 import pytest
-from conftest import ResBlock, ResMLP, assert_same_training, mlp_batches, mse_loss, reference_run, zshard_run
+from conftest import ResBlock, ResMLP, assert_same_training, built, mlp_batches, mse_loss, reference_run, zshard_run
 from flax import nnx
 
 import zshard
@@ -59,13 +59,13 @@ def test_strategy_sgd_exact_gradient_scale(strategy):
     # where Adam's scale invariance would hide it.
     data = mlp_batches(3)
     want = sgd_reference()
-    got = zshard_run(uneven_mlp(1), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy, mse_loss, data)
+    got = zshard_run(built(uneven_mlp, 1), optax.sgd(0.1), zshard.make_mesh(2, 4), strategy, mse_loss, data)
     chex.assert_trees_all_close(got.params, want.params, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("stage,name", [(0, "NO_SHARD"), (1, "SHARD_OPT"), (2, "SHARD_GRAD_OP"), (3, "FULL_SHARD")])
 def test_zero_stage_aliases(stage, name):
-    state = zshard.init(uneven_mlp(), optax.sgd(0.1), zshard.make_mesh(1, 8), zero_stage=stage)
+    state = zshard.init(built(uneven_mlp), optax.sgd(0.1), zshard.make_mesh(1, 8), zero_stage=stage)
     assert state.plan.strategy is Strategy[name]
     assert Strategy.parse("_hybrid_shard_zero2") is Strategy.HYBRID_SHARD_ZERO2
 
