@@ -187,7 +187,12 @@ def _train_step(segments: bool, remat: str, options: tuple = ()) -> zshard.Train
 
 
 CASES = [  # strategy, mesh, impl, remat, sliding window, packed documents, step options, tensor plan
-    ("FULL_SHARD", (1, 4, 2), "allgather", "block", None, False, {}, None),
+    # -m exhaustive: its path is the default run's in parts: FULL_SHARD with allgather and block remat (the
+    # packed case below, FULL_SHARD 1x2x4), a context of 2 on FULL_SHARD 1x4x2 (test_train_models_equal_one_device
+    # [llama-FULL_SHARD-shape1], allgather; test_eval_step_gives_the_single_device_loss), rows weighted by
+    # ``weight`` (the ring cases below, the same _train_step(False, ...) loss and batches)
+    pytest.param("FULL_SHARD", (1, 4, 2), "allgather", "block", None, False, {}, None, marks=pytest.mark.exhaustive,
+                 id="FULL_SHARD-1x4x2-allgather-block-None-False-{}-None"),
     # the program of test_report_context_row_is_the_formula[ring-none-False-1] (replica 2 with a context
     # axis, HYBRID_SHARD 2x2x2, meets one device in test_train_models_equal_one_device[gpt-...])
     ("FULL_SHARD", (1, 2, 4), "ring", "none", None, False, {}, None),
@@ -233,14 +238,14 @@ def test_eval_step_gives_the_single_device_loss():
     # jitted (one program per batch shape): op by op, the single-device loss and forward compiled
     # each operation apart, most of this test's time
     one_loss, one_forward = nnx.jit(loss_fn), nnx.jit(lambda model, tok: model(tok))
-    want = [float(one_loss(ref, jax.tree.map(jnp.asarray, b))) for b in batches(2, weight=True)]
     state = zshard.init(ref, optax.adamw(1e-3), mesh(1, 4, 2), strategy="FULL_SHARD")
     split = zshard.make_eval_step(loss_fn, sequence_axis={"tokens": 1, "targets": 1, "weight": None})
     rows = zshard.make_eval_step(loss_fn)  # no sequence axis: the rows over context too, whole sequences
-    for b, w in zip(batches(2, rows=8, weight=True)[:0] or batches(2, weight=True), want):
-        assert float(split(state, b)["loss"]) == pytest.approx(w, rel=1e-6)
+    # both steps on the same 8 rows (2 per replica x shard device): one single-device loss program
     eight = batches(1, rows=8, weight=True)[0]
-    assert float(rows(state, eight)["loss"]) == pytest.approx(float(one_loss(ref, jax.tree.map(jnp.asarray, eight))), rel=1e-6)
+    want = float(one_loss(ref, jax.tree.map(jnp.asarray, eight)))
+    assert float(split(state, eight)["loss"]) == pytest.approx(want, rel=1e-6)
+    assert float(rows(state, eight)["loss"]) == pytest.approx(want, rel=1e-6)
     # generation's forward: rows over every data axis (R S C), each device whole sequences
     fwd = zshard.make_forward(lambda model, tok: model(tok))
     tok = batches(1, rows=8)[0]["tokens"]
@@ -327,11 +332,12 @@ def test_a_model_that_never_asks_for_positions_is_warned():
 
     state = zshard.init(lambda: NoPositions(nnx.Rngs(0)), optax.adamw(1e-3), mesh(1, 4, 2), abstract=True)
     b = {k: v for k, v in batches(1)[0].items()}
+    # the warning comes while tracing (zshard.context.sequence): traced only, nothing lowered
     with pytest.warns(UserWarning, match=r"never called zshard.positions\(\).*Fix: positions = zshard.positions"):
-        zshard.make_train_step(loss_fn, sequence_axis=1).lower(state, b)
+        zshard.make_train_step(loss_fn, sequence_axis=1).trace(state, b)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the model that asks is not warned
-        zshard.make_train_step(loss_fn, sequence_axis=1).lower(zshard.init(make(), optax.adamw(1e-3), mesh(1, 4, 2), abstract=True), b)
+        zshard.make_train_step(loss_fn, sequence_axis=1).trace(zshard.init(make(), optax.adamw(1e-3), mesh(1, 4, 2), abstract=True), b)
 
 
 def test_a_context_axis_the_model_never_reads_is_refused_before_compiling():
@@ -376,8 +382,9 @@ def _train_models():
 def test_train_models_equal_one_device(name, strategy, shape):
     models, ce = _train_models()
     data = [(b["tokens"], b["targets"]) for b in batches()]
-    want = reference_run(models[name], optax.adamw(1e-3), ce, data)
-    state = zshard.init(models[name](), optax.adamw(1e-3), mesh(*shape), strategy=strategy)
+    model = models[name]()  # built once, eagerly: zshard.init copies it to its shards, then the reference trains it
+    state = zshard.init(model, optax.adamw(1e-3), mesh(*shape), strategy=strategy)
+    want = reference_run(lambda: model, optax.adamw(1e-3), ce, data)
     step = zshard.make_train_step(ce, sequence_axis=1, prefetch=1)
     losses = []
     for b in data:
@@ -425,10 +432,15 @@ def test_main_job_with_a_context_axis_equals_the_1x8_run(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"".join(p.read_bytes() for p in sorted((root / "zshard").glob("*.py"))))
     runs = {}
-    for name, flags in (("context", ["--mesh", "1x4", "--context", "2"]), ("rows", ["--mesh", "1x8"])):
+    # the context run samples (generation's forward on a context mesh); the 1x8 run is the numbers' reference
+    # only: no samples (the trainer's samples on 1x8: tests/test_cli.py, tests/test_main_eval.py), two eval
+    # batches each (what is compared is the eval losses at steps 2 and 4, not how many batches they average),
+    # no TensorBoard events (written the same whatever the mesh: tests/test_main_job.py, tests/test_cli.py)
+    for name, flags in (("context", ["--mesh", "1x4", "--context", "2", "--sample-tokens", "4"]),
+                        ("rows", ["--mesh", "1x8", "--sample-tokens", "0"])):
         out = tmp_path / name
         assert train_main(["--model", "nano", "--steps", "4", "--seq-len", "32", "--batch-size", "8", "--data", corpus,
-                           "--eval-every", "2", "--sample-tokens", "4", "--out", out, *flags]) == 0
+                           "--eval-every", "2", "--eval-batches", "2", "--no-tensorboard", "--out", out, *flags]) == 0
         runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert json.loads((tmp_path / "context" / "summary.json").read_text())["mesh"] == {"replica": 1, "shard": 4, "context": 2}
     for key in ("loss", "eval_loss"):

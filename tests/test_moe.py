@@ -58,6 +58,8 @@ def router_gap(model, ids) -> jax.Array:
 
 
 TX = optax.adamw(1e-2)
+# the fixture's logits and router loss, one program per batch shape and layout (a row, the batch; the stacked layers)
+with_aux = nnx.jit(lambda m, x: m(x, router_aux=True))
 
 
 @functools.cache
@@ -89,14 +91,13 @@ def test_router_loss_matches_transformers_per_sequence():
     rec = json.loads((d / "loss.json").read_text())
     model = plain_model(*from_hf(d))
     ids = np.load(d / "batch.npy")
-    aux_of = nnx.jit(lambda m, x: m(x, router_aux=True)[1])
-    rows = [float(aux_of(model, jnp.asarray(ids[i:i + 1]))) for i in range(len(ids))]
+    rows = [float(with_aux(model, jnp.asarray(ids[i:i + 1]))[1]) for i in range(len(ids))]
     np.testing.assert_allclose(rows, rec["aux_loss_rows"], rtol=1e-5)
-    assert rel_l2(float(aux_of(model, jnp.asarray(ids))), np.mean(rec["aux_loss_rows"])) < 1e-5
+    logits, aux = with_aux(model, jnp.asarray(ids))
+    assert rel_l2(float(aux), np.mean(rec["aux_loss_rows"])) < 1e-5
     # transformers pools the whole batch into one f and one P: another number (the docstring's reason)
     assert abs(np.mean(rec["aux_loss_rows"]) - rec["aux_loss_batch"]) > 1e-3
     # and router_aux=True leaves the logits as they are
-    logits, _ = nnx.jit(lambda m, x: m(x, router_aux=True))(model, jnp.asarray(ids))
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(forward(model, jnp.asarray(ids))))
 
 
@@ -122,22 +123,23 @@ def test_moe_trains_like_one_device_on_every_strategy(strategy):
 
 
 def test_scanned_moe_equals_unrolled():
-    """Stacked layers under nnx.scan (cfg.scan) give the logits and router loss of the nnx.List."""
-    cfg = MoEConfig(vocab_size=64, seq_len=16, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=32, n_experts=4,
-                    top_k=2, d_expert=8)
-    listed = Qwen3Moe(cfg, rngs=nnx.Rngs(0))
+    """Stacked layers under nnx.scan (cfg.scan) give the logits and router loss of the nnx.List: the fixture's
+    model (2 layers of 4 experts, top 2; its weights read, no random initialisers compiled op by op)."""
+    builder, weights = from_hf(FIXTURES / "qwen3_moe")
+    cfg = builder.config
+    assert isinstance(cfg, MoEConfig) and cfg.n_layers == 2 and not cfg.scan
+    listed = plain_model(builder, weights)
     stacked = nnx.eval_shape(lambda: Qwen3Moe(dataclasses.replace(cfg, scan=True), rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(stacked)
     flat = dict(traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(listed, nnx.Param))))
     values = []
     for path, var in nnx.to_flat_state(state):
-        if path[0] == "blocks":  # [L, ...] from the L blocks of the list
-            values.append((path, var.replace(jnp.stack([flat[("blocks", i) + path[1:]] for i in range(cfg.n_layers)]))))
+        if path[0] == "blocks":  # [L, ...] from the L blocks of the list (stacked in NumPy: no stack program per shape)
+            values.append((path, var.replace(jnp.asarray(np.stack([np.asarray(flat[("blocks", i) + path[1:]]) for i in range(cfg.n_layers)])))))
         else:
             values.append((path, var.replace(flat[path])))
     stacked = nnx.merge(graphdef, nnx.from_flat_state(values))
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 8)))
-    run = nnx.jit(lambda m, x: m(x, router_aux=True))
-    (a, aux_a), (b, aux_b) = run(listed, ids), run(stacked, ids)
+    ids = jnp.asarray(np.load(FIXTURES / "qwen3_moe" / "batch.npy"))  # [8, 8]: the listed model's program is the router test's
+    (a, aux_a), (b, aux_b) = with_aux(listed, ids), with_aux(stacked, ids)
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
     assert rel_l2(float(aux_b), float(aux_a)) < 1e-6
