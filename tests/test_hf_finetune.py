@@ -26,12 +26,7 @@ from train.model import from_hf, init_cache
 
 decode = nnx.jit(lambda model, ids, cache, pos: model(ids, cache=cache, pos=pos))
 VOCAB = 128  # every fixture's vocabulary holds it (gpt2 and llama: 256)
-# the trainer samples too (train.hooks.Sample -> train.generate.generate), from a token-id prompt: one family here.
-# Each family's sharded generate (gemma3's and qwen3_moe's, the two most unlike Llama, included) equals the
-# single-device one in test_sharded_generation_equals_single_device; the trainer's byte-level samples of an
-# --init-from checkpoint on HYBRID_SHARD 2x4: tests/test_main_eval.py (gpt2). The MoE's generation program
-# took as long to compile as its train step.
-SAMPLED = {"llama": "4"}
+SAMPLED = {"gemma3": "4", "qwen3_moe": "4"}  # the trainer samples too (its sharded generate): the two most unlike Llama
 
 
 @pytest.fixture(scope="module")
