@@ -297,32 +297,30 @@ def corpus(tmp_path_factory) -> Path:
 # file handed out last leaves the other worker idle at the end. pyproject.toml passes
 # ``--no-loadscope-reorder`` (pytest-xdist 3.8): without it pytest-xdist re-sorts the files by their
 # number of tests, which put test_preempt_mp.py (1 test, 95 s) and test_readme.py (1 test, 62 s)
-# last. Seconds: every file's, from one run with ``--junitxml`` on 2 cores (2026-12-07 late, 1216 tests,
-# 1948 s over both workers): the first four files above ran while another job shared the cores, so
-# theirs are the 12-07 early run's scaled by each file's own measured change, and 13 files changed
-# after that run are scaled by their user-CPU ratio (after / before, -n 0, cold cache); a new file
-# not listed counts 1.45 s per test, the mean of these. (12-07 early: 2307 s, 1.90 s per test;
-# 12-03: 947 tests, 2617 s, 2.76 s per test.)
+# last. Seconds: every file's wall time in one fresh-clone run of a2f45b8 on the idle 2-core machine
+# (2026-12-07, 1216 tests, 1576 s over both workers), the 19 files changed after it scaled by their
+# user-CPU ratio (after / before, -n 0, cold cache); a new file not listed counts 1.19 s per test, the
+# mean of these. (The run before: 1948 s, 1.45 s per test; 12-03: 947 tests, 2617 s, 2.76 s per test.)
 FILE_SECONDS = {
-    "test_tensor_parallel.py": 137, "test_multiprocess.py": 126, "test_preempt_mp.py": 116, "test_context.py": 102,
-    "test_offload.py": 100, "test_readme.py": 74, "test_preempt.py": 51, "test_checkpoint.py": 50,
-    "test_plan.py": 47, "test_optim.py": 45, "test_quant.py": 42, "test_hf_finetune.py": 41, "test_bench.py": 38,
-    "test_cli.py": 37, "test_memory.py": 36, "test_scan.py": 36, "test_remat.py": 31, "test_verify.py": 29,
-    "test_hybrid_opt.py": 28, "test_hpz.py": 27, "test_strategies.py": 26, "test_step.py": 26, "test_hf.py": 26,
-    "test_main_job.py": 25, "test_attention.py": 24, "test_data.py": 24, "test_moe.py": 23,
-    "test_user_models.py": 22, "test_model_state.py": 22, "test_feedback.py": 22, "test_main_eval.py": 19,
-    "test_plan_search.py": 18, "test_plan_search_formats.py": 18, "test_expert_parallel.py": 18, "test_zoo.py": 17,
-    "test_accum.py": 17, "test_generate.py": 17, "test_gpu.py": 15, "test_train_auto.py": 15, "test_sample.py": 13,
-    "test_train.py": 13, "test_precision.py": 13, "test_leaves.py": 12, "test_plan_search_expert.py": 12,
-    "test_train_presets.py": 11, "test_prefetch.py": 10, "test_evaluate.py": 10, "test_shapes.py": 9,
-    "test_bench_moe.py": 8, "test_tied.py": 8, "test_units.py": 8, "test_moe_op.py": 7, "test_global_view.py": 6,
-    "test_flat.py": 5, "test_frozen.py": 5, "test_mesh.py": 5, "test_scale.py": 4, "test_router_metrics.py": 4,
-    "test_structure.py": 3, "test_cost_model.py": 2, "test_install.py": 2, "test_collectives.py": 2,
-    "test_quant_context.py": 2, "test_forward.py": 2, "test_mixtral.py": 1, "test_layout.py": 1, "test_wire.py": 1,
-    "test_launch.py": 1, "test_expert_plan.py": 0, "test_expert_cli.py": 0, "test_expert_formulas.py": 0,
-    "test_report.py": 0, "test_config.py": 0, "test_docs_numbers.py": 0, "test_aliases.py": 0,
+    "test_tensor_parallel.py": 114, "test_preempt_mp.py": 107, "test_context.py": 80, "test_offload.py": 65,
+    "test_readme.py": 54, "test_preempt.py": 43, "test_checkpoint.py": 42, "test_multiprocess.py": 37,
+    "test_cli.py": 34, "test_hf_finetune.py": 34, "test_bench.py": 32, "test_plan.py": 32, "test_optim.py": 31,
+    "test_memory.py": 30, "test_verify.py": 29, "test_hybrid_opt.py": 27, "test_remat.py": 27, "test_hf.py": 26,
+    "test_quant.py": 25, "test_scan.py": 25, "test_strategies.py": 25, "test_step.py": 24, "test_main_job.py": 23,
+    "test_model_state.py": 23, "test_user_models.py": 23, "test_moe.py": 22, "test_data.py": 21,
+    "test_expert_parallel.py": 20, "test_main_eval.py": 20, "test_hpz.py": 19, "test_plan_search.py": 19,
+    "test_attention.py": 18, "test_zoo.py": 18, "test_plan_search_formats.py": 17, "test_precision.py": 17,
+    "test_feedback.py": 16, "test_generate.py": 16, "test_accum.py": 14, "test_gpu.py": 14, "test_sample.py": 14,
+    "test_train_auto.py": 14, "test_bench_moe.py": 13, "test_leaves.py": 12, "test_train.py": 12,
+    "test_units.py": 11, "test_train_presets.py": 10, "test_plan_search_expert.py": 9, "test_shapes.py": 8,
+    "test_evaluate.py": 7, "test_moe_op.py": 7, "test_prefetch.py": 7, "test_global_view.py": 6, "test_tied.py": 6,
+    "test_flat.py": 5, "test_frozen.py": 5, "test_mesh.py": 5, "test_scale.py": 5, "test_router_metrics.py": 4,
+    "test_structure.py": 3, "test_collectives.py": 2, "test_cost_model.py": 2, "test_forward.py": 2,
+    "test_install.py": 2, "test_mixtral.py": 2, "test_quant_context.py": 2, "test_expert_plan.py": 1,
+    "test_launch.py": 1, "test_layout.py": 1, "test_wire.py": 1, "test_aliases.py": 0, "test_config.py": 0,
+    "test_docs_numbers.py": 0, "test_expert_cli.py": 0, "test_expert_formulas.py": 0, "test_report.py": 0,
 }  # fmt: skip
-MEAN_TEST_SECONDS = 1.45
+MEAN_TEST_SECONDS = 1.19
 
 
 def pytest_collection_modifyitems(config, items):
