@@ -21,9 +21,11 @@ NANO = ["--model", "nano", "--seq-len", "16", "--batch-size", "8", "--eval-every
 samples: tests/test_cli.py, tests/test_main_eval.py, tests/test_preempt_mp.py's reference, tests/test_readme.py."""
 
 
-def env() -> dict:
+def env(**extra: str) -> dict:
+    """This process's environment for a test's subprocess: no ``ZSHARD_*`` variables, this checkout on
+    ``PYTHONPATH``, CPU devices, unbuffered output; then ``extra``."""
     e = {k: v for k, v in os.environ.items() if not k.startswith("ZSHARD_")}
-    e.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    e.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
     return e
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import os
 import re
 import signal
 import subprocess
@@ -26,21 +25,16 @@ import mp_worker
 import numpy as np
 import pytest
 from conftest import reference_run, rel_l2, zshard_run
+from runs import env as _env
 
 import zshard
 from train import data
-from zshard.launch import free_port
+from zshard.launch import _child_env, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(mp_worker.__file__).resolve()
 PY = sys.executable
 DEAD_PEER_LIMIT_S = 60  # a process whose peer died must be gone within this (issue 7)
-
-
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZSHARD_")}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
-    return env
 
 
 def _result(output: str) -> dict:
@@ -59,11 +53,8 @@ def two_by_four():
     port, procs = free_port(), []
     try:
         for rank in range(2):
-            flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)  # the suite's own kept
-            env = _env(
-                ZSHARD_COORDINATOR=f"127.0.0.1:{port}", ZSHARD_NUM_PROCESSES="2", ZSHARD_PROCESS_ID=str(rank),
-                ZSHARD_HEARTBEAT_TIMEOUT_S="10", XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=4".strip(),
-            )  # fmt: skip
+            launched = _child_env(rank, 2, port, devices=4, heartbeat=10, init=None)  # what the launcher gives a rank
+            env = _env(**{k: v for k, v in launched.items() if k.startswith("ZSHARD_") or k == "XLA_FLAGS"})
             procs.append(subprocess.Popen([PY, str(WORKER), "train-kill"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))  # fmt: skip
         out1, _ = procs[1].communicate(timeout=300)
