@@ -18,26 +18,31 @@ from pathlib import Path
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 # XLA:CPU's code generation at its cheapest: LLVM's optimization level 0, none of its expensive
-# passes, and XLA:CPU's older fusion pipeline instead of its fusion emitters. They change only how
-# XLA:CPU compiles: the compiled HLO's collectives and memory_analysis() are what the byte and memory
-# tests read, and those are the same as with XLA's defaults (checked on the reference GPT's
-# FULL_SHARD 2x4 step). Compiling is about three quarters of the suite's time; measured at -n 0
-# with no compilation cache, tests/test_strategies.py took 137 s wall with the first two flags
-# and 75 s with all three. Elementwise results may differ by an ulp from the defaults' (a
-# jit-initialised parameter against an eager one, tests/test_verify.py), and the older fusion
-# pipeline fuses two programs that compute the same numbers differently where one of them moves
-# leaves to host memory or gathers inside a scan: the tests that compare such programs bit for bit
-# (tests/test_offload.py, tests/test_hpz.py) use the ``xla_default_cpu_fusion`` fixture below, which
-# compiles zshard's programs with XLA:CPU's default fusion, as a user's run does. Two comparisons
-# that were within their tolerance by a margin smaller than an ulp's consequences now start from
-# one eagerly built model (tests/test_hybrid_opt.py, bf16) or use SGD with momentum instead of
-# Adam (tests/test_expert_parallel.py, whose hybrid-zero2 case already failed with Adam).
-# Subprocesses the tests start inherit these flags.
-# The third flag exists in jaxlib 0.10 only: jaxlib 0.12.1's XLA aborts on it ("Unknown flag in
+# passes, XLA:CPU's older fusion pipeline instead of its fusion emitters, and one LLVM module per
+# program. They change only how XLA:CPU compiles: the compiled HLO's collectives and
+# memory_analysis() are what the byte and memory tests read, and those are the same as with XLA's
+# defaults (checked on the reference GPT's FULL_SHARD 2x4 step). Compiling is about three quarters
+# of the suite's time; measured at -n 0 with no compilation cache, tests/test_strategies.py took
+# 137 s wall with the first two flags and 75 s with the first three. The fourth: XLA:CPU splits a
+# program's LLVM module into 32 parts by default, to compile them on its thread pool, which a
+# 2-core machine running two workers has no core free for; tests/test_strategies.py with
+# tests/test_step.py took 56.0 and 57.1 s of user CPU with 32 parts, 48.6 and 49.0 s with one
+# (-n 0, no compilation cache, back to back). Elementwise results may differ by an ulp from the
+# defaults' (a jit-initialised parameter against an eager one, tests/test_verify.py), and the
+# older fusion pipeline fuses two programs that compute the same numbers differently where one of
+# them moves leaves to host memory or gathers inside a scan: the tests that compare such programs
+# bit for bit (tests/test_offload.py, tests/test_hpz.py) use the ``xla_default_cpu_fusion``
+# fixture below, which compiles zshard's programs with XLA:CPU's default fusion, as a user's run
+# does. Two comparisons that were within their tolerance by a margin smaller than an ulp's
+# consequences now start from one eagerly built model (tests/test_hybrid_opt.py, bf16) or use SGD
+# with momentum instead of Adam (tests/test_expert_parallel.py, whose hybrid-zero2 case already
+# failed with Adam). Subprocesses the tests start inherit these flags.
+# The fusion flag exists in jaxlib 0.10 only: jaxlib 0.12.1's XLA aborts on it ("Unknown flag in
 # XLA_FLAGS"), so scripts/compat.sh's newest jax runs with XLA:CPU's fusion emitters, its default.
 _OLD_FUSION_PIPELINE = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11)
 _FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                 *(("--xla_cpu_use_fusion_emitters=false",) if _OLD_FUSION_PIPELINE else ()))
+                 *(("--xla_cpu_use_fusion_emitters=false",) if _OLD_FUSION_PIPELINE else ()),
+                 "--xla_cpu_parallel_codegen_split_count=1")
 for _f in (_FLAG, *_FAST_COMPILE):
     if (_f if _f == _FLAG else _f.split("=")[0]) not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _f).strip()
