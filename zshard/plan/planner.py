@@ -132,7 +132,7 @@ class Plan:
     def wires(self) -> dict[tuple, ParamWire]:
         """Parameter path -> its :class:`~zshard.wire.ParamWire`: how its bytes travel (axes, dtypes,
         the formats that quantize it, tensor pieces, error feedback), resolved once here from the
-        strategy, the mesh axes and the mixed precision ([Note: the wire record], zshard/wire.py)."""
+        strategy, the mesh axes and the mixed precision ([Note: the wire record], zshard/wire/wire.py)."""
         return resolve_wires(self)
 
     @functools.cached_property

@@ -101,7 +101,7 @@ def all_gather_last(b: jax.Array, axes: tuple[str, ...], *, invariant: bool = Fa
     return jax.lax.all_gather(b, axes, axis=b.ndim - 1, tiled=True)
 
 
-# [Note: quantized collectives] With a format on a parameter's wire (zshard/wire.py: set by the
+# [Note: quantized collectives] With a format on a parameter's wire (zshard/wire/wire.py: set by the
 # planner where a format of MixedPrecision quantizes it, :func:`zshard.wire.quant.quantizes`, from its
 # shape and the devices its buffer splits over, as the planner padded it) it is gathered as ZeRO++ qwZ:
 # its shard quantized in blocks, ``u8`` payload and ``f32`` scales all-gathered, dequantized to

@@ -8,7 +8,7 @@ Karimireddy et al. 2019, arXiv 1901.09847, algorithm 2; LoCo, arXiv 2407.04480, 
 
 [Note: error feedback] The residuals live in ``ShardedState.feedback`` (float32, global
 ``[..., W * n_pad]``, ``PartitionSpec(..., data_axes)``, local ``[..., n_pad]``:
-:func:`zshard.wire.quant.feedback_layout`; which parameters: ``ParamWire.residual``, zshard/wire.py).
+:func:`zshard.wire.quant.feedback_layout`; which parameters: ``ParamWire.residual``, zshard/wire/wire.py).
 Inside the step they are the gradient exit values ([Note: gradient exit], zshard/wire/grad_exit.py;
 HYBRID_SHARD_OPT's optimizer slices use the same way out, and error feedback refuses that
 strategy): :func:`feedback_exits` gives every trainable parameter an exit value (its residual, or

@@ -22,7 +22,7 @@ backend widens it (XLA:CPU widens fp8 collectives to f16 and int4 to s8 otherwis
 This module owns the formats (:class:`Quant`), quantize / dequantize, the three quantized
 collectives (:func:`all_gather`, :func:`reduce_scatter`, :func:`all_reduce`), which parameter each
 format applies to (:func:`quantizes`, read by the planner into each parameter's wire record,
-zshard/wire.py), the padding it needs, and the bytes it moves. It imports no other zshard module
+zshard/wire/wire.py), the padding it needs, and the bytes it moves. It imports no other zshard module
 at load time. docs/quantized.md has the formulas and the errors measured.
 """
 
@@ -314,7 +314,7 @@ def moved_bytes(plan, role: str, rec) -> float:
     n = rec.piece_size
     if role == "master":
         return n * rec.dtype.itemsize
-    w = plan.wires[rec.path]  # the parameter's wire record (zshard/wire.py)
+    w = plan.wires[rec.path]  # the parameter's wire record (zshard/wire/wire.py)
     fmt = {"gather": w.gather_format, "reduce": w.reduce_format, "replica": w.replica_format}[role]
     return wire_bytes(fmt, n, w.gather_dtype if role == "gather" else w.reduce_dtype)
 

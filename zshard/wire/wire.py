@@ -160,7 +160,7 @@ class UnitComm:
             return self.wires[rec.path]
         except KeyError:
             raise KeyError(f"zshard: parameter {rec.path} has no wire record on this UnitComm; build it with "
-                           "UnitComm.of(plan, ...) (Plan.wires, zshard/wire.py)") from None
+                           "UnitComm.of(plan, ...) (Plan.wires, zshard/wire/wire.py)") from None
 
     @property
     def vary_axes(self) -> tuple[str, ...]:
