@@ -18,6 +18,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -49,21 +51,31 @@ def two_by_four():
     ``mp_worker.STRATEGIES`` on ``make_mesh()``, then the tensor mode's GPT on ``make_mesh(2, 2, tensor=2)``;
     then rank 1 kills itself and rank 0 keeps stepping (one start of two processes for the tests of all
     three). ``SimpleNamespace(results={rank: RESULT}, killed=rank 1's status, peer=rank 0's status or None
-    when it still ran DEAD_PEER_LIMIT_S after rank 1 died, out=rank 0's output)``."""
-    port, procs = free_port(), []
+    when it still ran DEAD_PEER_LIMIT_S after rank 1 died, out=rank 0's output)``. While rank 0 waits for
+    the runtime to stop it (rank 1's heartbeats are missed for 10 s), this process runs the single-process
+    runs the tests compare with (:func:`_one_process`): a core that would be idle."""
+    port, procs, said0 = free_port(), [], []
     try:
         for rank in range(2):
             launched = _child_env(rank, 2, port, devices=4, heartbeat=10, init=None)  # what the launcher gives a rank
             env = _env(**{k: v for k, v in launched.items() if k.startswith("ZSHARD_") or k == "XLA_FLAGS"})
             procs.append(subprocess.Popen([PY, str(WORKER), "train-kill"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        reader = threading.Thread(target=lambda: said0.extend(procs[0].stdout), daemon=True)  # rank 0's pipe never fills
+        reader.start()
         out1, _ = procs[1].communicate(timeout=300)
+        died = time.monotonic()
+        if "RESULT " in out1:  # rank 1 trained and killed itself; rank 0 waits on it
+            _reference(), [_one_process(s) for s in mp_worker.STRATEGIES], _tensor_reference()
         try:
-            out0, _ = procs[0].communicate(timeout=DEAD_PEER_LIMIT_S)  # never hangs
+            procs[0].wait(timeout=max(1.0, died + DEAD_PEER_LIMIT_S - time.monotonic()))  # never hangs
             peer = procs[0].returncode
         except subprocess.TimeoutExpired:
             procs[0].kill()
-            out0, peer = procs[0].communicate()[0], None
+            procs[0].wait()
+            peer = None
+        reader.join(timeout=10)
+        out0 = "".join(said0)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -79,12 +91,24 @@ def _reference():
     return reference_run(mp_worker.make_model, mp_worker.make_tx(), mp_worker.loss_fn, mp_worker.batches())
 
 
+@functools.cache
+def _one_process(strategy):
+    """The worker's training in this one process on ``make_mesh(2, 4)`` (what 2 processes x 4 devices compute)."""
+    return zshard_run(mp_worker.make_model(), mp_worker.make_tx(), zshard.make_mesh(2, 4), strategy, mp_worker.loss_fn,
+                      mp_worker.batches())  # fmt: skip
+
+
+@functools.cache
+def _tensor_reference():
+    """One device's run of the tensor mode's GPT."""
+    make, tx, loss, _, data = mp_worker.tensor_case()
+    return reference_run(make, tx, loss, data)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy", mp_worker.STRATEGIES)
 def test_two_processes_train_like_one_process_and_the_reference(two_by_four, strategy):
-    batches = mp_worker.batches()
-    want = _reference()
-    one = zshard_run(mp_worker.make_model(), mp_worker.make_tx(), zshard.make_mesh(2, 4), strategy, mp_worker.loss_fn, batches)
+    want, one = _reference(), _one_process(strategy)
     got = {rank: r[strategy] for rank, r in two_by_four.results.items()}
     assert got[0]["mesh"] == {"replica": 2, "shard": 4}  # make_mesh(): replica = processes
     assert got[0]["losses"] == got[1]["losses"] and got[0]["grad_norms"] == got[1]["grad_norms"]
@@ -129,8 +153,7 @@ def test_tensor_groups_stay_inside_a_process_and_train_like_one_device(two_by_fo
     trains like one device, and a tensor group wider than a process is refused by name."""
     got = {rank: r["tensor"] for rank, r in two_by_four.results.items()}
     assert sorted(got) == [0, 1]
-    make, tx, loss, _, data = mp_worker.tensor_case()
-    want = reference_run(make, tx, loss, data)
+    want = _tensor_reference()
     for r in got.values():
         assert r["mesh"] == {"replica": 2, "shard": 2, "tensor": 2}
         assert all(len(p) == 1 for p in r["group_processes"]), r["group_processes"]
@@ -218,9 +241,12 @@ def test_bad_distributed_flags_are_clear_errors(bad_flags, case):
 @pytest.mark.multiprocess
 def test_mismatched_process_count_duplicate_rank_and_double_init_are_clear_errors():
     port = free_port()
-    script = (
-        "import sys, time\n"
-        "import zshard.distributed as d\n"
+    script = (  # zshard/distributed.py loaded by its path, not through the zshard package (flax, optax, orbax:
+        # 0.7 s of CPU a process, none of which it uses; it imports jax alone), as tests/runs.py's LAUNCH
+        "import importlib.util, sys, time\n"
+        f"spec = importlib.util.spec_from_file_location('zshard_distributed', {str(ROOT / 'zshard' / 'distributed.py')!r})\n"
+        "d = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(d)\n"
         "port, num, rank, wait = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])\n"
         "try:\n"
         "    d.initialize(f'127.0.0.1:{port}', num, rank, init_timeout_s=30)\n"

@@ -3,9 +3,10 @@ run (the module's ``reference``) serves both tests: its output, files and sample
 path (rank 0 writes, every line prefixed, both ranks evaluate the same model), its checkpoints resume in
 1 process and back in 2 (across process counts), and its numbers are what the preempted runs must end
 with. A SIGTERM reaching one process stops both after the same step with one checkpoint; a SIGTERM to the
-launcher while compiling stops both at once; a host that stops (SIGSTOP) is named by its peer's watchdog;
-each followed by a resume that ends with the uninterrupted 2-process run's numbers, bit for bit. One
-process: tests/test_preempt.py. The losses of 2 processes against 1 and the reference, on a small model:
+launcher while compiling stops both at once; each followed by a resume that ends with the uninterrupted
+2-process run's numbers, bit for bit. A host that stops (SIGSTOP) is named by its peer's watchdog: the
+2-process run that resumes from the 1-process checkpoint (one launch for both checks). One process:
+tests/test_preempt.py. The losses of 2 processes against 1 and the reference, on a small model:
 tests/test_multiprocess.py."""
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from runs import NANO, Run, launch_cmd, step_records, train_main
 import zshard
 
 pytestmark = pytest.mark.multiprocess
-STEPS = 20  # part 3 freezes a process at step k + 6 (k: part 1's stop, about 5): room to spare
+STEPS = 20  # the first test's 2-process resume from step 8 freezes a process after step 8 + FREEZE_AFTER: room to spare
+FREEZE_AFTER = 4  # steps the watchdog's run records before rank 1 stops (a step's limit is the median's from the second on)
 CKPT_EVERY = 4
 FLAGS = [*NANO, "--strategy", "HYBRID_SHARD", "--steps", str(STEPS)]
 
@@ -69,35 +71,53 @@ def test_launch_runs_python_m_train_with_rank_0_writing(reference, corpus, capsy
     finals = {line.split("]")[0]: line.split("->")[1].split()[0] for line in r.lines if "nats/byte" in line}
     assert len(finals) == 2 and len(set(finals.values())) == 1  # both ranks evaluated the same model
 
-    # Checkpoints across process counts: step 12 written by 2 processes resumes in 1 process
-    # (1x8 FULL_SHARD), whose step 16 resumes again in 2 processes; the losses stay those of
+    # Checkpoints across process counts: step 4 written by 2 processes resumes in 1 process
+    # (1x8 FULL_SHARD), whose step 8 resumes again in 2 processes; the losses stay those of
     # the uninterrupted 2-process run. (A 2-process resume on the same mesh, bit for bit, is
     # the next test's last run.)
     want = {s: rec["loss"] for s, rec in reference.want.items()}
     ckpts = out / "checkpoints"
     assert sorted(int(d.name) for d in ckpts.iterdir()) == list(range(CKPT_EVERY, STEPS + 1, CKPT_EVERY))
-    resume = [*FLAGS, "--data", str(corpus), "--out", str(out), "--ckpt-every", str(CKPT_EVERY), "--resume"]  # no sample
+    resume = [*FLAGS, "--data", str(corpus), "--out", str(out), "--resume"]  # no sample
 
-    def resumed_from(step, one_process):
+    def keep_through(step):
         for d in ckpts.iterdir():
             if int(d.name) > step:
                 shutil.rmtree(d)
-        if one_process:  # python -m train's main in this process (tests/runs.py's train_main: no import of jax again)
-            code = train_main([*resume, "--devices", "8", "--mesh", "1x8", "--strategy", "FULL_SHARD"])
-            said = capsys.readouterr()
-            res = types.SimpleNamespace(returncode=code, text=said.out + said.err)
-        else:
-            res = Run(launch_cmd(*resume), timeout=300)
-            res.returncode = res.finish()
-        assert res.returncode == 0, res.text[-4000:]
-        assert f"--resume: continuing from step {step} " in res.text
-        got = step_records(out)
-        assert got.keys() == want.keys()
-        for k in want:
+
+    def same_losses(got, step):
+        for k in got:
             assert abs(got[k]["loss"] - want[k]) <= 1e-5 * abs(want[k]), (step, k, got[k]["loss"], want[k])
 
-    resumed_from(12, one_process=True)
-    resumed_from(16, one_process=False)
+    # python -m train's main in this process (tests/runs.py's train_main: no import of jax again), to the end
+    keep_through(4)
+    code = train_main([*resume, "--ckpt-every", str(CKPT_EVERY), "--devices", "8", "--mesh", "1x8", "--strategy", "FULL_SHARD"])
+    said = capsys.readouterr()
+    assert code == 0, (said.out + said.err)[-4000:]
+    assert "--resume: continuing from step 4 " in said.out + said.err
+    got = step_records(out)
+    assert got.keys() == want.keys()
+    same_losses(got, 4)
+
+    # 2 processes resume from the 1-process step 8 (the numbers of its steps, as above); then a host that
+    # stops: rank 1 frozen (SIGSTOP) mid-run, rank 0's watchdog names the step and itself. No --ckpt-every:
+    # the parts rank 0 may wait in are steps (a save's first limit is 10 x the compile time).
+    keep_through(8)
+    metrics = out / "metrics.jsonl"
+    stale = metrics.stat().st_ino  # steps 1-20 of the 1-process run until this run replaces the file (atomically)
+    c = Run(launch_cmd(*resume, "--watchdog", "10", launcher=("--grace", "2")), timeout=300)
+    c.wait_for(lambda: metrics.stat().st_ino != stale and len(step_records(out)) >= 8 + FREEZE_AFTER, f"step {8 + FREEZE_AFTER}")
+    t = c.signal(signal.SIGSTOP, c.rank_pid(1))
+    assert c.finish() == 124, c.text[-4000:]
+    assert "--resume: continuing from step 8 " in c.text, c.text[-4000:]
+    got = step_records(out)
+    assert sorted(got) == list(range(1, max(got) + 1)) and 8 + FREEZE_AFTER <= max(got) < STEPS, sorted(got)
+    same_losses(got, 8)
+    hung = next(x for x in c.lines if "watchdog" in x and x.startswith("[rank 0]"))
+    assert "python -m train: error: watchdog: step " in hung and " has not finished on process 0 of 2 (" in hung, hung
+    assert "the main thread waits in " in hung and "exiting with status 124" in hung
+    assert "[zshard.launch] rank 0 exited with status 124 (its watchdog: a part of its loop hung)" in c.text
+    print(f"2 processes, rank 1 stopped: the watchdog ended the run {time.monotonic() - t:.1f} s later: {hung}")
 
 
 def test_two_processes_stop_at_one_step_and_resume_bit_for_bit(tmp_path, corpus, reference):
@@ -128,18 +148,7 @@ def test_two_processes_stop_at_one_step_and_resume_bit_for_bit(tmp_path, corpus,
     assert zshard.Checkpointer(out / "checkpoints").all_steps()[-1] == k
     print(f"2 processes, SIGTERM to the launcher while compiling: gone {time.monotonic() - t:.2f} s after the signal")
 
-    # 3. a host that stops: rank 1 frozen (SIGSTOP) mid-run; rank 0's watchdog names the step and itself
-    c = run(corpus, out, "--resume", "--watchdog", "10", launcher=("--grace", "2"))
-    c.wait_for(lambda: len(step_records(out)) >= k + 6, f"step {k + 6}")
-    t = c.signal(signal.SIGSTOP, c.rank_pid(1))
-    assert c.finish() == 124, c.text[-4000:]
-    hung = next(x for x in c.lines if "watchdog" in x and x.startswith("[rank 0]"))
-    assert "python -m train: error: watchdog: step " in hung and " has not finished on process 0 of 2 (" in hung, hung
-    assert "the main thread waits in " in hung and "exiting with status 124" in hung
-    assert "[zshard.launch] rank 0 exited with status 124 (its watchdog: a part of its loop hung)" in c.text
-    print(f"2 processes, rank 1 stopped: the watchdog ended the run {time.monotonic() - t:.1f} s later: {hung}")
-
-    # 4. resumed from the latest complete checkpoint to the end: the uninterrupted run's numbers
+    # 3. resumed from the latest complete checkpoint to the end: the uninterrupted run's numbers
     d = run(corpus, out, "--resume")
     assert d.finish() == 0, d.text[-4000:]
     got = step_records(out)
