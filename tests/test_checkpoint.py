@@ -454,7 +454,7 @@ def test_cli_refuses_to_mix_runs(tmp_path, corpus):
     from train.checkpointing import ResumeError, prepare, run_settings
 
     out = tmp_path / "run"
-    state = zshard.init(make_model, TX, mesh(1, 8))
+    state = zshard.init(built(make_model), TX, mesh(1, 8))  # built once, eagerly (the builder's path: tests/test_strategies.py)
     base = ["--model", "nano", "--steps", "20", "--data", str(corpus), "--out", str(out)]
     zshard.save(state, out / "checkpoints", step=4, extra={"config": run_settings(parse_config(base)[0].resolved())})
     before = files(out)
@@ -489,7 +489,7 @@ def test_compile_save_compiles_ahead_so_the_first_save_compiles_nothing(tmp_path
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, secs, **kw: compiles.append(name) if "backend_compile" in name else None)
-    state = zshard.init(make_model, TX, mesh(2, 4))
+    state = zshard.init(built(make_model), TX, mesh(2, 4))  # built once, eagerly (the builder's path: tests/test_strategies.py)
     ckpt = zshard.Checkpointer(tmp_path / "ck")
     ckpt.compile_save(state)
     assert compiles and not (tmp_path / "ck").exists()  # compiled (unpadding, checksums); nothing written

@@ -188,9 +188,11 @@ def test_token_file_trains_with_its_vocabulary(tmp_path, capfd):
     vocab = 70_000
     path = write_tokens(tmp_path / "tokens.bin", pattern(6_000, vocab), "uint32")
     out = tmp_path / "run"
-    res = train(capfd, *SMALL, "--steps", "6", "--lr", "0.01", "--eval-every", "0", "--data", str(path), "--vocab-size", str(vocab),
+    # 2 steps, not 6: nothing asserted depends on the count (the vocabulary, the initial eval loss, the
+    # weights' shape, the final sample), and a step of a 70,000-token vocabulary runs 0.8 s of CPU
+    res = train(capfd, *SMALL, "--steps", "2", "--lr", "0.01", "--eval-every", "0", "--data", str(path), "--vocab-size", str(vocab),
                 "--token-dtype", "uint32", "--out", str(out))
-    _assert_trained_with_vocabulary(res, out, vocab, 6)
+    _assert_trained_with_vocabulary(res, out, vocab, 2)
 
 
 def _losses(out):

@@ -9,6 +9,7 @@ from ``fold_in(key, d)``; floating statistics are averaged over devices, counts 
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import chex
@@ -136,9 +137,21 @@ class DropNet(nnx.Module):
         return self.head(x)
 
 
+def make_dropnet():
+    return DropNet(rngs=nnx.Rngs(0, dropout=1))
+
+
+@functools.cache
+def single_device_masks_first_loss():
+    """The first loss of the dropout cases' data-parallel step with one device's masks on every device
+    (``dp_reference`` with ``world=1``): the same for both cases, computed once; the first step only,
+    the one whose loss they compare (a step's loss comes before its update)."""
+    return dp_reference(make_dropnet, optax.adam(1e-2), mse_loss, mlp_batches(3)[:1], 1)[0][0]
+
+
 @pytest.mark.parametrize("strategy,shape,k", [("FULL_SHARD", (1, 8), 1), ("HYBRID_SHARD", (2, 4), 2)])
 def test_dropout_streams_per_device(strategy, shape, k):
-    make = lambda: DropNet(rngs=nnx.Rngs(0, dropout=1))  # noqa: E731
+    make = make_dropnet
     tx = optax.adam(1e-2)
     batches = mlp_batches(3)
     module, step = make(), zshard.make_train_step(mse_loss, grad_accum=k)  # built eagerly, one compiled step for both runs
@@ -149,8 +162,7 @@ def test_dropout_streams_per_device(strategy, shape, k):
     again, _ = run(module, tx, mse_loss, batches, strategy, shape, step=step)
     assert again == losses
     # and not the single-device masks copied to every device
-    same_masks, _ = dp_reference(make, tx, mse_loss, batches, 1)
-    assert abs(same_masks[0] - losses[0]) > 1e-4
+    assert abs(single_device_masks_first_loss() - losses[0]) > 1e-4
 
 
 def test_device_key_differs_per_device():
@@ -174,9 +186,16 @@ class KeyDrop(nnx.Module):
         return self.drop(self.lin(x), rngs=rngs)
 
 
+@functools.cache
+def _keydrop_state():
+    """The 1x8 ``KeyDrop`` state of :func:`_key_warnings`, shapes and shardings only (``abstract=True``: its
+    steps are only lowered), made once for its five calls."""
+    return zshard.init(lambda: KeyDrop(rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(1, 8), abstract=True)
+
+
 def _key_warnings(loss_fn, batch):
     """What a 1x8 step on 8 rows (one per device) warns before compiling (traced and lowered only)."""
-    state = zshard.init(lambda: KeyDrop(rngs=nnx.Rngs(0)), optax.sgd(0.1), zshard.make_mesh(1, 8))
+    state = _keydrop_state()
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         zshard.make_train_step(loss_fn).lower(state, batch)
@@ -237,12 +256,18 @@ class BNNet(nnx.Module):
         return self.head(x)
 
 
+@functools.cache
+def sync_batchnorm_reference():
+    """The single-device run of the sync BatchNorm cases (the same for both, computed once; read-only)."""
+    return reference_run(lambda: BNNet(None, rngs=nnx.Rngs(0)), optax.sgd(0.05), mse_loss, mlp_batches(3))
+
+
 @pytest.mark.parametrize("strategy,shape", [("FULL_SHARD", (1, 8)), ("HYBRID_SHARD_ZERO2", (2, 4))])
 def test_sync_batchnorm_equals_single_device_global_batch(strategy, shape):
     tx = optax.sgd(0.05)  # not Adam: the bias before a BatchNorm has a zero gradient, which Adam scales to noise
     batches = mlp_batches(3)
     losses, state = run(BNNet(AXES, rngs=nnx.Rngs(0)), tx, mse_loss, batches, strategy, shape)  # built eagerly: not compiled
-    ref = reference_run(lambda: BNNet(None, rngs=nnx.Rngs(0)), tx, mse_loss, batches)
+    ref = sync_batchnorm_reference()
     np.testing.assert_allclose(losses, ref.losses, rtol=1e-5)
     model = zshard.unshard(state)
     for p, v in ref.params.items():
@@ -251,15 +276,25 @@ def test_sync_batchnorm_equals_single_device_global_batch(strategy, shape):
         np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), rtol=1e-5, atol=1e-7)
 
 
+def make_local_bnnet():
+    return BNNet(None, rngs=nnx.Rngs(0))
+
+
+@functools.cache
+def local_batchnorm_reference():
+    """The emulated 8-device run of the local BatchNorm cases (the same for both, computed once; read-only).
+    8 rows per device: with 2 (batch 16) a feature's variance is near zero, and rounding differences
+    reached 5.5e-05 relative on inp/kernel (SHARD_GRAD_OP, 2026-12-01)."""
+    return dp_reference(make_local_bnnet, optax.sgd(0.05), mse_loss, mlp_batches(2, batch=64), 8)
+
+
 @pytest.mark.parametrize("strategy,shape", [("SHARD_GRAD_OP", (1, 8)), ("HYBRID_SHARD", (2, 4))])
 def test_local_batchnorm_statistics_are_averaged_and_replicated(strategy, shape):
-    make = lambda: BNNet(None, rngs=nnx.Rngs(0))  # noqa: E731
+    make = make_local_bnnet
     tx = optax.sgd(0.05)
-    # 8 rows per device: with 2 (batch 16) a feature's variance is near zero, and rounding
-    # differences reached 5.5e-05 relative on inp/kernel (SHARD_GRAD_OP, 2026-12-01)
-    batches = mlp_batches(2, batch=64)
+    batches = mlp_batches(2, batch=64)  # 8 rows per device (local_batchnorm_reference)
     losses, state = run(make(), tx, mse_loss, batches, strategy, shape)
-    ref_losses, ref_model = dp_reference(make, tx, mse_loss, batches, 8)
+    ref_losses, ref_model = local_batchnorm_reference()
     assert_close(losses, ref_losses, zshard.unshard(state), ref_model)
     mean = state.variables["bn"]["mean"]
     assert mean.sharding.is_fully_replicated

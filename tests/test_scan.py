@@ -133,7 +133,9 @@ def test_scanned_blocks_under_bf16_mixed_precision_keep_the_carry_dtype():
     mp = zshard.MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
     data = gpt_batches(4)
     want = unrolled_reference(gpt)  # the fp32 cases' reference (AdamW 1e-3, 4 steps): no reference run of its own
-    got = zshard_run(lambda: gpt(True), optax.adamw(1e-3), zshard.make_mesh(2, 4), "HYBRID_SHARD", cross_entropy_loss, data,
+    # built once, eagerly, and copied (its init program not compiled again: the builder's path of this layout is
+    # test_scanned_equals_unrolled_equals_reference[gpt-HYBRID_SHARD]'s)
+    got = zshard_run(built(gpt, True), optax.adamw(1e-3), zshard.make_mesh(2, 4), "HYBRID_SHARD", cross_entropy_loss, data,
                      mixed_precision=mp)
     np.testing.assert_allclose(got.losses, want.losses, rtol=2e-2)  # bf16 tolerance, as in test_precision
 
@@ -142,4 +144,4 @@ def test_single_kernel_layers_are_not_mistaken_for_stacks():
     conv = nnx.Conv(4, 4, kernel_size=(3, 3), use_bias=False, rngs=nnx.Rngs(0))  # kernel [3, 3, 4, 4]
     general = nnx.LinearGeneral(13, (4, 8), use_bias=False, rngs=nnx.Rngs(0))  # kernel [13, 4, 8]
     assert stacked_layers(conv) is None and stacked_layers(general) is None
-    assert stacked_layers(gpt(True).blocks) == L
+    assert stacked_layers(built(gpt, True).blocks) == L  # the file's scanned GPT, built once (read only)

@@ -82,13 +82,19 @@ def assert_same(z, ref, tol=1e-5):
         assert rel_l2(z.params[p], v) <= tol, p
 
 
+@functools.cache
+def net_reference(mode):
+    """The single-device run of ``Net(mode)`` (Adam 1e-2, 2 steps of ``mlp_batches(2)``), computed once per mode
+    (read-only): ``loop``'s serves test_transforms_around_units_train_exactly and test_has_aux_is_exact_and_reduced."""
+    return reference_run(lambda: Net(mode, rngs=nnx.Rngs(0)), optax.adam(1e-2), mse_loss, mlp_batches(2))
+
+
 @pytest.mark.parametrize("i,mode", list(enumerate(MODES)), ids=MODES)
 def test_transforms_around_units_train_exactly(i, mode):
     strategy, shape = MESHES[i % len(MESHES)]
-    make = lambda: Net(mode, rngs=nnx.Rngs(0))  # noqa: E731
     batches = mlp_batches(2)
-    z = zshard_run(make(), optax.adam(1e-2), zshard.make_mesh(*shape), strategy, mse_loss, batches)
-    assert_same(z, reference_run(make, optax.adam(1e-2), mse_loss, batches))
+    z = zshard_run(Net(mode, rngs=nnx.Rngs(0)), optax.adam(1e-2), zshard.make_mesh(*shape), strategy, mse_loss, batches)
+    assert_same(z, net_reference(mode))
 
 
 # --- other methods, parameters read outside their unit, nested containers ---------------------------------
@@ -121,13 +127,23 @@ def token_batches(n):
     return [(rng.integers(0, 11, (16, 4), dtype=np.int32), rng.integers(0, 11, (16, 4), dtype=np.int32)) for _ in range(n)]
 
 
+def make_tied():
+    return Tied(rngs=nnx.Rngs(0))
+
+
+@functools.cache
+def tied_reference():
+    """The single-device run of ``Tied`` (Adam 1e-2, 2 steps): the same for the three cases below, computed once
+    (read-only); the cases differ only on the zshard side (units, strategy, mesh)."""
+    return reference_run(make_tied, optax.adam(1e-2), token_loss, token_batches(2))
+
+
 @pytest.mark.parametrize("unit,strategy,shape", [(nnx.Embed, "FULL_SHARD", (1, 8)), (None, "HYBRID_SHARD", (2, 4)), (None, "HYBRID_SHARD_OPT", (4, 2))])
 def test_other_methods_and_reads_outside_the_unit(unit, strategy, shape):
-    make = lambda: Tied(rngs=nnx.Rngs(0))  # noqa: E731
     batches = token_batches(2)
     tx = optax.adam(1e-2)
-    z = zshard_run(make(), tx, zshard.make_mesh(*shape), strategy, token_loss, batches, unit=unit)
-    assert_same(z, reference_run(make, tx, token_loss, batches))
+    z = zshard_run(make_tied(), tx, zshard.make_mesh(*shape), strategy, token_loss, batches, unit=unit)
+    assert_same(z, tied_reference())
 
 
 def test_tied_gpt_with_size_based_units():
@@ -205,7 +221,7 @@ def test_device_dependent_cond_around_a_unit_is_refused_before_compiling():
 def test_has_aux_is_exact_and_reduced():
     make = lambda: Net("loop", rngs=nnx.Rngs(0))  # noqa: E731
     batches = mlp_batches(2)
-    ref = reference_run(make, optax.adam(1e-2), mse_loss, batches)
+    ref = net_reference("loop")  # Adam 1e-2 on these batches, as test_transforms_around_units_train_exactly[loop]
 
     def loss_aux(model, batch):
         x, y = batch
