@@ -218,9 +218,11 @@ def test_muon_peak_is_adamw_plus_one_matrix_update_not_the_model():
     tx = optax.contrib.muon(1e-3)
     one = {"w": jax.ShapeDtypeStruct((d, d), jnp.float32)}
     single = jax.jit(tx.update).lower(one, jax.eval_shape(tx.init, one), one).compile().memory_analysis().temp_size_in_bytes
-    extra = {n: _peak(optax.contrib.muon(1e-3), n) - _peak(optax.adamw(1e-3), n) for n in (3, 6)}
-    assert extra[3] <= single + matrix, (extra, single)
-    assert extra[6] <= extra[3] + matrix, extra  # 3 more 96x96 matrices: no more than one matrix more
+    # 2 and 4 blocks (it was 3 and 6: two blocks more per program compiled, four compiles): a step that held every
+    # gathered matrix at once would grow by a matrix per block, 2 matrices from 2 to 4 blocks, more than the one allowed
+    extra = {n: _peak(optax.contrib.muon(1e-3), n) - _peak(optax.adamw(1e-3), n) for n in (2, 4)}
+    assert extra[2] <= single + matrix, (extra, single)
+    assert extra[4] <= extra[2] + matrix, extra  # 2 more 96x96 matrices: no more than one matrix more
 
 
 # ---- refused before compiling -------------------------------------------------------------

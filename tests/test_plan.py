@@ -76,7 +76,7 @@ def planned(argv: list[str]) -> str:
     return buf.getvalue()
 
 
-def test_plan_cli_reports_and_gives_a_verdict(tmp_path, monkeypatch):
+def test_plan_cli_reports_and_gives_a_verdict(tmp_path):
     out = planned(["--model", "gpt2-124m", "--mesh", "2x4", "--strategy", "HYBRID_SHARD", "--seq-len", "64", "--gather-format", "int8",
                    "--replica-format", "int8", "--json", tmp_path / "p.json", "--device-memory-gb", "80"])
     summary = json.loads((tmp_path / "p.json").read_text())  # the default --target cpu: the CPU program, fp32
@@ -90,10 +90,9 @@ def test_plan_cli_reports_and_gives_a_verdict(tmp_path, monkeypatch):
     # the quantized formats (docs/quantized.md), per axis against the formula
     assert "gather int8/256, reduce float32 |" in out, out[-3000:]
     assert re.search(r"\| replica \| [0-9.]+ \| [0-9.]+ \| (0\.99|1\.0)\d+ \| reduce int8/256 \|", out), out[-3000:]
-    # the other verdict on the TINY Llama (the same comparison of the peak with --device-memory-gb; re-planning
-    # GPT-2 small with 0.1 GB compiled its step a second time)
-    tiny, summary, _ = _plan(monkeypatch, tmp_path, "--mesh", "1x2", "--seq-len", "16", "--device-memory-gb", "0.0001")
-    assert "DOES NOT FIT" in tiny and not summary["fits"], tiny[-1000:]
+    # the other verdict, DOES NOT FIT: test_plan_without_the_cuda_plugin_says_so's TINY Llama with --device-memory-gb
+    # 0.0001 (the same comparison of the peak with the budget; its own plan here compiled a third program); the
+    # default budget when --device-memory-gb is not given (80 GB on the CPU target): test_plan_cli_tensor_axis
 
 
 def test_plan_cli_bad_input(capsys):
@@ -131,6 +130,8 @@ def test_plan_cli_tensor_axis():
     out = planned(["--model", "gpt2-124m", "--mesh", "1x2x2", "--seq-len", "64"])
     assert "FULL_SHARD on 1x2x2 (" in out and "global batch 2 x 64 tokens" in out
     assert "Megatron-LM's count 5" in out and "| tensor |" in out
+    # no --device-memory-gb: the CPU target's 80 GB, and the verdict against it (DOES NOT FIT: the plan without the CUDA plugin)
+    assert re.search(r"= [0-9.]+ GB of 80 GB: FITS \(margin \+", out), out[-1000:]
 
 
 # ---------------------------------------------------------------------------------------
@@ -240,12 +241,16 @@ def test_plan_without_the_cuda_plugin_says_so(monkeypatch, tmp_path):
         return real(name, *a)
 
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    out, summary, _ = _plan(monkeypatch, tmp_path, "--target", "h200", "--mesh", "1x2", "--seq-len", "16")
+    # --device-memory-gb 0.0001: the verdict DOES NOT FIT (FITS: test_plan_cli_reports_and_gives_a_verdict, and with the
+    # default budget test_plan_cli_tensor_axis); one plan of the TINY Llama serves both
+    out, summary, _ = _plan(monkeypatch, tmp_path, "--target", "h200", "--mesh", "1x2", "--seq-len", "16", "--device-memory-gb", "0.0001")
     assert "--target h200: jax's CUDA plugin is not installed (the cuda12 extra): compiling on 2 emulated CPU devices" in out
     assert summary["target"] == "cpu" and summary["mesh"] == {"replica": 1, "shard": 2, "tensor": 1, "context": 1}
     # the prediction is on the target asked for (train/planning), from the CPU program's collectives
     assert summary["prediction"]["profile"] == "h200" and "predicted on h200 (collective bytes from the cpu program)" in out
-    assert summary["step_s"] > 0 and 0 < summary["mfu"] < 1 and summary["compiled"] and summary["fits"]
+    assert summary["step_s"] > 0 and 0 < summary["mfu"] < 1 and summary["compiled"]
+    assert "DOES NOT FIT" in out and "FITS (margin" not in out and not summary["fits"] and summary["device_memory_gb"] == 0.0001, out[-1000:]
+    assert summary["reason"].startswith("peak ") and " per device > " in summary["reason"], summary["reason"]  # the prediction says why
     # python -m train's own flags: the 2 devices (its default is 8) and the bf16 compute of a GPU target
     assert summary["command"] == "python -m train --model tiny-llama --mesh 1x2 --devices 2 --strategy FULL_SHARD " \
         "--batch-size 2 --seq-len 16 --remat block --param-dtype bfloat16 --reduce-dtype float32"
