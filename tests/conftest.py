@@ -81,6 +81,10 @@ import pytest  # noqa: E402
 from flax import nnx, traverse_util  # noqa: E402
 
 from zshard.verify import reference_step, rel_l2  # noqa: E402, F401  (rel_l2: the tests import it from here)
+import zshard.gpu  # noqa: E402
+import zshard.programs.program  # noqa: E402
+
+_SUITE_COMPILER_OPTIONS = zshard.gpu.compiler_options  # before any fixture below patches it: the suite's fast flags
 
 pytest_plugins = ["compile_log"]  # pytest --compile-log DIR: every XLA compile by test and program
 NUM_DEVICES = 8
@@ -286,6 +290,16 @@ def xla_default_cpu_fusion():
         mp.setattr(zshard.gpu, "compiler_options", options)
         mp.setattr(program, "compiler_options", options)
         yield
+
+
+@pytest.fixture
+def fast_compile(monkeypatch):
+    """The suite's fast XLA:CPU flags (``_FAST_COMPILE``) again for one test of a module that uses
+    ``xla_default_cpu_fusion``: for a test that compares no two programs bit for bit and reads what
+    the flags leave as they are (memory kinds, transfer counts, collectives, ``memory_analysis()``;
+    each test file says what it measured). Its programs compile about twice as fast."""
+    monkeypatch.setattr(zshard.gpu, "compiler_options", _SUITE_COMPILER_OPTIONS)
+    monkeypatch.setattr(zshard.programs.program, "compiler_options", _SUITE_COMPILER_OPTIONS)
 
 
 @pytest.fixture(scope="module")

@@ -21,25 +21,13 @@ import optax
 import pytest
 from conftest import ResMLP, built, mlp_batches, mse_loss
 from flax import nnx, traverse_util
+from optim_cases import Net
 
 import zshard
-import zshard.gpu
 import zshard.optim.offload as offload
-import zshard.programs.program as program
-from train.model import GPT, GPTConfig, cross_entropy_loss
 
 # offload is bitwise the run without it under XLA:CPU's default fusion (tests/conftest.py, _FAST_COMPILE)
 pytestmark = pytest.mark.usefixtures("xla_default_cpu_fusion")
-FAST_OPTIONS = zshard.gpu.compiler_options  # as imported, before the fixture patches it: the suite's fast flags
-
-
-@pytest.fixture
-def fast_compile(monkeypatch):
-    """The suite's fast XLA:CPU flags again (the module fixture undone) for one test that compares
-    no two programs bit for bit and reads no cached run (``trained``): its programs compile about
-    twice as fast, and what it asserts (memory kinds, transfer counts, formulas) is the same."""
-    monkeypatch.setattr(zshard.gpu, "compiler_options", FAST_OPTIONS)
-    monkeypatch.setattr(program, "compiler_options", FAST_OPTIONS)
 
 BF16 = zshard.MixedPrecision(param_dtype="bfloat16")
 MESHES = {"1x8": (1, 8), "2x4": (2, 4)}
@@ -129,15 +117,19 @@ def test_stacked_units_offload_bitwise_with_accumulation_and_clipping():
     """Scanned blocks ([L, n_pad/N] leaves, one leaf for all layers, moved whole): the gathers read
     the bf16 copies and the gradient arrives in fp32 with reduce_dtype float32 ([Note: master
     cotangents]); two steps with grad_accum=2 and clip_norm are bitwise the run without offload,
-    and the GPU program moves each host leaf once each way."""
+    and the GPU program moves each host leaf once each way.
+
+    The model is two 19-wide blocks stacked (``nnx.vmap``) and run by ``nnx.scan`` (tests/optim_cases.py's
+    ``Net``: [2, 19, 19] kernels, padded, and a scalar parameter): one stacked unit, the same path as the
+    scanned GPT (d 32, 2 layers) this test ran before (this test alone at -n 0, cold cache: 7.0 s of user
+    CPU against 13.6 s with the GPT, the process's start included; most of it the two step compiles at
+    XLA:CPU's default fusion). A GPT trains with offload in test_python_m_train_with_offload_runs."""
     mp = zshard.MixedPrecision(param_dtype="bfloat16", reduce_dtype="float32")
-    make = lambda: GPT(GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, scan=True), rngs=nnx.Rngs(0))  # noqa: E731
-    rng = np.random.default_rng(0)
-    data = [(t[:, :-1], t[:, 1:]) for t in (rng.integers(0, 256, (16, 17), dtype=np.int32) for _ in range(2))]
-    states, built = [], make()  # built once, eagerly: both runs start from it (no initialiser compiles)
+    data = mlp_batches(2, batch=16)
+    states, built = [], Net(13, 19, 3, layers=2, rngs=nnx.Rngs(0))  # built once, eagerly: both runs start from it
     for mode in (None, "optimizer+master"):
         state = zshard.init(built, optax.adamw(1e-2), zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=mp, offload=mode)
-        step = zshard.make_train_step(cross_entropy_loss, grad_accum=2, clip_norm=0.5)
+        step = zshard.make_train_step(mse_loss, grad_accum=2, clip_norm=0.5)
         for b in data:
             state, _ = step(state, b)
         states.append(state)
@@ -285,6 +277,8 @@ def test_report_splits_device_and_host_bytes_against_the_formulas():
     assert "model state in host memory (pinned_host)" in rep.table()
 
 
+# fast_compile (tests/conftest.py) here and in test_python_m_train_with_offload_runs: neither compares two programs
+# bit for bit nor reads a cached run (trained); memory kinds, transfer counts and formulas are the same under both
 def test_plan_tool_prints_device_and_host_bytes(fast_compile):
     from test_plan import planned  # noqa: PLC0415  (python -m train.plan's main in this process)
 
@@ -322,7 +316,7 @@ def test_a_host_leaf_in_arithmetic_is_named():
     mesh = zshard.make_mesh(1, 8)
     step = zshard.make_train_step(mse_loss)
     batch = mlp_batches(1)[0]
-    state = zshard.init(model, optax.adam(1e-2), mesh)
+    state = zshard.init(built(model), optax.adam(1e-2), mesh)  # eager: no initialiser compiled (the builder: trained's FULL_SHARD)
     mu = state.opt_state[0].mu["blocks"][0]["lin"]["kernel"]
     state.opt_state[0].mu["blocks"][0]["lin"]["kernel"] = jax.device_put(mu, mu.sharding.with_memory_kind("pinned_host"))
     with pytest.raises(ValueError, match=r"optimizer state leaf opt_state\[0\]\.mu\['blocks'\]\[0\]\['lin'\]\['kernel'\] is in "

@@ -66,6 +66,21 @@ def _mlp_step(options: tuple = ()):
     return zshard.make_train_step(mse_loss, **dict(options))
 
 
+ADAM = optax.adam(1e-2)  # one object: a plan holds its tx, and a state of another plan traces the step again
+
+
+@functools.cache
+def _placed_once(strategy: str, shape: tuple, mp):
+    return zshard.init(built(mlp), ADAM, zshard.make_mesh(*shape), strategy=strategy, mixed_precision=mp)
+
+
+def _placed(strategy: str, shape: tuple, mp):
+    """A fresh copy (a step donates its input) of ``mlp`` placed once per strategy, mesh and precision with
+    ``ADAM``: the copies share its plan, so a test training one with another's ``_mlp_step`` runs that test's
+    traced and compiled program (a plan is hashed by identity: each ``zshard.init`` traces the step anew)."""
+    return jax.device_put(_placed_once(strategy, shape, mp), may_alias=False)  # new buffers, nothing compiled
+
+
 def _train(state, step, data=DATA):
     losses = []
     for b in data:
@@ -238,7 +253,8 @@ def test_gradient_all_to_all_sums_dequantized_blocks_in_fp32():
 
     got = np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("shard"), out_specs=P("shard")))(
         jax.device_put(g, NamedSharding(mesh, P("shard")))))
-    per_device = np.stack([np.asarray(quant.dequantize(*quant.quantize(jnp.asarray(x), f), f, jnp.float32)) for x in g])
+    roundtrip = jax.jit(lambda x: quant.dequantize(*quant.quantize(x, f), f, jnp.float32))  # one compile, not one per op
+    per_device = np.stack([np.asarray(roundtrip(x)) for x in g])
     np.testing.assert_allclose(got.reshape(-1), per_device.sum(0), rtol=1e-6, atol=1e-6)
 
 
@@ -378,7 +394,7 @@ def test_gather_format_is_fake_quantized_weights_with_a_straight_through_gradien
     ("SHARD_OPT", (2, 4), zshard.MixedPrecision(param_dtype="bfloat16", replica_format=Q16), dict()),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)
 def test_every_strategy_trains_close_to_one_device(strategy, shape, mp, options):
-    state = zshard.init(built(mlp), optax.adam(1e-2), zshard.make_mesh(*shape), strategy=strategy, mixed_precision=mp)
+    state = _placed(strategy, shape, mp)
     step = _mlp_step(tuple(sorted(options.items())))
     colls = parse_collectives(step.lower(state, MLP_DATA[0]).as_text(dialect="hlo"), state.plan.mesh)
     expect = {"FULL_SHARD": {"shard"}, "SHARD_GRAD_OP": {"world"}, "NO_SHARD": {"world"}, "SHARD_OPT": {"world"}}
@@ -460,9 +476,9 @@ def test_report_shows_each_axis_with_its_format_against_the_formula():
 
 
 def test_checkpoints_store_the_same_logical_arrays_with_or_without_formats(tmp_path):
-    tx = optax.adam(1e-2)
-    state = zshard.init(built(mlp), tx, zshard.make_mesh(2, 4), strategy="HYBRID_SHARD", mixed_precision=MLP_HYB)
-    step = _mlp_step((("remat", "dots"),))  # test_every_strategy_...[HYBRID_SHARD-2x4-mp2-options2]'s program
+    tx = ADAM
+    state = _placed("HYBRID_SHARD", (2, 4), MLP_HYB)
+    step = _mlp_step((("remat", "dots"),))  # test_every_strategy_...[HYBRID_SHARD-2x4-mp2-options2]'s program, its plan
     state, _ = _train(state, step, MLP_DATA[:2])
     zshard.save(state, tmp_path / "ckpt")
     # restored without formats (another padding), and back with them: the same numbers
