@@ -178,12 +178,34 @@ def test_head_tail_order():
 # --- numbers: 10 steps equal to one device ------------------------------------------------------------
 
 
-@functools.cache
 def _train_step(segments: bool, remat: str, options: tuple = ()) -> zshard.TrainStep:
     """The step of the training cases (and of the report's, which compile the same program: one
-    step object, one compile): packed documents with a token mean, or rows weighted by ``weight``."""
+    step object, one compile on one plan, :func:`_placed`): packed documents with a token mean, or
+    rows weighted by ``weight``. Cached by :func:`_step_for` under ``(segments, remat, options)``
+    whether ``options`` is given or not (functools.cache keys ``f(True, "block")`` and
+    ``f(True, "block", ())`` apart: two step objects, two compiles of one program)."""
+    return _step_for(segments, remat, tuple(options))
+
+
+@functools.cache
+def _step_for(segments: bool, remat: str, options: tuple) -> zshard.TrainStep:
     axes = {"tokens": 1, "targets": 1, "segments": 1, "mask": 1} if segments else {"tokens": 1, "targets": 1, "weight": None}
     return zshard.make_train_step(token_loss if segments else loss_fn, sequence_axis=axes, remat=remat, prefetch=1, **dict(options))
+
+
+@functools.cache
+def _placed(strategy, shape, impl, window, tensor: bool) -> zshard.ShardedState:
+    """A training case's initial state (AdamW), placed once. Each ``zshard.init`` makes a new plan, and a
+    step traces, lowers and compiles once per plan (the plan is the jit's static argument): the report's
+    tests lower the two FULL_SHARD 1x2x4 cases' states (not consumed) and so reuse the programs those
+    cases compiled. A training case steps its own copy (:func:`_fresh`: the step donates its input)."""
+    return zshard.init(built(impl, window), optax.adamw(1e-3), mesh(*shape), strategy=strategy,
+                       tensor_parallel=TP_PLAN if tensor else None)
+
+
+def _fresh(state: zshard.ShardedState) -> zshard.ShardedState:
+    """A copy of ``state``'s arrays (their shardings, no compile) on the same plan."""
+    return jax.device_put(state, may_alias=False)
 
 
 CASES = [  # strategy, mesh, impl, remat, sliding window, packed documents, step options, tensor plan
@@ -216,7 +238,7 @@ def test_training_equals_one_device(strategy, shape, impl, remat, window, segmen
     else:
         want = reference_run(make("allgather", window), optax.chain(optax.clip_by_global_norm(clip), optax.adamw(1e-3)), loss_fn,
                              batches(segments=segments, weight=not segments))
-    state = zshard.init(built(impl, window), optax.adamw(1e-3), mesh(*shape), strategy=strategy, tensor_parallel=tp)
+    state = _fresh(_placed(strategy, shape, impl, window, tp is not None))
     step = _train_step(segments, remat, tuple(sorted(options.items())))
     losses, norms = [], []
     for b in batches(segments=segments, weight=not segments):
@@ -260,8 +282,9 @@ def test_eval_step_gives_the_single_device_loss():
 @functools.cache
 def _report(impl, remat, segments):
     """The report of the training cases' step (prefetch 1; a batch as theirs) on FULL_SHARD 1x2x4:
-    the programs two of test_training_equals_one_device's cases compiled (one compile for both)."""
-    state = zshard.init(make(impl), optax.adamw(1e-3), mesh(1, 2, 4), strategy="FULL_SHARD", abstract=True)  # compiled only
+    the programs two of test_training_equals_one_device's cases compiled (their state's plan, the same
+    step object: one compile for both; the state is lowered, not consumed)."""
+    state = _placed("FULL_SHARD", (1, 2, 4), impl, None, False)
     return zshard.report(_train_step(segments, remat), state, batches(1, segments=segments, weight=not segments)[0])
 
 

@@ -71,12 +71,34 @@ def built(scan: bool) -> nnx.Module:
     return make_scanned() if scan else make()
 
 
-@functools.cache
 def _train_step(remat: str, options: tuple = ()) -> zshard.TrainStep:
     """The training cases' step (prefetch 1), shared with the tests that compile the same program
     (the HLO, memory and checkpoint tests use FULL_SHARD 1x4x2 remat block's): one step object, one
-    compile."""
+    compile (on one plan: :func:`_placed`). Cached by :func:`_step_for` under ``(remat, options)``
+    whether ``options`` is given or not (functools.cache keys ``f("block")`` and ``f("block", ())``
+    apart: two step objects, two compiles of one program)."""
+    return _step_for(remat, tuple(options))
+
+
+@functools.cache
+def _step_for(remat: str, options: tuple) -> zshard.TrainStep:
     return zshard.make_train_step(loss_fn, remat=remat, prefetch=1, **dict(options))
+
+
+@functools.cache
+def _placed() -> zshard.ShardedState:
+    """FULL_SHARD 1x4x2 with ``PLAN`` and AdamW on the reference GPT, placed once. Each ``zshard.init``
+    makes a new plan, and a step traces, lowers and compiles once per plan (the plan is the jit's
+    static argument): on this one plan the training case FULL_SHARD-1x4x2-block, the HLO and memory
+    tests (``_collectives``: lowered, not consumed) and the checkpoint test share one compile of
+    ``_train_step("block")``'s program. A test that steps it steps its own copy (:func:`_fresh`: the
+    step donates its input)."""
+    return zshard.init(built(False), tx_for(False), mesh(1, 4, 2), strategy="FULL_SHARD", tensor_parallel=PLAN)
+
+
+def _fresh(state: zshard.ShardedState) -> zshard.ShardedState:
+    """A copy of ``state``'s arrays (their shardings, no compile) on the same plan."""
+    return jax.device_put(state, may_alias=False)
 
 
 @functools.cache
@@ -137,7 +159,10 @@ def test_training_equals_one_device(strategy, shape, remat, scan, options):
     none, gradient accumulation and global-norm clipping: 10 AdamW steps equal to one device."""
     clip = options.get("clip_norm")
     want = (scanned_reference() if scan else reference()) if clip is None else _clipped_reference(clip, scan)
-    state = zshard.init(built(scan), tx_for(scan), mesh(*shape), strategy=strategy, tensor_parallel=tensor_plan(CFG, shape[2]))
+    if (strategy, shape, scan) == ("FULL_SHARD", (1, 4, 2), False):  # tensor_plan(CFG, 2) is PLAN: _placed()'s plan, one compile
+        state = _fresh(_placed())
+    else:
+        state = zshard.init(built(scan), tx_for(scan), mesh(*shape), strategy=strategy, tensor_parallel=tensor_plan(CFG, shape[2]))
     assert bool(state.plan.tensor_split) == (shape[2] > 1)
     step = _train_step(remat, tuple(sorted(options.items())))
     losses, norms = [], []
@@ -285,8 +310,11 @@ def test_bad_plans_are_refused_before_anything_is_placed():
 
 @functools.cache
 def _collectives(shape, remat):
-    # abstract: the program and its report read shapes and shardings only; nothing is built
-    state = zshard.init(make, optax.adamw(1e-3), mesh(*shape), strategy="FULL_SHARD", tensor_parallel=PLAN, abstract=True)
+    # 1x4x2: _placed()'s state, not consumed (lowering does not donate): its plan, whose "block" program
+    # the training case FULL_SHARD-1x4x2-block compiled. 1x8x1: abstract (shapes and shardings only;
+    # nothing is built)
+    state = _placed() if shape == (1, 4, 2) else zshard.init(make, optax.adamw(1e-3), mesh(*shape), strategy="FULL_SHARD",
+                                                              tensor_parallel=PLAN, abstract=True)
     compiled = _train_step(remat).lower(state, DATA[0]).compile()  # (1, 4, 2) "block": a training case's program
     return state, compiled, parse_collectives(compiled.as_text(), state.plan.mesh)
 
@@ -341,8 +369,9 @@ def _flat(state) -> dict:
 
 def test_checkpoints_move_between_tensor_and_data_meshes_bitwise(tmp_path):
     tx = optax.adamw(1e-3)
-    # built(False): placed without compiling initialisers; the step: _collectives((1, 4, 2), "block")'s
-    state = zshard.init(built(False), tx, mesh(1, 4, 2), strategy="FULL_SHARD", tensor_parallel=PLAN)
+    # a copy of _placed() (built(False), AdamW: placed without compiling initialisers): its plan, whose
+    # _train_step("block") program the training case FULL_SHARD-1x4x2-block compiled
+    state = _fresh(_placed())
     step = _train_step("block")
     for b in DATA[:2]:
         state, _ = step(state, b)
