@@ -319,30 +319,31 @@ def corpus(tmp_path_factory) -> Path:
 # file handed out last leaves the other worker idle at the end. pyproject.toml passes
 # ``--no-loadscope-reorder`` (pytest-xdist 3.8): without it pytest-xdist re-sorts the files by their
 # number of tests, which put test_preempt_mp.py (1 test, 95 s) and test_readme.py (1 test, 62 s)
-# last. Seconds: every file's wall time in one fresh-clone run of a2f45b8 on the idle 2-core machine
-# (2026-12-07, 1216 tests, 1576 s over both workers), the 19 files changed after it scaled by their
-# user-CPU ratio (after / before, -n 0, cold cache); a new file not listed counts 1.19 s per test, the
-# mean of these. (The run before: 1948 s, 1.45 s per test; 12-03: 947 tests, 2617 s, 2.76 s per test.)
+# last. Seconds: every file's wall time (setup, call and teardown of its tests) in one run of e025efd on the idle
+# 2-core machine (2026-12-07, cold compilation cache, 1209 tests, 1132 s over both workers, pytest 582 s); a new
+# file not listed counts 0.94 s per test, the mean of these. (Earlier: a2f45b8, 1216 tests, 1576 s, 1.19 s per
+# test; 12-03: 947 tests, 2617 s, 2.76 s per test.)
 FILE_SECONDS = {
-    "test_tensor_parallel.py": 114, "test_preempt_mp.py": 107, "test_context.py": 80, "test_offload.py": 65,
-    "test_readme.py": 54, "test_preempt.py": 43, "test_checkpoint.py": 42, "test_multiprocess.py": 37,
-    "test_cli.py": 34, "test_hf_finetune.py": 34, "test_bench.py": 32, "test_plan.py": 32, "test_optim.py": 31,
-    "test_memory.py": 30, "test_verify.py": 29, "test_hybrid_opt.py": 27, "test_remat.py": 27, "test_hf.py": 26,
-    "test_quant.py": 25, "test_scan.py": 25, "test_strategies.py": 25, "test_step.py": 24, "test_main_job.py": 23,
-    "test_model_state.py": 23, "test_user_models.py": 23, "test_moe.py": 22, "test_data.py": 21,
-    "test_expert_parallel.py": 20, "test_main_eval.py": 20, "test_hpz.py": 19, "test_plan_search.py": 19,
-    "test_attention.py": 18, "test_zoo.py": 18, "test_plan_search_formats.py": 17, "test_precision.py": 17,
-    "test_feedback.py": 16, "test_generate.py": 16, "test_accum.py": 14, "test_gpu.py": 14, "test_sample.py": 14,
-    "test_train_auto.py": 14, "test_bench_moe.py": 13, "test_leaves.py": 12, "test_train.py": 12,
-    "test_units.py": 11, "test_train_presets.py": 10, "test_plan_search_expert.py": 9, "test_shapes.py": 8,
-    "test_evaluate.py": 7, "test_moe_op.py": 7, "test_prefetch.py": 7, "test_global_view.py": 6, "test_tied.py": 6,
-    "test_flat.py": 5, "test_frozen.py": 5, "test_mesh.py": 5, "test_scale.py": 5, "test_router_metrics.py": 4,
-    "test_structure.py": 3, "test_collectives.py": 2, "test_cost_model.py": 2, "test_forward.py": 2,
-    "test_install.py": 2, "test_mixtral.py": 2, "test_quant_context.py": 2, "test_expert_plan.py": 1,
-    "test_launch.py": 1, "test_layout.py": 1, "test_wire.py": 1, "test_aliases.py": 0, "test_config.py": 0,
-    "test_docs_numbers.py": 0, "test_expert_cli.py": 0, "test_expert_formulas.py": 0, "test_report.py": 0,
+    "test_tensor_parallel.py": 90, "test_preempt_mp.py": 81, "test_context.py": 62, "test_readme.py": 48,
+    "test_offload.py": 40, "test_checkpoint.py": 36, "test_multiprocess.py": 35, "test_preempt.py": 35,
+    "test_cli.py": 26, "test_hf_finetune.py": 25, "test_bench.py": 24, "test_optim.py": 24, "test_plan.py": 24,
+    "test_main_job.py": 23, "test_verify.py": 23, "test_memory.py": 21, "test_user_models.py": 20,
+    "test_expert_parallel.py": 19, "test_scan.py": 19, "test_step.py": 19, "test_strategies.py": 19,
+    "test_data.py": 18, "test_attention.py": 17, "test_hpz.py": 17, "test_main_eval.py": 17,
+    "test_plan_search.py": 17, "test_remat.py": 17, "test_feedback.py": 16, "test_hybrid_opt.py": 16,
+    "test_moe.py": 16, "test_plan_search_formats.py": 16, "test_quant.py": 16, "test_hf.py": 15,
+    "test_model_state.py": 15, "test_zoo.py": 15, "test_generate.py": 14, "test_precision.py": 14,
+    "test_sample.py": 14, "test_accum.py": 12, "test_gpu.py": 12, "test_train.py": 11, "test_train_auto.py": 11,
+    "test_leaves.py": 9, "test_plan_search_expert.py": 8, "test_train_presets.py": 7, "test_units.py": 7,
+    "test_bench_moe.py": 6, "test_global_view.py": 6, "test_shapes.py": 6, "test_evaluate.py": 5, "test_mesh.py": 5,
+    "test_moe_op.py": 5, "test_prefetch.py": 5, "test_tied.py": 5, "test_flat.py": 4, "test_frozen.py": 4,
+    "test_router_metrics.py": 3, "test_scale.py": 3, "test_collectives.py": 2, "test_cost_model.py": 2,
+    "test_install.py": 2, "test_structure.py": 2, "test_expert_plan.py": 1, "test_forward.py": 1,
+    "test_launch.py": 1, "test_layout.py": 1, "test_mixtral.py": 1, "test_quant_context.py": 1, "test_wire.py": 1,
+    "test_aliases.py": 0, "test_config.py": 0, "test_docs_numbers.py": 0, "test_expert_cli.py": 0,
+    "test_expert_formulas.py": 0, "test_report.py": 0,
 }  # fmt: skip
-MEAN_TEST_SECONDS = 1.19
+MEAN_TEST_SECONDS = 0.94
 
 
 def pytest_collection_modifyitems(config, items):
