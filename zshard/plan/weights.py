@@ -107,6 +107,15 @@ def logical_replicated(x: jax.Array, layout: ParamLayout, mesh: Mesh) -> jax.Arr
     return _logical_replicated(x, layout.format_key(), mesh)
 
 
+@functools.lru_cache(maxsize=None)
+def _to_device(sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]:
+    """A jitted copy into ``sharding`` (device memory): how a leaf in pinned host memory (offload) comes
+    to the device. jax 0.12's ``device_put`` of a host array a program wrote refuses its layout on
+    XLA:CPU ("Unsupported layout used for PjRt CPU buffers: {0:S(5)}"); a program's copy does not.
+    One per sharding (and shape)."""
+    return jax.jit(lambda x: x, out_shardings=sharding)
+
+
 def fetch_params(state) -> Iterator[tuple[str, tuple, np.dtype, Callable[[], np.ndarray]]]:
     """``(dotted path, logical shape, dtype, fetch)`` per parameter of a :class:`ShardedState`.
 
@@ -120,7 +129,8 @@ def fetch_params(state) -> Iterator[tuple[str, tuple, np.dtype, Callable[[], np.
     for path, rec in plan.layouts.items():
 
         def fetch(path=path, rec=rec):
-            x = jax.device_put(flat[path], NamedSharding(mesh, flat[path].sharding.spec))  # same pieces, Auto axes
+            x, at = flat[path], NamedSharding(mesh, flat[path].sharding.spec)  # same pieces, Auto axes
+            x = jax.device_put(x, at) if x.sharding.memory_kind in (None, "device") else _to_device(at)(x)  # host: offload
             return np.asarray(logical_replicated(x, rec, mesh).addressable_data(0))
 
         yield path_str(path), rec.logical_shape, rec.dtype, fetch
