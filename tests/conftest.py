@@ -243,6 +243,13 @@ def zshard_run(init_arg, tx, mesh, strategy, loss_fn, batches, **init_kw) -> Tra
     return Trajectory(losses, norms, flat_params(model), model)
 
 
+def state_copy(state):
+    """``state`` (a :class:`zshard.ShardedState`) on new buffers: the same shardings and plan, nothing compiled.
+    A test keeps one placed state per plan (a plan is hashed by identity: each ``zshard.init`` traces and
+    compiles the step anew) and steps copies of it, since a step donates its input."""
+    return jax.device_put(state, may_alias=False)
+
+
 def run_steps(step, state, batches):
     """``step`` over ``batches``: ``(final state, losses, grad norms)``, the metrics as floats."""
     losses, norms = [], []

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import reference_run, rel_l2
+from conftest import reference_run, rel_l2, state_copy
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -198,14 +198,9 @@ def _placed(strategy, shape, impl, window, tensor: bool) -> zshard.ShardedState:
     """A training case's initial state (AdamW), placed once. Each ``zshard.init`` makes a new plan, and a
     step traces, lowers and compiles once per plan (the plan is the jit's static argument): the report's
     tests lower the two FULL_SHARD 1x2x4 cases' states (not consumed) and so reuse the programs those
-    cases compiled. A training case steps its own copy (:func:`_fresh`: the step donates its input)."""
+    cases compiled. A training case steps its own copy (conftest.state_copy: the step donates its input)."""
     return zshard.init(built(impl, window), optax.adamw(1e-3), mesh(*shape), strategy=strategy,
                        tensor_parallel=TP_PLAN if tensor else None)
-
-
-def _fresh(state: zshard.ShardedState) -> zshard.ShardedState:
-    """A copy of ``state``'s arrays (their shardings, no compile) on the same plan."""
-    return jax.device_put(state, may_alias=False)
 
 
 CASES = [  # strategy, mesh, impl, remat, sliding window, packed documents, step options, tensor plan
@@ -238,7 +233,7 @@ def test_training_equals_one_device(strategy, shape, impl, remat, window, segmen
     else:
         want = reference_run(make("allgather", window), optax.chain(optax.clip_by_global_norm(clip), optax.adamw(1e-3)), loss_fn,
                              batches(segments=segments, weight=not segments))
-    state = _fresh(_placed(strategy, shape, impl, window, tp is not None))
+    state = state_copy(_placed(strategy, shape, impl, window, tp is not None))
     step = _train_step(segments, remat, tuple(sorted(options.items())))
     losses, norms = [], []
     for b in batches(segments=segments, weight=not segments):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import ResMLP, built, gpt_batches, mlp_batches, mse_loss, reference_run, rel_l2
+from conftest import ResMLP, built, gpt_batches, mlp_batches, mse_loss, reference_run, rel_l2, state_copy
 from flax import nnx
 from optim_cases import Net
 from jax.sharding import NamedSharding
@@ -78,7 +78,7 @@ def _placed(strategy: str, shape: tuple, mp):
     """A fresh copy (a step donates its input) of ``mlp`` placed once per strategy, mesh and precision with
     ``ADAM``: the copies share its plan, so a test training one with another's ``_mlp_step`` runs that test's
     traced and compiled program (a plan is hashed by identity: each ``zshard.init`` traces the step anew)."""
-    return jax.device_put(_placed_once(strategy, shape, mp), may_alias=False)  # new buffers, nothing compiled
+    return state_copy(_placed_once(strategy, shape, mp))
 
 
 def _train(state, step, data=DATA):

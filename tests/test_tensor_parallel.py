@@ -19,7 +19,7 @@ import optax
 import optax.contrib
 import pytest
 from conftest import built as built_module
-from conftest import gpt_batches, reference_run, rel_l2
+from conftest import gpt_batches, reference_run, rel_l2, state_copy
 from flax import nnx, traverse_util
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -91,14 +91,9 @@ def _placed() -> zshard.ShardedState:
     makes a new plan, and a step traces, lowers and compiles once per plan (the plan is the jit's
     static argument): on this one plan the training case FULL_SHARD-1x4x2-block, the HLO and memory
     tests (``_collectives``: lowered, not consumed) and the checkpoint test share one compile of
-    ``_train_step("block")``'s program. A test that steps it steps its own copy (:func:`_fresh`: the
+    ``_train_step("block")``'s program. A test that steps it steps its own copy (conftest.state_copy: the
     step donates its input)."""
     return zshard.init(built(False), tx_for(False), mesh(1, 4, 2), strategy="FULL_SHARD", tensor_parallel=PLAN)
-
-
-def _fresh(state: zshard.ShardedState) -> zshard.ShardedState:
-    """A copy of ``state``'s arrays (their shardings, no compile) on the same plan."""
-    return jax.device_put(state, may_alias=False)
 
 
 @functools.cache
@@ -160,7 +155,7 @@ def test_training_equals_one_device(strategy, shape, remat, scan, options):
     clip = options.get("clip_norm")
     want = (scanned_reference() if scan else reference()) if clip is None else _clipped_reference(clip, scan)
     if (strategy, shape, scan) == ("FULL_SHARD", (1, 4, 2), False):  # tensor_plan(CFG, 2) is PLAN: _placed()'s plan, one compile
-        state = _fresh(_placed())
+        state = state_copy(_placed())
     else:
         state = zshard.init(built(scan), tx_for(scan), mesh(*shape), strategy=strategy, tensor_parallel=tensor_plan(CFG, shape[2]))
     assert bool(state.plan.tensor_split) == (shape[2] > 1)
@@ -371,7 +366,7 @@ def test_checkpoints_move_between_tensor_and_data_meshes_bitwise(tmp_path):
     tx = optax.adamw(1e-3)
     # a copy of _placed() (built(False), AdamW: placed without compiling initialisers): its plan, whose
     # _train_step("block") program the training case FULL_SHARD-1x4x2-block compiled
-    state = _fresh(_placed())
+    state = state_copy(_placed())
     step = _train_step("block")
     for b in DATA[:2]:
         state, _ = step(state, b)

@@ -20,6 +20,7 @@ from flax import traverse_util
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zshard.optim.offload import to_device
 from zshard.params.flat import ParamLayout
 from zshard.params.units import path_str
 
@@ -96,6 +97,9 @@ def auto_axes(mesh: Mesh) -> Mesh:
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _logical_replicated(x, layout: ParamLayout, mesh: Mesh):
+    # a master in pinned host memory (offload) comes to the device inside the program, as the checkpoint's unpadding
+    # does (zshard/checkpoint/layout.py): jax 0.12 refuses to device_put a host array a program wrote ("Unsupported layout")
+    x = to_device(x)
     # [.., n_pad/N] --all_gather(shard)--> [.., n_pad] -> [.., n] -> shape (collectives inserted by the partitioner)
     return jax.lax.with_sharding_constraint(layout.from_storage(x.reshape(layout.storage_shape)), NamedSharding(mesh, P()))
 
@@ -105,15 +109,6 @@ def logical_replicated(x: jax.Array, layout: ParamLayout, mesh: Mesh) -> jax.Arr
     of it) on ``mesh`` (Auto axes, :func:`auto_axes`) -> the logical array, replicated.
     Compiled once per storage format (:meth:`ParamLayout.format_key`), not per parameter."""
     return _logical_replicated(x, layout.format_key(), mesh)
-
-
-@functools.lru_cache(maxsize=None)
-def _to_device(sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]:
-    """A jitted copy into ``sharding`` (device memory): how a leaf in pinned host memory (offload) comes
-    to the device. jax 0.12's ``device_put`` of a host array a program wrote refuses its layout on
-    XLA:CPU ("Unsupported layout used for PjRt CPU buffers: {0:S(5)}"); a program's copy does not.
-    One per sharding (and shape)."""
-    return jax.jit(lambda x: x, out_shardings=sharding)
 
 
 def fetch_params(state) -> Iterator[tuple[str, tuple, np.dtype, Callable[[], np.ndarray]]]:
@@ -129,8 +124,8 @@ def fetch_params(state) -> Iterator[tuple[str, tuple, np.dtype, Callable[[], np.
     for path, rec in plan.layouts.items():
 
         def fetch(path=path, rec=rec):
-            x, at = flat[path], NamedSharding(mesh, flat[path].sharding.spec)  # same pieces, Auto axes
-            x = jax.device_put(x, at) if x.sharding.memory_kind in (None, "device") else _to_device(at)(x)  # host: offload
+            x = flat[path]
+            x = jax.device_put(x, NamedSharding(mesh, x.sharding.spec, memory_kind=x.sharding.memory_kind))  # same pieces, Auto axes
             return np.asarray(logical_replicated(x, rec, mesh).addressable_data(0))
 
         yield path_str(path), rec.logical_shape, rec.dtype, fetch
